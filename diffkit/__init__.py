@@ -1,0 +1,7 @@
+"""diffkit: find the first stage where a hand-written kernel stops matching its PyTorch reference."""
+from .capture import Record, Trace, capture, tap
+from .errors import DiffkitError
+from .load import LoadedPair, WeightReport, load_pair
+
+__version__ = "0.1.0"
+__all__ = ["capture", "tap", "load_pair", "Record", "Trace", "LoadedPair", "WeightReport", "DiffkitError"]

@@ -1,0 +1,303 @@
+"""Align two captures: pair each candidate record with the reference record it should equal.
+
+Evidence is used in this order, and every pair remembers which one made it (`paired_by`):
+
+1. ``name``  — identical names: taps, module paths, ``scope.function:label`` (aliases count);
+2. ``order`` — within one module scope, a longest common subsequence on (label, element count),
+   so a rewrite that renames functions, splits or drops steps still lines up;
+3. ``value`` — a leftover candidate tensor (say, a fused kernel's output) is paired with the
+   reference tensor of equal element count whose values are closest, allowing a reshape or a
+   permutation of axes.  Cheap permutation-invariant fingerprints (quantiles) pick a few
+   contenders before any full comparison.
+
+When shapes are equal the tensors are compared as they are (a permuted result is then a bug to
+diagnose, not a layout to forgive); when only the element count agrees, the layout that brings
+the candidate closest to the reference is used and recorded in `transform`.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from .capture import Record
+
+__all__ = ["Pair", "Alignment", "align", "to_ref_layout"]
+
+
+@dataclass
+class Pair:
+    cand: int  # index into the candidate's records
+    ref: int  # index into the reference's records
+    paired_by: str  # "name" | "order" | "value"
+    transform: tuple = ()  # () same shape; ("reshape",); ("permute", perm) applied to cand then reshape
+
+    def describe_transform(self) -> str:
+        if not self.transform:
+            return ""
+        if self.transform[0] == "reshape":
+            return "reshape"
+        if self.transform[0] == "permute":
+            return f"permute{tuple(self.transform[1])}+reshape"
+        if self.transform[0] == "unpermute":
+            return f"reshape+permute{tuple(self.transform[2])}"
+        return str(self.transform)
+
+
+@dataclass
+class Alignment:
+    """Pairs in candidate order, plus what stayed unmatched on either side."""
+
+    pairs: list[Pair] = field(default_factory=list)
+    ref_unmatched: list[int] = field(default_factory=list)
+    cand_unmatched: list[int] = field(default_factory=list)
+
+    def by_cand(self) -> dict[int, Pair]:
+        return {p.cand: p for p in self.pairs}
+
+
+def to_ref_layout(cand: torch.Tensor, ref_shape: tuple, transform: tuple) -> torch.Tensor:
+    """Bring a candidate value into the reference's shape using a pair's transform."""
+    if not transform:
+        return cand
+    if transform[0] == "reshape":
+        return cand.reshape(ref_shape)
+    if transform[0] == "permute":
+        return cand.permute(*transform[1]).reshape(ref_shape)
+    if transform[0] == "unpermute":  # ref.permute(q) reshaped is cand: invert
+        permuted_shape, inv = transform[1], transform[2]
+        return cand.reshape(permuted_shape).permute(*inv)
+    raise ValueError(f"unknown transform {transform!r}")
+
+
+def _numel(r: Record) -> int:
+    n = 1
+    for s in r.shape:
+        n *= s
+    return n
+
+
+def _groupable(a: tuple, b: tuple) -> bool:
+    """Can shape `a` become shape `b` by merging/splitting consecutive dims?"""
+    a = [s for s in a if s != 1]
+    b = [s for s in b if s != 1]
+    i = j = 0
+    pa = pb = 1
+    while i < len(a) or j < len(b):
+        if pa == pb and pa != 1:
+            pa = pb = 1
+            continue
+        if pa <= pb and i < len(a):
+            pa *= a[i]
+            i += 1
+        elif j < len(b):
+            pb *= b[j]
+            j += 1
+        else:
+            return False
+    return pa == pb
+
+
+def _rel_err(c: torch.Tensor, r: torch.Tensor) -> float:
+    c = c.reshape(-1).to(torch.float64)
+    r = r.reshape(-1).to(torch.float64)
+    finite = torch.isfinite(c) & torch.isfinite(r)
+    if not bool(finite.any()):
+        return float("inf")
+    d = float((c[finite] - r[finite]).norm())
+    s = float(r[finite].norm())
+    return d / s if s > 0 else (0.0 if d == 0 else float("inf"))
+
+
+_MAX_PERM_DIMS = 6
+
+
+def best_layout(cand: torch.Tensor, ref: torch.Tensor) -> tuple[tuple, float]:
+    """The transform bringing `cand` closest to `ref` (equal element counts), and its relative error."""
+    if tuple(cand.shape) == tuple(ref.shape):
+        return (), _rel_err(cand, ref)
+    best: tuple[tuple, float] = (("reshape",), _rel_err(cand.reshape(ref.shape), ref))
+    if best[1] < 1e-6:
+        return best
+    cshape, rshape = tuple(cand.shape), tuple(ref.shape)
+    if cand.dim() <= _MAX_PERM_DIMS:
+        for p in itertools.permutations(range(cand.dim())):
+            if list(p) == sorted(p):
+                continue
+            pshape = tuple(cshape[i] for i in p)
+            if not _groupable(pshape, rshape):
+                continue
+            err = _rel_err(cand.permute(*p).reshape(rshape), ref)
+            if err < best[1]:
+                best = (("permute", p), err)
+    if ref.dim() <= _MAX_PERM_DIMS:
+        for q in itertools.permutations(range(ref.dim())):
+            if list(q) == sorted(q):
+                continue
+            qshape = tuple(rshape[i] for i in q)
+            if not _groupable(qshape, cshape):
+                continue
+            inv = tuple(sorted(range(len(q)), key=lambda i: q[i]))
+            t = ("unpermute", qshape, inv)
+            err = _rel_err(to_ref_layout(cand, rshape, t), ref)
+            if err < best[1]:
+                best = (t, err)
+    return best
+
+
+def _fingerprint(r: Record, k: int = 33) -> torch.Tensor | None:
+    v = r.value
+    if v is None or not (v.is_floating_point()) or v.numel() == 0:
+        return None
+    flat = v.detach().reshape(-1)
+    if flat.numel() > 65536:
+        step = flat.numel() // 65536 + 1
+        flat = flat[::step]
+    flat = flat.to(torch.float64)
+    flat = flat[torch.isfinite(flat)]
+    if flat.numel() == 0:
+        return None
+    qs = torch.linspace(0, 1, k, dtype=torch.float64, device=flat.device)
+    return torch.quantile(flat, qs).cpu()
+
+
+def _lcs(a: list, b: list) -> list[tuple[int, int]]:
+    n, m = len(a), len(b)
+    if n == 0 or m == 0:
+        return []
+    dp = [[0] * (m + 1) for _ in range(n + 1)]
+    for i in range(n - 1, -1, -1):
+        ai = a[i]
+        row, nxt = dp[i], dp[i + 1]
+        for j in range(m - 1, -1, -1):
+            row[j] = nxt[j + 1] + 1 if ai == b[j] else max(nxt[j], row[j + 1])
+    out, i, j = [], 0, 0
+    while i < n and j < m:
+        if a[i] == b[j]:
+            out.append((i, j))
+            i += 1
+            j += 1
+        elif dp[i + 1][j] >= dp[i][j + 1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+# A value pair is accepted when the candidate, in its best layout, is within this relative
+# L2 distance of the reference: loose enough to pair a tensor with a real bug (a missing bias,
+# a small offset), tight enough not to pair unrelated tensors.
+VALUE_MATCH_REL_ERR = 0.5
+# A pair made by the name of a rebound variable is first checked:
+# beyond this relative error the value search gets a chance to find the tensor it should equal.
+NAME_MATCH_REL_ERR = 1.0
+
+
+def align(ref: list[Record], cand: list[Record], value_match: bool = True) -> Alignment:
+    paired_ref: dict[int, int] = {}
+    pairs: dict[int, Pair] = {}
+
+    def can_pair(ci: int, ri: int) -> bool:
+        return _numel(cand[ci]) == _numel(ref[ri])
+
+    def layout(ci: int, ri: int) -> tuple:
+        c, r = cand[ci], ref[ri]
+        if c.shape == r.shape or c.value is None or r.value is None:
+            return () if c.shape == r.shape else ("reshape",)
+        return best_layout(c.value, r.value)[0]
+
+    def add(ci: int, ri: int, how: str, transform: tuple | None = None) -> None:
+        pairs[ci] = Pair(ci, ri, how, layout(ci, ri) if transform is None else transform)
+        paired_ref.setdefault(ri, ci)
+
+    def weak(ci: int, ri: int) -> bool:
+        # a variable assigned more than once (`q = f(q)`) names several tensors, and a helper's
+        # result bound to it leaves no record of its own: such a name pair must agree in value
+        return cand[ci].rebound or ref[ri].rebound
+
+    deferred: dict[int, int] = {}  # cand -> ref of weak name/order pairs whose values disagree
+
+    def add_checked(ci: int, ri: int, how: str) -> None:
+        c, r = cand[ci], ref[ri]
+        if weak(ci, ri) and c.value is not None and r.value is not None:
+            t, err = best_layout(c.value, r.value)
+            if err > NAME_MATCH_REL_ERR:
+                deferred[ci] = ri
+                return
+            add(ci, ri, how, t)
+            return
+        add(ci, ri, how)
+
+    # 1. names
+    names: dict[str, list[int]] = {}
+    for r in ref:
+        for n in r.names():
+            names.setdefault(n, []).append(r.index)
+    for c in cand:
+        for n in c.names():
+            hit = next((ri for ri in names.get(n, []) if ri not in paired_ref and can_pair(c.index, ri)), None)
+            if hit is not None:
+                add_checked(c.index, hit, "name")
+                break
+    # the outputs always pair with each other, whatever their shapes
+    rout = [r.index for r in ref if r.is_output]
+    cout = [c.index for c in cand if c.is_output]
+    if len(rout) == 1 and len(cout) == 1 and cout[0] not in pairs:
+        ri, ci = rout[0], cout[0]
+        add(ci, ri, "name", layout(ci, ri) if can_pair(ci, ri) else ("shape-mismatch",))
+
+    # 2. order within a scope, on (label, element count)
+    scopes = sorted({r.scope for r in ref} | {c.scope for c in cand})
+    for scope in scopes:
+        rs = [r for r in ref if r.scope == scope and r.index not in paired_ref]
+        cs = [c for c in cand if c.scope == scope and c.index not in pairs]
+        for i, j in _lcs([(c.label, _numel(c)) for c in cs], [(r.label, _numel(r)) for r in rs]):
+            add_checked(cs[i].index, rs[j].index, "order")
+
+    # 3. values
+    if value_match:
+        fps: dict[int, torch.Tensor | None] = {}
+        by_numel: dict[int, list[int]] = {}
+        for r in ref:
+            by_numel.setdefault(_numel(r), []).append(r.index)
+        for c in cand:
+            if c.index in pairs or c.value is None:
+                continue
+            contenders = by_numel.get(_numel(c), [])
+            if not contenders:
+                continue
+            fc = _fingerprint(c)
+            if fc is None:
+                continue
+            scale = float(fc.abs().max()) or 1.0
+            scored = []
+            pos_c = c.index / max(len(cand), 1)
+            for ri in contenders:
+                if ri not in fps:
+                    fps[ri] = _fingerprint(ref[ri])
+                fr = fps[ri]
+                if fr is None:
+                    continue
+                # values first; then prefer the same module scope, a similar position, a free partner
+                prior = (0.1 * (ref[ri].scope != c.scope) + 0.2 * abs(ri / max(len(ref), 1) - pos_c)
+                         + 0.1 * (ri in paired_ref))
+                scored.append((float((fc - fr).abs().max()) / scale + prior, prior, ri))
+            scored.sort()
+            best = None
+            for _, prior, ri in scored[:6]:
+                t, err = best_layout(c.value, ref[ri].value)
+                if err <= VALUE_MATCH_REL_ERR and (best is None or err + prior < best[0]):
+                    best = (err + prior, ri, t)
+            if best is not None:
+                add(c.index, best[1], "value", best[2])
+    # a rejected name pair stands when no value match was found instead
+    for ci, ri in deferred.items():
+        if ci not in pairs:
+            add(ci, ri, "name")
+
+    out = Alignment()
+    out.pairs = [pairs[ci] for ci in sorted(pairs)]
+    out.ref_unmatched = [r.index for r in ref if r.index not in paired_ref]
+    out.cand_unmatched = [c.index for c in cand if c.index not in pairs]
+    return out

@@ -1,0 +1,676 @@
+"""Capture: the ordered record of every intermediate tensor one forward produced.
+
+Three mechanisms are combined (see shared/design/capture.md for what each can see):
+
+* global module forward pre/post hooks give the module scope stack and every module's output;
+* a ``TorchFunctionMode`` sees torch functions, tensor methods and operators written in user
+  code (it stays quiet inside ``torch.nn`` modules, whose output the module record covers);
+* functions of C++/CUDA extensions (``load_inline`` / ``load``) are wrapped for the duration of
+  the capture, whether they were built before or during it.
+
+``tap(name, tensor)`` names a tensor explicitly.  Every record holds a snapshot (a clone taken
+when the value was produced), so later in-place writes do not change what was captured.
+"""
+from __future__ import annotations
+
+import sys
+import traceback as _tb
+import types
+import warnings
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from . import naming
+
+__all__ = ["Record", "Trace", "CaptureError", "Ref", "capture", "tap", "register_extension"]
+
+
+@dataclass(frozen=True)
+class Ref:
+    """Placeholder for a tensor argument in a replayable call: the record with this index."""
+
+    index: int
+
+
+@dataclass
+class Record:
+    """One captured tensor.
+
+    `name` is unique within a trace: ``module.path`` for a module output, ``scope.function:label``
+    for a tensor made in user code, ``tap:NAME`` for a tap, ``output`` for the model's result.
+    Repeats of a name get ``#2``, ``#3`` ….
+    """
+
+    index: int
+    name: str
+    kind: str  # "input" | "module" | "op" | "ext" | "write" | "tap"
+    scope: str  # module path of the enclosing module ('' for the model itself)
+    label: str  # assigned variable, module attribute or expression text
+    function: str
+    file: str
+    line: int
+    op: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: str
+    value: torch.Tensor | None
+    aliases: list[str] = field(default_factory=list)
+    is_output: bool = False
+    rebound: bool = False  # the label is a variable assigned more than once in its function
+    inputs: tuple[Ref, ...] = ()  # tracked tensors the producing call consumed
+    call: Any = None  # how to re-run the producing call (used by the root-cause replay)
+
+    @property
+    def where(self) -> str:
+        return f"{self.file}:{self.line}" if self.file else ""
+
+    def names(self) -> list[str]:
+        return [self.name, *self.aliases]
+
+    def __repr__(self) -> str:
+        shape = "×".join(map(str, self.shape)) or "scalar"
+        return f"Record({self.index}: {self.name} [{self.kind} {self.op}] {shape} {str(self.dtype).replace('torch.', '')})"
+
+
+@dataclass
+class CaptureError:
+    """Where a forward raised: the exception and the place (module scope, function, source line)."""
+
+    type: str
+    message: str
+    scope: str
+    function: str
+    file: str
+    line: int
+    traceback: str
+    call: str = ""  # the extension/kernel call that raised, when known
+
+    @property
+    def stage(self) -> str:
+        scope = self.scope or "<model>"
+        call = f" calling {self.call}" if self.call else ""
+        return f"{scope} in {self.function}(){call} at {self.file}:{self.line}"
+
+
+@dataclass
+class Trace:
+    """The ordered records of one forward, plus the model's inputs and, if it raised, the error."""
+
+    records: list[Record] = field(default_factory=list)
+    inputs: list[torch.Tensor] = field(default_factory=list)
+    error: CaptureError | None = None
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __iter__(self) -> Iterator[Record]:
+        return iter(self.records)
+
+    def __getitem__(self, key: int | str) -> Record:
+        if isinstance(key, int):
+            return self.records[key]
+        for r in self.records:
+            if key == r.name or key in r.aliases:
+                return r
+        raise KeyError(f"no record named {key!r}; names: {', '.join(r.name for r in self.records[:20])}")
+
+    def names(self) -> list[str]:
+        return [r.name for r in self.records]
+
+    @property
+    def output(self) -> Record | None:
+        for r in reversed(self.records):
+            if r.is_output:
+                return r
+        return None
+
+    def format(self, limit: int | None = None) -> str:
+        rows = [f"{'#':>4}  {'name':<44} {'kind':<6} {'op':<28} {'shape':<18} where"]
+        for r in self.records[:limit]:
+            shape = "×".join(map(str, r.shape)) or "scalar"
+            where = f"{r.file.rsplit('/', 1)[-1]}:{r.line}" if r.file else ""
+            rows.append(f"{r.index:>4}  {r.name[:44]:<44} {r.kind:<6} {r.op[:28]:<28} {shape:<18} {where}")
+        if limit is not None and len(self.records) > limit:
+            rows.append(f"      … {len(self.records) - limit} more")
+        if self.error:
+            rows.append(f"raised {self.error.type}: {self.error.message} — {self.error.stage}")
+        return "\n".join(rows)
+
+
+# --------------------------------------------------------------------------- state
+_ACTIVE: list["_State"] = []
+_EXTENSIONS: "weakref.WeakSet[types.ModuleType]" = weakref.WeakSet()
+
+_CONTAINERS = (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict)
+_SKIP_FUNCS = {"__get__", "__set__", "__repr__", "__format__", "__bool__", "__len__", "__iter__",
+               "__contains__", "__hash__", "__reduce_ex__", "__deepcopy__"}
+
+
+def register_extension(module: types.ModuleType) -> types.ModuleType:
+    """Make an extension module known to capture (done automatically for load_inline/load)."""
+    _EXTENSIONS.add(module)
+    return module
+
+
+def _install_extension_import_hook() -> None:
+    """Wrap cpp_extension's importer so every extension loaded from now on is registered."""
+    import torch.utils.cpp_extension as ce
+
+    original = getattr(ce, "_import_module_from_library", None)
+    if original is None or getattr(original, "_diffkit", False):
+        return
+
+    def _import_module_from_library(*args, **kwargs):
+        module = original(*args, **kwargs)
+        try:
+            register_extension(module)
+        except TypeError:
+            pass
+        return module
+
+    _import_module_from_library._diffkit = True  # type: ignore[attr-defined]
+    ce._import_module_from_library = _import_module_from_library
+
+
+def _is_extension_function(obj: Any) -> bool:
+    return isinstance(obj, types.BuiltinFunctionType) and not (
+        (getattr(obj, "__module__", None) or "").split(".")[0] in {"torch", "builtins", "numpy", "math", "_operator"}
+    ) and getattr(obj, "__module__", None) is not None
+
+
+def _looks_like_extension(mod: Any) -> bool:
+    if not isinstance(mod, types.ModuleType):
+        return False
+    if mod in _EXTENSIONS:
+        return True
+    f = getattr(mod, "__file__", None) or ""
+    if not f.endswith((".so", ".pyd")) or mod.__name__.split(".")[0] in {"torch", "numpy", "triton", "_ctypes"}:
+        return False
+    return any(isinstance(v, types.BuiltinFunctionType) for v in vars(mod).values())
+
+
+def _tensors(obj: Any, prefix: tuple = ()) -> list[tuple[tuple, torch.Tensor]]:
+    """Tensors inside (nested) tuples, lists and dicts, with their positions."""
+    if isinstance(obj, torch.Tensor):
+        return [(prefix, obj)]
+    if isinstance(obj, (tuple, list)):
+        out = []
+        for i, v in enumerate(obj):
+            out += _tensors(v, prefix + (i,))
+        return out
+    if isinstance(obj, dict):
+        out = []
+        for k, v in obj.items():
+            out += _tensors(v, prefix + (k,))
+        return out
+    return []
+
+
+def _snapshot(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().clone()
+
+
+def _func_name(func: Callable) -> str:
+    name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
+    mod = getattr(func, "__module__", None) or ""
+    if name.startswith("TensorBase.") or name.startswith("Tensor."):
+        return "Tensor." + name.split(".", 1)[1]
+    if mod.startswith("torch.nn.functional"):
+        return "F." + name
+    if mod.startswith("torch") or mod == "" or mod is None:
+        return "torch." + name if not name.startswith("torch") else name
+    return f"{mod}.{name}"
+
+
+class _State:
+    def __init__(self, model: torch.nn.Module | None, snapshot: bool, only: Callable[[str], bool] | None):
+        self.model = model
+        self.snapshot = snapshot
+        self.only = only
+        self.trace = Trace()
+        self.paths: dict[int, str] = {}
+        if model is not None:
+            for path, m in model.named_modules(remove_duplicate=True):
+                self.paths.setdefault(id(m), path)
+        self.stack: list[tuple[str, bool, Any]] = []  # (path, opaque, call-site)
+        self.opaque = 0
+        self.busy = False
+        self.calls: dict[str, int] = {}
+        self.used: dict[str, int] = {}
+        self.tracked: dict[int, tuple[Any, int, int]] = {}  # id(tensor) -> (weakref, record index, version)
+        self.returns_none: dict[str, bool] = {}
+        self.error_scope: str | None = None
+        self.failing_call: str | None = None
+        self.warned = False
+
+    # -- naming helpers
+    @property
+    def scope(self) -> str:
+        return self.stack[-1][0] if self.stack else ""
+
+    def unique(self, name: str) -> str:
+        n = self.used.get(name, 0) + 1
+        self.used[name] = n
+        return name if n == 1 else f"{name}#{n}"
+
+    def track(self, t: torch.Tensor, index: int) -> None:
+        try:
+            self.tracked[id(t)] = (weakref.ref(t), index, t._version)
+        except TypeError:
+            pass
+
+    def ref_of(self, t: torch.Tensor) -> Ref | None:
+        hit = self.tracked.get(id(t))
+        if hit is None or hit[0]() is not t:
+            return None
+        return Ref(hit[1])
+
+    def template(self, obj: Any) -> tuple[Any, list[Ref]]:
+        """Replace tracked tensors in call arguments by Refs; keep untracked ones (parameters)."""
+        refs: list[Ref] = []
+
+        def sub(o):
+            if isinstance(o, torch.Tensor):
+                r = self.ref_of(o)
+                if r is not None:
+                    refs.append(r)
+                    return r
+                return o
+            if isinstance(o, tuple):
+                return tuple(sub(v) for v in o)
+            if isinstance(o, list):
+                return [sub(v) for v in o]
+            if isinstance(o, dict):
+                return {k: sub(v) for k, v in o.items()}
+            return o
+
+        return sub(obj), refs
+
+    def add(self, *, name: str, kind: str, label: str, function: str, file: str, line: int, op: str,
+            tensor: torch.Tensor, scope: str | None = None, is_output: bool = False,
+            call: Any = None, inputs: tuple[Ref, ...] = (), rebound: bool = False) -> Record | None:
+        if self.only is not None and not self.only(name):
+            return None
+        # the same tensor, unchanged since it was recorded: give the record another name instead
+        hit = self.tracked.get(id(tensor))
+        if hit is not None and hit[0]() is tensor and hit[2] == tensor._version and kind in ("module", "tap"):
+            rec = self.trace.records[hit[1]]
+            if rec.shape == tuple(tensor.shape):
+                new = self.unique(name)
+                if kind == "tap" or (kind == "module" and rec.kind not in ("tap",)):
+                    rec.aliases.append(rec.name)
+                    rec.name = new
+                    if kind == "module" and rec.kind != "tap":
+                        rec.kind = "module"
+                else:
+                    rec.aliases.append(new)
+                rec.is_output = rec.is_output or is_output
+                rec.rebound = rec.rebound or rebound
+                return rec
+        rec = Record(
+            index=len(self.trace.records), name=self.unique(name), kind=kind,
+            scope=self.scope if scope is None else scope, label=label, function=function, file=file,
+            line=line, op=op, shape=tuple(tensor.shape), dtype=tensor.dtype, device=str(tensor.device),
+            value=_snapshot(tensor) if self.snapshot else None, is_output=is_output,
+            call=call, inputs=inputs, rebound=rebound,
+        )
+        self.trace.records.append(rec)
+        self.track(tensor, rec.index)
+        return rec
+
+    def site(self):
+        f = naming.user_frame(sys._getframe(2))
+        if f is None:
+            return naming.Site("", 0, "?", (), "?")
+        return naming.site_of(f)
+
+    def op_name(self, scope: str, function: str, label: str) -> str:
+        prefix = f"{scope}.{function}" if scope else function
+        return f"{prefix}:{label}"
+
+    # -- torch function mode
+    def on_op(self, func, args, kwargs, out) -> None:
+        fname = getattr(func, "__name__", "")
+        if fname in _SKIP_FUNCS:
+            return
+        if out is None and fname == "__setitem__" and args and isinstance(args[0], torch.Tensor):
+            site = self.site()
+            label = site.labels[0] if site.labels else site.text
+            target = args[0]
+            call = None
+            self.add(name=self.op_name(self.scope, site.function, label), rebound=label in site.rebound, kind="write", label=label,
+                     function=site.function, file=site.file, line=site.line, op="Tensor.__setitem__",
+                     tensor=target)
+            return
+        found = _tensors(out)
+        if not found:
+            return
+        site = self.site()
+        tmpl, refs = self.template((args, kwargs))
+        call = ("op", func, tmpl)
+        op = _func_name(func)
+        for i, (pos, t) in enumerate(found):
+            label = site.label(i, len(found))
+            self.add(name=self.op_name(self.scope, site.function, label), rebound=label in site.rebound, kind="op", label=label,
+                     function=site.function, file=site.file, line=site.line, op=op, tensor=t,
+                     call=(call, pos), inputs=tuple(refs))
+
+    # -- extension functions
+    def on_ext(self, qualname: str, fn, args, kwargs, out, before: list[tuple[int, torch.Tensor]] | None) -> None:
+        site = self.site()
+        tmpl, refs = self.template((args, kwargs))
+        call = ("ext", fn, tmpl)
+        short = qualname.rsplit(".", 1)[-1]
+        found = _tensors(out)
+        if found:
+            for i, (pos, t) in enumerate(found):
+                label = site.label(i, len(found)) if site.labels else f"{short}" + (f"[{i}]" if len(found) > 1 else "")
+                self.add(name=self.op_name(self.scope, site.function, label), rebound=label in site.rebound, kind="ext", label=label,
+                         function=site.function, file=site.file, line=site.line, op=f"ext:{qualname}",
+                         tensor=t, call=(call, pos), inputs=tuple(refs))
+            return
+        if out is not None:
+            return
+        # returned None: the kernel wrote into one or more of its tensor arguments
+        flat = [a for a in args if isinstance(a, torch.Tensor)]
+        written: list[int] = []
+        if before is not None:
+            written = [i for i, old in before if not _same(old, args[i])]
+        if not written and flat:
+            written = [max(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))]
+        for i in written:
+            arg_text = site.args[i] if i < len(site.args) else f"arg{i}"
+            label = arg_text
+            self.add(name=self.op_name(self.scope, site.function, label), rebound=label in site.rebound, kind="write", label=label,
+                     function=site.function, file=site.file, line=site.line, op=f"ext:{qualname}",
+                     tensor=args[i], call=(call, ("arg", i)), inputs=tuple(r for r in refs))
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    try:
+        return bool(torch.equal(a, b)) if a.shape == b.shape else False
+    except RuntimeError:
+        return False
+
+
+class _Mode(TorchFunctionMode):
+    def __init__(self, state: _State):
+        super().__init__()
+        self.state = state
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        st = self.state
+        if st.busy or st.opaque:
+            return out
+        st.busy = True
+        try:
+            st.on_op(func, args, kwargs, out)
+        except Exception as e:  # never break the user's model because naming failed
+            if not st.warned:
+                st.warned = True
+                warnings.warn(f"diffkit: could not record {func!r}: {e}")
+        finally:
+            st.busy = False
+        return out
+
+
+def _is_opaque(module: torch.nn.Module) -> bool:
+    cls = type(module)
+    return cls.__module__.startswith("torch.") and not isinstance(module, _CONTAINERS)
+
+
+def _pre_hook(module, args):
+    if not _ACTIVE:
+        return None
+    st = _ACTIVE[-1]
+    if st.busy:
+        return None
+    path = st.paths.get(id(module))
+    if path is None:
+        path = (st.scope + "." if st.scope else "") + type(module).__name__
+    opaque = _is_opaque(module)
+    site = None
+    if not st.opaque:
+        f = naming.user_frame(sys._getframe(1))
+        site = naming.site_of(f) if f is not None else None
+    st.stack.append((path, opaque, (site, args)))
+    if opaque:
+        st.opaque += 1
+    return None
+
+
+def _post_hook(module, args, *rest):
+    # Called as hook(module, args, output), or hook(module, args, None) when forward raised.
+    if not _ACTIVE:
+        return None
+    st = _ACTIVE[-1]
+    if st.busy or not st.stack:
+        return None
+    output = rest[0] if rest else None
+    path = st.paths.get(id(module))
+    # pop to this module's frame (robust to a frame left behind by an exception)
+    while st.stack:
+        top_path, opaque, (site, margs) = st.stack.pop()
+        if opaque:
+            st.opaque -= 1
+        if path is None or top_path == path:
+            break
+    if output is None and sys.exc_info()[0] is not None and st.error_scope is None:
+        st.error_scope = top_path
+    if st.opaque or output is None:
+        return None
+    st.busy = True
+    try:
+        is_root = module is st.model
+        n = st.calls.get(top_path, 0) + 1
+        st.calls[top_path] = n
+        base = "output" if is_root else (top_path if n == 1 else f"{top_path}#{n}")
+        found = _tensors(output)
+        parent = st.scope
+        tmpl, refs = st.template((margs, {}))
+        call = ("module", module, tmpl)
+        for i, (pos, t) in enumerate(found):
+            name = base if len(found) == 1 else f"{base}[{']['.join(map(str, pos))}]"
+            label = top_path.rsplit(".", 1)[-1] if top_path else "output"
+            if site is not None and site.labels:
+                label = site.label(i, len(found))
+            rec = st.add(name=name, kind="module", rebound=bool(site and label in site.rebound), label=label, function=site.function if site else "",
+                         file=site.file if site else "", line=site.line if site else 0,
+                         op=f"{type(module).__module__.replace('torch.nn.modules.', 'nn.').split('.')[0]}.{type(module).__name__}"
+                         if type(module).__module__.startswith("torch.nn") else type(module).__name__,
+                         tensor=t, scope=parent, is_output=is_root and len(found) == 1,
+                         call=(call, pos), inputs=tuple(refs))
+            if rec is not None and is_root and len(found) > 1:
+                rec.is_output = True
+            if rec is not None and site is not None and site.labels and not is_root:
+                # also known by the variable it was assigned to, like any other tensor made there
+                alias = st.unique(st.op_name(parent, site.function, label))
+                if alias not in rec.aliases and alias != rec.name:
+                    rec.aliases.append(alias)
+    finally:
+        st.busy = False
+    return None
+
+
+def tap(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """Name `tensor` explicitly for capture; returns it unchanged (free when nothing is captured)."""
+    if _ACTIVE:
+        st = _ACTIVE[-1]
+        if not st.busy and isinstance(tensor, torch.Tensor):
+            st.busy = True
+            try:
+                f = naming.user_frame(sys._getframe(1))
+                site = naming.site_of(f) if f is not None else naming.Site("", 0, "?", (), "?")
+                st.add(name=f"tap:{name}", kind="tap", label=name, function=site.function, file=site.file,
+                       line=site.line, op="tap", tensor=tensor)
+            finally:
+                st.busy = False
+    return tensor
+
+
+class _ExtensionPatch:
+    """Swap extension functions for recording wrappers for the duration of a capture."""
+
+    def __init__(self, state: _State):
+        self.state = state
+        self.undo: list[tuple[dict, str, Any]] = []
+        self.wrapped: dict[int, Callable] = {}
+
+    def _wrap(self, fn, qualname: str):
+        w = self.wrapped.get(id(fn))
+        if w is not None:
+            return w
+        st = self.state
+
+        def wrapper(*args, **kwargs):
+            if st.busy or st.opaque:
+                return fn(*args, **kwargs)
+            before = None
+            if st.returns_none.get(qualname, True):
+                st.busy = True
+                try:
+                    before = [(i, a.detach().clone()) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+                finally:
+                    st.busy = False
+            try:
+                out = fn(*args, **kwargs)
+            except BaseException:
+                if st.failing_call is None:
+                    st.failing_call = f"ext:{qualname}"
+                raise
+            st.returns_none[qualname] = out is None
+            st.busy = True
+            try:
+                st.on_ext(qualname, fn, args, kwargs, out, before)
+            except Exception as e:
+                if not st.warned:
+                    st.warned = True
+                    warnings.warn(f"diffkit: could not record extension call {qualname}: {e}")
+            finally:
+                st.busy = False
+            return out
+
+        wrapper.__wrapped__ = fn  # type: ignore[attr-defined]
+        wrapper.__name__ = getattr(fn, "__name__", "ext")
+        wrapper._diffkit_qualname = qualname  # type: ignore[attr-defined]
+        self.wrapped[id(fn)] = wrapper
+        return wrapper
+
+    def _set(self, namespace: dict, key: str, value: Any) -> None:
+        self.undo.append((namespace, key, namespace[key]))
+        namespace[key] = value
+
+    def install(self, model: torch.nn.Module | None) -> None:
+        namespaces: list[dict] = []
+        seen: set[int] = set()
+        modules: list[types.ModuleType] = list(_EXTENSIONS)
+        if model is not None:
+            for m in model.modules():
+                for klass in type(m).__mro__:
+                    fwd = klass.__dict__.get("forward")
+                    g = getattr(fwd, "__globals__", None)
+                    if g is not None and id(g) not in seen and not g.get("__name__", "").startswith("torch"):
+                        seen.add(id(g))
+                        namespaces.append(g)
+                for v in vars(m).values():
+                    if isinstance(v, types.ModuleType):
+                        modules.append(v)
+        for g in namespaces:
+            for v in list(g.values()):
+                if isinstance(v, types.ModuleType):
+                    modules.append(v)
+        done: set[int] = set()
+        originals: dict[int, Callable] = {}
+        for mod in modules:
+            if id(mod) in done or not _looks_like_extension(mod):
+                continue
+            done.add(id(mod))
+            ns = vars(mod)
+            for key, fn in list(ns.items()):
+                if key.startswith("_") or not isinstance(fn, types.BuiltinFunctionType):
+                    continue
+                originals[id(fn)] = fn
+                self._set(ns, key, self._wrap(fn, f"{mod.__name__}.{key}"))
+        # names bound with `from ext import fn`, in the model's source modules
+        for g in namespaces:
+            for key, v in list(g.items()):
+                if isinstance(v, types.BuiltinFunctionType) and (id(v) in originals or _is_extension_function(v)):
+                    modname = getattr(v, "__module__", None) or "ext"
+                    if modname.split(".")[0] in {"torch", "builtins", "math", "numpy", "_operator", "time", "posix"}:
+                        continue
+                    if any(isinstance(x, types.ModuleType) and x.__name__ == modname and _looks_like_extension(x)
+                           for x in [sys.modules.get(modname)]) or id(v) in originals or modname in {m.__name__ for m in _EXTENSIONS}:
+                        self._set(g, key, self._wrap(v, f"{modname}.{key}"))
+
+    def remove(self) -> None:
+        for ns, key, old in reversed(self.undo):
+            ns[key] = old
+        self.undo.clear()
+
+
+class capture:
+    """``with diffkit.capture(model) as trace: model(*inputs)`` — records one forward.
+
+    `snapshot=False` records metadata only (no clones).  `only` filters records by name
+    (a callable taking the name).  The trace stays usable when the forward raises: the
+    exception propagates, ``trace.error`` says where it happened.
+    """
+
+    def __init__(self, model: torch.nn.Module | None = None, *, snapshot: bool = True,
+                 only: Callable[[str], bool] | None = None, inputs: tuple = ()):
+        self.state = _State(model, snapshot, only)
+        for i, (pos, t) in enumerate(_tensors(list(inputs))):
+            # the model's inputs open the trace, so a candidate's copy of an input pairs with it
+            self.state.trace.inputs.append(t.detach().clone() if snapshot else t)
+            self.state.add(name=f"input[{']['.join(map(str, pos))}]", kind="input", label=f"input{list(pos)}",
+                           function="", file="", line=0, op="input", tensor=t, scope="")
+        self._handles: list[Any] = []
+        self._mode: _Mode | None = None
+        self._patch = _ExtensionPatch(self.state)
+
+    def __enter__(self) -> Trace:
+        _install_extension_import_hook()
+        reg = torch.nn.modules.module
+        self._handles = [
+            reg.register_module_forward_pre_hook(_pre_hook),
+            reg.register_module_forward_hook(_post_hook, always_call=True),
+        ]
+        self._patch.install(self.state.model)
+        _ACTIVE.append(self.state)
+        self._mode = _Mode(self.state)
+        self._mode.__enter__()
+        return self.state.trace
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        try:
+            if self._mode is not None:
+                self._mode.__exit__(None, None, None)
+        finally:
+            if _ACTIVE and _ACTIVE[-1] is self.state:
+                _ACTIVE.pop()
+            for h in self._handles:
+                h.remove()
+            self._patch.remove()
+        if exc is not None:
+            self.state.trace.error = _describe_error(exc, tb, self.state.error_scope or self.state.scope,
+                                                     self.state.failing_call)
+        return False
+
+
+def _describe_error(exc: BaseException, tb, scope: str, call: str | None = None) -> CaptureError:
+    frames = _tb.extract_tb(tb)
+    user = [f for f in frames if not naming.is_internal_file(f.filename)]
+    where = user[-1] if user else (frames[-1] if frames else None)
+    text = "".join(_tb.format_exception(type(exc), exc, tb))
+    msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return CaptureError(
+        type=type(exc).__name__, message=msg[:500], scope=scope, call=call or "",
+        function=where.name if where else "?", file=where.filename if where else "",
+        line=where.lineno or 0 if where else 0, traceback=text[-8000:],
+    )
