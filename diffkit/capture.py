@@ -13,6 +13,7 @@ when the value was produced), so later in-place writes do not change what was ca
 """
 from __future__ import annotations
 
+import re
 import sys
 import traceback as _tb
 import types
@@ -177,9 +178,17 @@ def _install_extension_import_hook() -> None:
 
 
 def _is_extension_function(obj: Any) -> bool:
-    return isinstance(obj, types.BuiltinFunctionType) and not (
-        (getattr(obj, "__module__", None) or "").split(".")[0] in {"torch", "builtins", "numpy", "math", "_operator"}
-    ) and getattr(obj, "__module__", None) is not None
+    """A builtin function from a compiled module that is neither Python's nor torch's.
+
+    load_inline/load modules are not put in sys.modules, so a function whose module is not
+    importable by name, or is a compiled extension module, qualifies."""
+    if not isinstance(obj, types.BuiltinFunctionType):
+        return False
+    modname = getattr(obj, "__module__", None)
+    if not modname or modname in sys.builtin_module_names or modname.split(".")[0] in {"torch", "numpy", "builtins"}:
+        return False
+    mod = sys.modules.get(modname)
+    return mod is None or _looks_like_extension(mod)
 
 
 def _looks_like_extension(mod: Any) -> bool:
@@ -301,11 +310,10 @@ class _State:
             rec = self.trace.records[hit[1]]
             if rec.shape == tuple(tensor.shape):
                 new = self.unique(name)
-                if kind == "tap" or (kind == "module" and rec.kind not in ("tap",)):
+                if rec.kind != "tap":  # a tap's name wins; else the module path names it
                     rec.aliases.append(rec.name)
                     rec.name = new
-                    if kind == "module" and rec.kind != "tap":
-                        rec.kind = "module"
+                    rec.kind = kind
                 else:
                     rec.aliases.append(new)
                 rec.is_output = rec.is_output or is_output
@@ -339,9 +347,9 @@ class _State:
             return
         if out is None and fname == "__setitem__" and args and isinstance(args[0], torch.Tensor):
             site = self.site()
-            label = site.labels[0] if site.labels else site.text
+            # `y[0] = v` runs as a store to the subscript: name the record by the tensor written, `y`
+            label = site.labels[0] if site.labels else (re.match(r"[\w.]+", site.text) or [site.text])[0]
             target = args[0]
-            call = None
             self.add(name=self.op_name(self.scope, site.function, label), rebound=label in site.rebound, kind="write", label=label,
                      function=site.function, file=site.file, line=site.line, op="Tensor.__setitem__",
                      tensor=target)
@@ -436,7 +444,7 @@ def _pre_hook(module, args):
         path = (st.scope + "." if st.scope else "") + type(module).__name__
     opaque = _is_opaque(module)
     site = None
-    if not st.opaque:
+    if not st.opaque and module is not st.model:  # the model itself is called by the harness, not user code
         f = naming.user_frame(sys._getframe(1))
         site = naming.site_of(f) if f is not None else None
     st.stack.append((path, opaque, (site, args)))
@@ -601,12 +609,7 @@ class _ExtensionPatch:
         for g in namespaces:
             for key, v in list(g.items()):
                 if isinstance(v, types.BuiltinFunctionType) and (id(v) in originals or _is_extension_function(v)):
-                    modname = getattr(v, "__module__", None) or "ext"
-                    if modname.split(".")[0] in {"torch", "builtins", "math", "numpy", "_operator", "time", "posix"}:
-                        continue
-                    if any(isinstance(x, types.ModuleType) and x.__name__ == modname and _looks_like_extension(x)
-                           for x in [sys.modules.get(modname)]) or id(v) in originals or modname in {m.__name__ for m in _EXTENSIONS}:
-                        self._set(g, key, self._wrap(v, f"{modname}.{key}"))
+                    self._set(g, key, self._wrap(v, f"{getattr(v, '__module__', None) or 'ext'}.{key}"))
 
     def remove(self) -> None:
         for ns, key, old in reversed(self.undo):

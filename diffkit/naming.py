@@ -83,6 +83,27 @@ def _short(text: str) -> str:
     return text if len(text) <= _SHORT else text[: _SHORT - 1] + "…"
 
 
+_line_cache: dict[int, list[bytes]] = {}
+
+
+def _segment(source: str, node: ast.AST) -> str | None:
+    """Source text of `node` (ast.get_source_segment re-splits the file on every call: too slow)."""
+    lines = _line_cache.get(id(source))
+    if lines is None:
+        lines = _line_cache[id(source)] = [ln.encode() for ln in source.splitlines(keepends=True)]
+    try:
+        l0, l1 = node.lineno - 1, node.end_lineno - 1
+        c0, c1 = node.col_offset, node.end_col_offset
+    except AttributeError:
+        return None
+    if l1 is None or c1 is None or l0 >= len(lines):
+        return None
+    if l0 == l1:
+        return lines[l0][c0:c1].decode(errors="replace")
+    parts = [lines[l0][c0:]] + lines[l0 + 1:l1] + [lines[l1][:c1]]
+    return b"".join(parts).decode(errors="replace")
+
+
 class _FileIndex:
     """Maps exact source spans of expressions to the names they are given."""
 
@@ -119,18 +140,19 @@ class _FileIndex:
                 self._bind(targets[-1], node.value, source)
             elif isinstance(node, ast.AugAssign):  # `x += y` runs as one instruction spanning the statement
                 key = (node.lineno, node.col_offset, node.end_lineno, node.end_col_offset)
-                text = _short(ast.get_source_segment(source, node) or "")
+                text = _short(_segment(source, node) or "")
                 self.spans[key] = ((_target_name(node.target, source),), text)
             if isinstance(node, ast.expr):
                 key = (node.lineno, node.col_offset, node.end_lineno, node.end_col_offset)
-                self.spans.setdefault(key, ((), _short(ast.get_source_segment(source, node) or "")))
+                self.spans.setdefault(key, ((), _short(_segment(source, node) or "")))
                 if isinstance(node, ast.Call):
                     self.call_args[key] = tuple(
-                        _short(ast.get_source_segment(source, a) or "?") for a in node.args
+                        _short(_segment(source, a) or "?") for a in node.args
                     )
+        _line_cache.pop(id(source), None)
 
     def _bind(self, target: ast.AST, value: ast.AST, source: str) -> None:
-        text = _short(ast.get_source_segment(source, value) or "")
+        text = _short(_segment(source, value) or "")
         key = (value.lineno, value.col_offset, value.end_lineno, value.end_col_offset)
         if isinstance(target, (ast.Tuple, ast.List)):
             names = tuple(_target_name(t, source) for t in target.elts)
@@ -157,8 +179,8 @@ def _target_name(t: ast.AST, source: str) -> str:
     if isinstance(t, ast.Subscript):  # out[:, :n] = ... names `out`
         return _target_name(t.value, source)
     if isinstance(t, ast.Attribute):
-        return _short(ast.get_source_segment(source, t) or t.attr)
-    return _short(ast.get_source_segment(source, t) or "?")
+        return _short(_segment(source, t) or t.attr)
+    return _short(_segment(source, t) or "?")
 
 
 _files: dict[str, _FileIndex] = {}

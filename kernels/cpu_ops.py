@@ -8,7 +8,7 @@ import os
 from torch.utils.cpp_extension import load_inline
 
 FUNCTIONS = ["linear", "layernorm", "layernorm_linear", "linear_gelu", "softmax_lastdim", "attention_scores",
-             "attention", "gated_linear", "triangle_outgoing", "frame_apply", "ipa_logits"]
+             "attention", "gated_linear", "triangle_outgoing", "frame_apply", "ipa_logits", "scale_into"]
 
 # bug flags, mirroring the enum in cpu/ops.cpp
 UNBIASED_VAR, TRANSPOSED_W, SKIP_TAIL, NO_SCALE, WRONG_AXIS = 1, 2, 4, 8, 16

@@ -283,3 +283,13 @@ torch::Tensor ipa_logits(torch::Tensor q, torch::Tensor k, torch::Tensor qp, tor
         }
   return out;
 }
+
+// Writes into `out` and returns nothing (the out-parameter style many kernels use): out = s * x.
+void scale_into(torch::Tensor out, torch::Tensor x, double s) {
+  check(out, "out", -1);
+  check(x, "x", -1);
+  TORCH_CHECK(out.numel() == x.numel(), "scale_into: out has ", out.numel(), " elements, x has ", x.numel());
+  float* o = out.data_ptr<float>();
+  const float* p = x.data_ptr<float>();
+  for (int64_t i = 0; i < x.numel(); ++i) o[i] = (float)(s * p[i]);
+}

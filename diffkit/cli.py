@@ -1,0 +1,206 @@
+"""Command line: ``diffkit diff REF.py CAND.py`` and ``diffkit capture MODEL.py``.
+
+Exit codes: 0 match, 1 diverged, 2 error (bad file, build failure, crash).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import click
+
+from .errors import DiffkitError
+from .result import ErrorInfo, Result
+
+EXIT = {"match": 0, "diverged": 1, "error": 2}
+STATUS_COLOUR = {"ok": "green", "diverged": "red", "after-divergence": "yellow", "unmatched": None}
+
+
+def _shape(s) -> str:
+    return "×".join(map(str, s)) if s else ("scalar" if s == [] else "-")
+
+
+def _fmt(x) -> str:
+    return "-" if x is None else f"{x:.3g}"
+
+
+def fold_rows(result: Result, around: int = 6, head: int = 4, tail: int = 3, limit: int = 40) -> list:
+    """Row indices to print: everything for short models, else head, the first divergence's
+    neighbourhood and the tail, with `None` marking a fold."""
+    n = len(result.stages)
+    if n <= limit:
+        return list(range(n))
+    keep = set(range(min(head, n))) | set(range(max(0, n - tail), n))
+    fd = result.first_divergence
+    if fd is not None:
+        keep |= set(range(max(0, fd.index - around), min(n, fd.index + around + 1)))
+    rows, last = [], -1
+    for i in sorted(keep):
+        if i != last + 1:
+            rows.append(None)
+        rows.append(i)
+        last = i
+    return rows
+
+
+def format_table(result: Result, color: bool = False, full: bool = False) -> str:
+    def style(text, **kw):
+        return click.style(text, **kw) if color else text
+
+    lines = [f"{'#':>4}  {'stage (reference | candidate)':<56} {'shape':<16} {'by':<6} {'max_abs':>9} {'mean_abs':>9}  status"]
+    rows = list(range(len(result.stages))) if full else fold_rows(result)
+    fd = result.first_divergence
+    for i in rows:
+        if i is None:
+            lines.append(style(f"{'…':>4}  {'(rows folded; --full shows all)':<56}", dim=True))
+            continue
+        s = result.stages[i]
+        if s.ref_name and s.cand_name and s.ref_name != s.cand_name:
+            name = f"{s.ref_name} | {s.cand_name}"
+        else:
+            name = s.ref_name or f"- | {s.cand_name}"
+        name = name if len(name) <= 56 else name[:55] + "…"
+        shape = _shape(s.ref_shape if s.ref_shape is not None else s.cand_shape)
+        st = s.stats
+        line = (f"{s.index:>4}  {name:<56} {shape:<16} {s.paired_by or '-':<6} {_fmt(st.max_abs if st else None):>9} "
+                f"{_fmt(st.mean_abs if st else None):>9}  {s.status}")
+        if fd is not None and s is fd:
+            line = style(line + "   <-- first divergence", fg="red", bold=True)
+        elif STATUS_COLOUR.get(s.status):
+            line = style(line, fg=STATUS_COLOUR[s.status])
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def format_result(result: Result, color: bool = False, full: bool = False) -> str:
+    out = []
+    if result.weights is not None:
+        out.append("weights: " + result.weights.summary())
+    out.append(format_table(result, color=color, full=full))
+    fd = result.first_divergence
+    if fd is not None and fd.stats is not None:
+        s = fd.stats
+        out.append("")
+        out.append(f"first divergence: stage {fd.index}")
+        out.append(f"  reference: {fd.ref_name}  {_shape(fd.ref_shape)}  {fd.ref.op if fd.ref else ''}  {fd.ref.where if fd.ref else ''}")
+        out.append(f"  candidate: {fd.cand_name}  {_shape(fd.cand_shape)}  {fd.cand.op if fd.cand else ''}  {fd.cand.where if fd.cand else ''}")
+        if fd.transform:
+            out.append(f"  layout: candidate compared after {fd.transform}")
+        out.append(f"  max_abs {s.max_abs:.4g}  mean_abs {s.mean_abs:.4g}  max_rel {s.max_rel:.4g}  cosine {s.cosine:.6f}  "
+                   f"{s.mismatches}/{s.numel} elements out of atol={s.atol:g} rtol={s.rtol:g}")
+        if s.worst:
+            out.append(f"  worst element {list(s.worst.index)}: reference {s.worst.ref:.6g}, candidate {s.worst.cand:.6g}")
+        if s.cand_nan or s.cand_inf:
+            out.append(f"  candidate has {s.cand_nan} NaN and {s.cand_inf} Inf (reference: {s.ref_nan} NaN, {s.ref_inf} Inf)")
+        for f in fd.diagnosis:
+            out.append(f"  diagnosis [{f.kind}, confidence {f.confidence:.2f}]: {f.detail}")
+    if result.error is not None:
+        out.append("")
+        out.append(f"error: {result.error.side} {result.error.phase}: {result.error.message}")
+        if result.error.stage:
+            out.append(f"  at {result.error.stage}")
+    for w in result.warnings:
+        out.append(f"warning: {w}")
+    out.append("")
+    out.append(result.summary_line())
+    return "\n".join(out)
+
+
+def error_result(e: DiffkitError, ref_path: str, cand_path: str, atol, rtol) -> Result:
+    return Result(verdict="error", stages=[], first_divergence=None,
+                  error=ErrorInfo(e.side, e.phase, e.message, e.where, e.detail), output=None,
+                  atol=atol, rtol=rtol, ref_path=ref_path, cand_path=cand_path)
+
+
+def write_outputs(result: Result, json_path: str | None, csv_path: str | None) -> None:
+    for path in (json_path, csv_path):
+        if path and os.path.dirname(path):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+    if json_path:
+        with open(json_path, "w", encoding="utf-8") as fh:
+            fh.write(result.to_json())
+    if csv_path:
+        result.to_csv(csv_path)
+
+
+@click.group()
+@click.version_option(package_name="diffkit")
+def main() -> None:
+    """diffkit: find the first stage where a hand-written kernel stops matching its PyTorch reference."""
+
+
+@main.command()
+@click.argument("ref_path", metavar="REF.py")
+@click.argument("cand_path", metavar="CAND.py")
+@click.option("--atol", type=float, default=None, help="absolute tolerance (default by dtype: 1e-4 fp32, 1e-2 fp16/bf16)")
+@click.option("--rtol", type=float, default=None, help="relative tolerance (default as --atol)")
+@click.option("--seed", type=int, default=42, show_default=True, help="seed for get_inputs()")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="run both models here")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="write result.json here")
+@click.option("--csv", "csv_path", type=click.Path(dir_okay=False), default=None, help="write one CSV row per stage")
+@click.option("--strict", is_flag=True, help="intermediate stages out of tolerance make the verdict diverged")
+@click.option("--train", is_flag=True, help="keep training mode (default: eval)")
+@click.option("--full", is_flag=True, help="print every stage (default: fold long models around the divergence)")
+def diff(ref_path, cand_path, atol, rtol, seed, device, json_path, csv_path, strict, train, full):
+    """Compare candidate CAND.py (ModelNew) with reference REF.py (Model), stage by stage."""
+    from .compare import diff_files
+
+    if atol is not None and rtol is None:
+        rtol = atol
+    if rtol is not None and atol is None:
+        atol = rtol
+    color = sys.stdout.isatty()
+    try:
+        result = diff_files(ref_path, cand_path, atol=atol, rtol=rtol, seed=seed, device=device, strict=strict,
+                            train=train)
+    except DiffkitError as e:
+        result = error_result(e, ref_path, cand_path, atol, rtol)
+        click.echo(f"diffkit: ERROR: {e}", err=False)
+        write_outputs(result, json_path, csv_path)
+        sys.exit(2)
+    click.echo(format_result(result, color=color, full=full))
+    write_outputs(result, json_path, csv_path)
+    sys.exit(EXIT[result.verdict])
+
+
+@main.command(name="capture")
+@click.argument("model_path", metavar="MODEL.py")
+@click.option("--side", type=click.Choice(["ref", "cand"]), default=None,
+              help="which class to build: Model (ref) or ModelNew (cand); default: whichever the file defines")
+@click.option("--seed", type=int, default=42, show_default=True)
+@click.option("--inputs-from", "inputs_from", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="take get_inputs()/get_init_inputs() from this reference file (for a candidate file)")
+@click.option("--limit", type=int, default=None, help="print at most this many records")
+def capture_cmd(model_path, side, seed, inputs_from, limit):
+    """Run one forward of MODEL.py under capture and print its records."""
+    import torch
+
+    from .compare import run_captured
+    from .load import KERNELBENCH_SEED, exec_file
+
+    try:
+        mod = exec_file(model_path, "candidate" if side == "cand" else "reference")
+        src = exec_file(inputs_from, "reference") if inputs_from else mod
+        cls_name = {"ref": "Model", "cand": "ModelNew", None: "ModelNew" if hasattr(mod, "ModelNew") else "Model"}[side]
+        cls = getattr(mod, cls_name, None)
+        if cls is None:
+            raise DiffkitError("", "import", f"{model_path} defines no `{cls_name}`", model_path)
+        if not hasattr(src, "get_inputs"):
+            raise DiffkitError("", "import", f"{model_path} defines no `get_inputs` (use --inputs-from REF.py)", model_path)
+        torch.manual_seed(KERNELBENCH_SEED)
+        init = src.get_init_inputs() if hasattr(src, "get_init_inputs") else []
+        torch.manual_seed(KERNELBENCH_SEED)
+        model = cls(*init).eval()
+        torch.manual_seed(seed)
+        inputs = src.get_inputs()
+    except DiffkitError as e:
+        click.echo(f"diffkit: ERROR: {e}")
+        sys.exit(2)
+    trace = run_captured(model, inputs)
+    click.echo(trace.format(limit=limit))
+    sys.exit(2 if trace.error else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,185 @@
+"""Capture: order, names, extension calls, snapshots, repeated modules, taps, no duplicates."""
+import math
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import diffkit
+from diffkit.load import exec_file
+
+from conftest import KERNELS, REFS
+
+
+def _capture(model, *inputs):
+    with torch.no_grad(), diffkit.capture(model, inputs=inputs) as trace:
+        model(*inputs)
+    return trace
+
+
+class Attn(nn.Module):
+    def __init__(self, d=8):
+        super().__init__()
+        self.qkv = nn.Linear(d, 3 * d)
+        self.out = nn.Linear(d, d)
+        self.d = d
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        scores = (q @ k.transpose(-1, -2)) / math.sqrt(self.d)
+        attn = F.softmax(scores, dim=-1)
+        ctx = diffkit.tap("context", attn @ v)
+        return self.out(ctx)
+
+
+def test_records_in_order_with_source_names():
+    torch.manual_seed(0)
+    trace = _capture(Attn(), torch.randn(2, 5, 8))
+    names = trace.names()
+    assert names[0] == "input[0]"
+    # q, k, v by position; the whole right-hand side gets the assigned name; sub-expressions their text
+    for expected in ["qkv", "forward:q", "forward:k", "forward:v", "forward:k.transpose(-1, -2)",
+                     "forward:q @ k.transpose(-1, -2)", "forward:scores", "forward:attn", "tap:context", "output"]:
+        assert expected in names, (expected, names)
+    order = [names.index(n) for n in ["qkv", "forward:q", "forward:scores", "forward:attn", "tap:context", "output"]]
+    assert order == sorted(order)
+    assert [r.index for r in trace] == list(range(len(trace)))
+    scores = trace["forward:scores"]
+    assert scores.op == "Tensor.div" and scores.shape == (2, 5, 5) and scores.line > 0
+    assert scores.function == "forward" and scores.file.endswith("test_capture.py")
+    # the values are what the model computed
+    q, k = trace["forward:q"].value, trace["forward:k"].value
+    torch.testing.assert_close(scores.value, (q @ k.transpose(-1, -2)) / math.sqrt(8))
+
+
+def test_tap_names_the_tensor_once_and_is_free_outside_capture():
+    torch.manual_seed(0)
+    x = torch.randn(3, 4)
+    assert diffkit.tap("free", x) is x
+    trace = _capture(Attn(4), torch.randn(1, 3, 4))
+    rec = trace["tap:context"]
+    assert rec.kind == "tap"
+    # the matmul that produced it is the same tensor: one record, known by both names
+    assert "forward:attn @ v" in rec.aliases
+    assert sum(1 for r in trace if r.name == "tap:context" or "tap:context" in r.aliases) == 1
+
+
+def test_nothing_recorded_twice():
+    torch.manual_seed(0)
+    trace = _capture(Attn(), torch.randn(2, 5, 8))
+    assert len(set(trace.names())) == len(trace)
+    # a module's output that is also the model's output is one record with two names
+    out = trace.output
+    assert out.name == "output" and "out" in out.aliases
+    # the internals of nn.Linear (F.linear) are not recorded next to the module record
+    assert not any(r.op == "F.linear" for r in trace)
+
+
+class Shared(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = nn.Linear(4, 4)
+
+    def forward(self, x):
+        x = self.block(x)
+        x = self.block(x)
+        return x.relu()
+
+
+def test_module_called_twice_is_counted():
+    trace = _capture(Shared(), torch.randn(2, 4))
+    assert "block" in trace.names() and "block#2" in trace.names()
+    first, second = trace["block"], trace["block#2"]
+    assert first.index < second.index
+
+
+class InPlace(nn.Module):
+    def forward(self, x):
+        y = x * 2
+        y += 1
+        y[0] = 0.0
+        return y
+
+
+def test_snapshots_do_not_change_with_later_in_place_writes():
+    x = torch.ones(3, 2)
+    trace = _capture(InPlace(), x)
+    first = trace["forward:y"]
+    torch.testing.assert_close(first.value, torch.full((3, 2), 2.0))
+    assert "forward:y#2" in trace.names()
+    torch.testing.assert_close(trace["forward:y#2"].value, torch.full((3, 2), 3.0))
+    written = trace["forward:y#3"]  # the write is also the output: one record, two names
+    assert written is trace.output and written.op == "Tensor.__setitem__" and written.value[0].abs().sum() == 0 and written.value[1, 0] == 3.0
+
+
+def test_extension_calls_are_recorded_with_their_outputs(ops):
+    mod = exec_file(os.path.join(KERNELS, "transformer_block_cpp.py"), "candidate")
+    ref = exec_file(os.path.join(REFS, "transformer_block.py"), "reference")
+    torch.manual_seed(42)
+    model = mod.ModelNew(*ref.get_init_inputs()).eval()
+    x = ref.get_inputs()[0]
+    trace = _capture(model, x)
+    ext = [r for r in trace if r.kind == "ext"]
+    assert [r.op.split(".")[-1] for r in ext][:4] == ["layernorm", "linear", "attention_scores", "softmax_lastdim"]
+    scores = trace["forward:scores"]
+    assert scores.kind == "ext" and scores.shape == (2, 4, 12, 12)
+    q, k = trace["forward:q"].value, trace["forward:k"].value
+    torch.testing.assert_close(scores.value, q @ k.transpose(-1, -2) / math.sqrt(8), atol=1e-5, rtol=1e-5)
+    # the wrapper is gone after the capture
+    assert not hasattr(mod.ops.linear, "__wrapped__")
+
+
+_bound_scale_into = None  # set like `from ext import scale_into` would, before capture starts
+
+
+class Writer(nn.Module):
+    def forward(self, x):
+        out = torch.empty_like(x)
+        _bound_scale_into(out, x, 3.0)
+        return out + 1
+
+
+def test_extension_built_before_capture_and_bound_by_name(ops):
+    global _bound_scale_into
+    _bound_scale_into = ops.scale_into
+    trace = _capture(Writer(), torch.ones(4))
+    assert _bound_scale_into is ops.scale_into  # restored after the capture
+    written = [r for r in trace if r.kind == "write"]
+    assert len(written) == 1 and written[0].op.endswith("scale_into")
+    assert written[0].label == "out"
+    torch.testing.assert_close(written[0].value, torch.full((4,), 3.0))
+
+
+def test_all_references_capture_cleanly():
+    for name in sorted(os.listdir(REFS)):
+        if not name.endswith(".py"):
+            continue
+        mod = exec_file(os.path.join(REFS, name), "reference")
+        torch.manual_seed(42)
+        model = mod.Model(*mod.get_init_inputs()).eval()
+        inputs = mod.get_inputs()
+        trace = _capture(model, *inputs)
+        assert trace.error is None and trace.output is not None
+        assert not any(r.name.split(":")[-1].startswith("op_") for r in trace)
+        with torch.no_grad():
+            torch.testing.assert_close(trace.output.value, model(*inputs))
+
+
+def test_error_mid_forward_keeps_records_and_says_where():
+    class Boom(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = self.lin(x)
+            return h @ torch.ones(5, 5)
+
+    cap = diffkit.capture(Boom(), inputs=(torch.randn(2, 4),))
+    with pytest.raises(RuntimeError):
+        with torch.no_grad(), cap as trace:
+            Boom.forward(cap.state.model, torch.randn(2, 4))
+    assert "lin" in trace.names()
+    assert trace.error is not None and trace.error.function == "forward" and trace.error.line > 0

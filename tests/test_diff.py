@@ -1,0 +1,236 @@
+"""The diff core on the proving ground: every broken candidate's first divergence is its declared
+stage, every correct candidate matches, the crash is an error with the place named."""
+import json
+import os
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+import torch
+import torch.nn as nn
+
+import diffkit
+from diffkit.align import align, best_layout
+from diffkit.capture import capture
+from diffkit.measure import measure
+
+from conftest import KERNELS, REFS, ROOT, candidates
+
+CASES = candidates()
+
+
+@pytest.mark.parametrize("name,ref,cand,exp", CASES, ids=[c[0] for c in CASES])
+def test_proving_ground(name, ref, cand, exp, ops):
+    result = diffkit.diff_files(ref, cand)
+    if exp is None:
+        assert result.verdict == "match", result.summary_line()
+        assert result.first_divergence is None, result.summary_line()
+        assert result.output is not None and result.output.ok
+        return
+    if exp.get("verdict") == "error":
+        assert result.verdict == "error"
+        assert result.error.side == "candidate"
+        assert exp["raises_in"] in result.error.stage and "invariant_point_attention_cpp.py:" in result.error.stage
+        compared = result.compared
+        assert compared and all(s.status == "ok" for s in compared), "stages before the crash are compared"
+        return
+    fd = result.first_divergence
+    assert fd is not None, result.summary_line()
+    assert fd.matches(exp["stage"]), f"expected {exp['stage']}, got {fd.ref_name} / {fd.cand_name}: {result.summary_line()}"
+    assert all(s.status in ("ok", "unmatched") for s in result.stages[: fd.index])
+    assert fd.stats.mismatches > 0
+
+
+def test_json_csv_and_exit_codes(tmp_path, ops):
+    out_json, out_csv = tmp_path / "r.json", tmp_path / "r.csv"
+    cmd = [sys.executable, os.path.join(ROOT, "cli.py"), "diff", os.path.join(REFS, "axial_attention.py"),
+           os.path.join(KERNELS, "axial_attention_missing_bias.py"), "--json", str(out_json), "--csv", str(out_csv)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "first divergence" in proc.stdout and "row_attn.out_proj" in proc.stdout
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("diffkit: DIVERGED at stage") and "row_attn.out_proj" in last
+    data = json.loads(out_json.read_text())
+    assert set(data) >= {"verdict", "tolerance", "first_divergence", "error", "stages", "output"}
+    assert data["verdict"] == "diverged" and data["tolerance"]["atol"] == 1e-4
+    fd = data["first_divergence"]
+    assert set(fd) >= {"index", "ref_name", "cand_name", "shape", "max_abs", "mean_abs", "mismatch_fraction", "worst",
+                       "diagnosis"}
+    assert fd["ref_name"] == "row_attn.out_proj"
+    for row in data["stages"]:
+        assert set(row) >= {"index", "ref_name", "cand_name", "paired_by", "ref_shape", "cand_shape", "dtype", "max_abs",
+                            "mean_abs", "max_rel", "mismatch_fraction", "cosine", "status"}
+        assert row["status"] in ("ok", "diverged", "after-divergence", "unmatched")
+    assert set(data["output"]) >= {"max_abs", "mean_abs", "allclose"} and data["output"]["allclose"] is False
+    frame = pd.read_csv(out_csv)
+    assert len(frame) == len(data["stages"]) and (frame["status"] == "diverged").sum() == 1
+
+    ok = subprocess.run([sys.executable, os.path.join(ROOT, "cli.py"), "diff", os.path.join(REFS, "axial_attention.py"),
+                         os.path.join(KERNELS, "axial_attention_cpp.py")], capture_output=True, text=True, cwd=ROOT)
+    assert ok.returncode == 0 and "MATCH" in ok.stdout
+    crash = subprocess.run([sys.executable, os.path.join(ROOT, "cli.py"), "diff",
+                            os.path.join(REFS, "invariant_point_attention.py"),
+                            os.path.join(KERNELS, "invariant_point_attention_crash.py"), "--json", str(out_json)],
+                           capture_output=True, text=True, cwd=ROOT)
+    assert crash.returncode == 2 and "frame_apply" in crash.stdout
+    data = json.loads(out_json.read_text())
+    assert data["verdict"] == "error" and data["error"]["side"] == "candidate" and "frame_apply" in data["error"]["stage"]
+    assert any(s["status"] == "ok" for s in data["stages"])
+
+
+def _models():
+    torch.manual_seed(0)
+
+    class Ref(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(6, 6)
+
+        def forward(self, x):
+            h = self.lin(x)
+            act = torch.relu(h)
+            return act * 2
+
+    return Ref
+
+
+def test_compare_api_and_assert_models_close():
+    Ref = _models()
+
+    class Scaled(Ref):
+        def forward(self, x):
+            h = self.lin(x)
+            act = torch.relu(h) * 1.01
+            return act * 2
+
+    ref, cand = Ref(), Scaled()
+    cand.load_state_dict(ref.state_dict())
+    x = torch.randn(4, 6)
+    result = diffkit.compare(ref, cand, [x])
+    assert result.verdict == "diverged"
+    assert result.first_divergence.ref_name == "forward:act"
+    assert result.stage("lin").status == "ok"
+    assert result.to_frame().shape[0] == len(result.stages)
+    json.loads(result.to_json())
+    with pytest.raises(AssertionError, match=r"forward:act") as info:
+        diffkit.testing.assert_models_close(ref, cand, [x])
+    assert "Greatest absolute difference" in str(info.value)
+    same = Ref()
+    same.load_state_dict(ref.state_dict())
+    assert diffkit.testing.assert_models_close(ref, same, [x]).verdict == "match"
+    other = Ref()  # different weights: the first stage already differs
+    with pytest.raises(AssertionError, match=r"First diverging stage \d+: reference 'lin'"):
+        diffkit.testing.assert_models_close(ref, other, [x])
+
+
+def test_output_shape_mismatch_is_diverged():
+    Ref = _models()
+
+    class WrongShape(Ref):
+        def forward(self, x):
+            return (torch.relu(self.lin(x)) * 2)[:, :5]
+
+    ref, cand = Ref(), WrongShape()
+    cand.load_state_dict(ref.state_dict())
+    result = diffkit.compare(ref, cand, [torch.randn(3, 6)])
+    assert result.verdict == "diverged"
+    assert "output shape mismatch: expected [3, 6], got [3, 5]" in result.summary_line()
+
+
+def test_match_with_failing_intermediate_is_a_warning_unless_strict():
+    Ref = _models()
+
+    class Hidden(Ref):
+        def forward(self, x):
+            h = self.lin(x)
+            act = torch.relu(h)
+            act = act + 1e-3 * (act > 1e9)  # a no-op
+            return act * 2
+
+    class LeakyMid(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(6, 6)
+
+        def forward(self, x):
+            h = self.lin(x) + 0.5  # wrong intermediate ...
+            act = torch.relu(h - 0.5)  # ... undone before it matters
+            return act * 2
+
+    ref, cand = Ref(), LeakyMid()
+    cand.load_state_dict(ref.state_dict())
+    x = torch.randn(5, 6)
+    result = diffkit.compare(ref, cand, [x])
+    assert result.verdict == "match" and result.warnings
+    assert result.first_divergence is not None
+    assert diffkit.compare(ref, cand, [x], strict=True).verdict == "diverged"
+
+
+def test_nan_in_candidate_is_a_divergence():
+    r = torch.tensor([1.0, float("nan"), 3.0])
+    assert measure(r, r.clone(), 1e-4, 1e-4).ok  # NaN where the reference has NaN agrees
+    c = torch.tensor([1.0, float("nan"), float("nan")])
+    s = measure(r, c, 1e-4, 1e-4)
+    assert not s.ok and s.cand_nan == 2 and s.worst.index == (2,)
+    i = torch.tensor([1, 2, 3])
+    s = measure(i, torch.tensor([1, 2, 4]), 10.0, 10.0)
+    assert s.mismatches == 1  # integers compare exactly, whatever the tolerance
+
+
+def test_value_alignment_allows_reshape_and_permutation():
+    torch.manual_seed(0)
+    n, L, h, d = 3, 5, 2, 4
+    qkv = torch.randn(n, L, 3, h, d)
+    # a fused kernel's flat output (n*L, 3*h*d) equals the reference's (n, L, 3, h, d) reshaped
+    t, err = best_layout(qkv.reshape(n * L, 3 * h * d), qkv)
+    assert t == ("reshape",) and err == 0
+    bias = torch.randn(2, 7, 7, 3)  # (B, N, N, H) vs (B, H, N, N)
+    t, err = best_layout(bias.permute(0, 3, 1, 2).contiguous(), bias)
+    assert err == 0 and t[0] in ("permute", "unpermute")
+
+    class RefM(nn.Module):
+        def forward(self, x):
+            pair = x * 3
+            return pair.sum()
+
+    class CandM(nn.Module):
+        def forward(self, x):
+            fused_out = (x * 3).permute(0, 3, 1, 2).contiguous()
+            return fused_out.sum()
+
+    x = torch.randn(2, 7, 7, 3)
+    with capture(RefM(), inputs=(x,)) as rt:
+        RefM()(x)
+    with capture(CandM(), inputs=(x,)) as ct:
+        CandM()(x)
+    al = align(rt.records, ct.records)
+    by = {ct.records[p.cand].label: p for p in al.pairs}
+    p = next(p for lbl, p in by.items() if lbl == "fused_out")
+    assert rt.records[p.ref].label == "pair" and p.paired_by == "value" and p.transform
+
+
+def test_load_pair_copies_weights_and_reports(tmp_path):
+    ref = tmp_path / "ref.py"
+    ref.write_text("import torch, torch.nn as nn\n"
+                   "class Model(nn.Module):\n"
+                   "    def __init__(self):\n        super().__init__(); self.a = nn.Linear(3, 3); self.b = nn.Linear(3, 2)\n"
+                   "    def forward(self, x):\n        return self.b(self.a(x))\n"
+                   "def get_inputs():\n    return [torch.randn(2, 3)]\n"
+                   "def get_init_inputs():\n    return []\n")
+    cand = tmp_path / "cand.py"
+    cand.write_text("import torch, torch.nn as nn\n"
+                    "class ModelNew(nn.Module):\n"
+                    "    def __init__(self):\n        super().__init__(); self.extra = nn.Linear(3, 3); self.a = nn.Linear(3, 3)\n"
+                    "        self.b = nn.Linear(3, 4)\n"
+                    "    def forward(self, x):\n        x.mul_(0)\n        return self.b(self.a(x))[:, :2]\n")
+    pair = diffkit.load_pair(str(ref), str(cand))
+    w = pair.weights
+    assert "a.weight" in w.copied and "a.bias" in w.copied  # created in another order: values differed
+    assert ("b.weight", (2, 3), (4, 3)) in w.shape_mismatch
+    assert "extra.weight" in w.cand_only
+    torch.testing.assert_close(pair.cand.a.weight, pair.ref.a.weight)
+    assert not pair.ref.training and not pair.cand.training
+    # each side has its own inputs: a candidate writing into its input cannot touch the reference's
+    pair.cand(*pair.cand_inputs)
+    assert pair.ref_inputs[0].abs().sum() > 0

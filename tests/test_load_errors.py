@@ -1,0 +1,69 @@
+"""Bad input gives a precise error: which side, which phase, where."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+import diffkit
+from diffkit import DiffkitError
+
+from conftest import REFS, ROOT
+
+REF = os.path.join(REFS, "transformer_block.py")
+
+
+def _write(tmp_path, name, text):
+    p = tmp_path / name
+    p.write_text(text)
+    return str(p)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(DiffkitError) as e:
+        diffkit.load_pair(REF, str(tmp_path / "nope.py"))
+    assert e.value.side == "candidate" and e.value.phase == "read" and "nope.py" in str(e.value)
+
+
+def test_syntax_error_names_file_and_line(tmp_path):
+    bad = _write(tmp_path, "bad.py", "import torch\n\nclass ModelNew(torch.nn.Module:\n    pass\n")
+    with pytest.raises(DiffkitError) as e:
+        diffkit.load_pair(REF, bad)
+    assert e.value.side == "candidate" and e.value.phase == "parse" and e.value.where.startswith(f"{bad}:3")
+
+
+def test_missing_class(tmp_path):
+    empty = _write(tmp_path, "empty.py", "x = 1\n")
+    with pytest.raises(DiffkitError) as e:
+        diffkit.load_pair(empty, REF)
+    assert e.value.side == "reference" and "`Model`" in e.value.message
+    with pytest.raises(DiffkitError) as e:
+        diffkit.load_pair(REF, empty)
+    assert e.value.side == "candidate" and "`ModelNew`" in e.value.message
+
+
+def test_exception_in_init(tmp_path):
+    cand = _write(tmp_path, "c.py", "import torch\nclass ModelNew(torch.nn.Module):\n"
+                  "    def __init__(self, *a):\n        super().__init__()\n        raise ValueError('bad dims')\n")
+    with pytest.raises(DiffkitError) as e:
+        diffkit.load_pair(REF, cand)
+    assert e.value.side == "candidate" and e.value.phase == "init" and "bad dims" in e.value.message
+    assert e.value.where == f"{cand}:5"
+
+
+@pytest.mark.slow
+def test_extension_that_does_not_compile(tmp_path):
+    cand = _write(tmp_path, "c.py", "import torch\nfrom torch.utils.cpp_extension import load_inline\n"
+                  "src = 'torch::Tensor f(torch::Tensor x) { return x + undefined_name; }'\n"
+                  "ext = load_inline('diffkit_test_broken_ext', cpp_sources=[src], functions=['f'])\n"
+                  "class ModelNew(torch.nn.Module):\n    def forward(self, x):\n        return ext.f(x)\n")
+    with pytest.raises(DiffkitError) as e:
+        diffkit.load_pair(REF, cand)
+    err = e.value
+    assert err.side == "candidate" and err.phase == "build"
+    assert "undefined_name" in err.message and len(err.message.splitlines()) <= 10
+    assert err.where == f"{cand}:4"
+    # the CLI says the same and exits 2
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "cli.py"), "diff", REF, cand], capture_output=True,
+                          text=True, cwd=ROOT)
+    assert proc.returncode == 2 and "build failed" in proc.stdout and "undefined_name" in proc.stdout
