@@ -23,7 +23,7 @@ import torch
 
 from .capture import Record
 
-__all__ = ["Pair", "Alignment", "align", "to_ref_layout"]
+__all__ = ["Pair", "Alignment", "align", "to_ref_layout", "from_ref_layout"]
 
 
 @dataclass
@@ -71,6 +71,24 @@ def to_ref_layout(cand: torch.Tensor, ref_shape: tuple, transform: tuple) -> tor
     raise ValueError(f"unknown transform {transform!r}")
 
 
+def from_ref_layout(ref: torch.Tensor, cand_shape: tuple, transform: tuple) -> torch.Tensor:
+    """The inverse of `to_ref_layout`: a reference value in the candidate's layout."""
+    if not transform:
+        return ref
+    if transform[0] == "reshape":
+        return ref.reshape(cand_shape)
+    if transform[0] == "permute":
+        p = transform[1]
+        inv = tuple(sorted(range(len(p)), key=lambda i: p[i]))
+        permuted = tuple(cand_shape[i] for i in p)
+        return ref.reshape(permuted).permute(*inv)
+    if transform[0] == "unpermute":
+        inv = transform[2]
+        q = tuple(sorted(range(len(inv)), key=lambda i: inv[i]))
+        return ref.permute(*q).reshape(cand_shape)
+    raise ValueError(f"cannot invert transform {transform!r}")
+
+
 def _numel(r: Record) -> int:
     n = 1
     for s in r.shape:
@@ -114,12 +132,24 @@ _MAX_PERM_DIMS = 6
 
 
 def best_layout(cand: torch.Tensor, ref: torch.Tensor) -> tuple[tuple, float]:
-    """The transform bringing `cand` closest to `ref` (equal element counts), and its relative error."""
+    """The transform bringing `cand` closest to `ref` (equal element counts), and its relative error.
+
+    A plain reshape (same memory order) is the default; a permutation is taken only when it
+    makes the two nearly agree, so a wrong tensor is not "explained" by a lucky permutation."""
     if tuple(cand.shape) == tuple(ref.shape):
         return (), _rel_err(cand, ref)
-    best: tuple[tuple, float] = (("reshape",), _rel_err(cand.reshape(ref.shape), ref))
-    if best[1] < 1e-6:
-        return best
+    plain: tuple[tuple, float] = (("reshape",), _rel_err(cand.reshape(ref.shape), ref))
+    if plain[1] < 1e-6:
+        return plain
+    best = _best_permutation(cand, ref, plain)
+    return best if best is not plain and best[1] <= PERMUTE_ACCEPT_REL_ERR else plain
+
+
+# a permuted layout is accepted only when it brings the candidate this close to the reference
+PERMUTE_ACCEPT_REL_ERR = 0.1
+
+
+def _best_permutation(cand: torch.Tensor, ref: torch.Tensor, best: tuple[tuple, float]) -> tuple[tuple, float]:
     cshape, rshape = tuple(cand.shape), tuple(ref.shape)
     if cand.dim() <= _MAX_PERM_DIMS:
         for p in itertools.permutations(range(cand.dim())):

@@ -151,6 +151,9 @@ _SKIP_FUNCS = {"__get__", "__set__", "__repr__", "__format__", "__bool__", "__le
                "__contains__", "__hash__", "__reduce_ex__", "__deepcopy__"}
 
 
+_NOT_EXTENSIONS = {"torch", "numpy", "triton", "pandas", "matplotlib", "scipy"}
+
+
 def register_extension(module: types.ModuleType) -> types.ModuleType:
     """Make an extension module known to capture (done automatically for load_inline/load)."""
     _EXTENSIONS.add(module)
@@ -185,7 +188,9 @@ def _is_extension_function(obj: Any) -> bool:
     if not isinstance(obj, types.BuiltinFunctionType):
         return False
     modname = getattr(obj, "__module__", None)
-    if not modname or modname in sys.builtin_module_names or modname.split(".")[0] in {"torch", "numpy", "builtins"}:
+    top = (modname or "").split(".")[0]
+    if not modname or modname in sys.builtin_module_names or top in _NOT_EXTENSIONS or top == "builtins" \
+            or top in getattr(sys, "stdlib_module_names", ()):
         return False
     mod = sys.modules.get(modname)
     return mod is None or _looks_like_extension(mod)
@@ -197,7 +202,8 @@ def _looks_like_extension(mod: Any) -> bool:
     if mod in _EXTENSIONS:
         return True
     f = getattr(mod, "__file__", None) or ""
-    if not f.endswith((".so", ".pyd")) or mod.__name__.split(".")[0] in {"torch", "numpy", "triton", "_ctypes"}:
+    top = mod.__name__.split(".")[0]
+    if not f.endswith((".so", ".pyd")) or top in _NOT_EXTENSIONS or top in getattr(sys, "stdlib_module_names", ()):
         return False
     return any(isinstance(v, types.BuiltinFunctionType) for v in vars(mod).values())
 

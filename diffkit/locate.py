@@ -52,7 +52,7 @@ def build_stages(ref: Trace, cand: Trace, alignment: Alignment, atol: float | No
 
 def _measured(r: Record, c: Record, how: str, transform: tuple, transform_text: str,
               atol: float | None, rtol: float | None) -> Stage:
-    stage = Stage(index=0, ref=r, cand=c, paired_by=how, transform=transform_text)
+    stage = Stage(index=0, ref=r, cand=c, paired_by=how, transform=transform_text, pair_transform=transform)
     a = atol if atol is not None else default_tolerance(r.dtype)
     t = rtol if rtol is not None else default_tolerance(r.dtype)
     if transform == ("shape-mismatch",):

@@ -18,7 +18,7 @@ from .measure import Stats
 
 STATUSES = ("ok", "diverged", "after-divergence", "unmatched")
 STAGE_COLUMNS = ["index", "ref_name", "cand_name", "paired_by", "ref_shape", "cand_shape", "dtype", "max_abs",
-                 "mean_abs", "max_rel", "mismatch_fraction", "cosine", "status"]
+                 "mean_abs", "max_rel", "mismatch_fraction", "cosine", "status", "local_max_abs"]
 
 
 @dataclass
@@ -46,6 +46,11 @@ class Stage:
     status: str = "unmatched"
     note: str = ""
     diagnosis: list[Finding] = field(default_factory=list)
+    pair_transform: tuple = ()  # the alignment's raw transform (candidate -> reference layout)
+    local: Stats | None = None  # the stage re-run alone on the reference's inputs
+    inherited_max_abs: float | None = None  # largest error among the stage's inputs in the full run
+    replay_note: str = ""  # why the stage could not be re-run, when it could not
+    auto: dict | None = None  # --tolerance auto: {"ref_rmse", "cand_rmse", "bound", "ok"} against float64
 
     @property
     def ref_name(self) -> str | None:
@@ -96,6 +101,10 @@ class Stage:
             "ref_where": self.ref.where if self.ref else None, "cand_where": self.cand.where if self.cand else None,
             "ref_op": self.ref.op if self.ref else None, "cand_op": self.cand.op if self.cand else None,
             "note": self.note,
+            "local_max_abs": _num(self.local.max_abs) if self.local else None,
+            "inherited_max_abs": _num(self.inherited_max_abs),
+            "replay": self.replay_note or None,
+            "auto": self.auto,
         }
 
     def divergence_dict(self) -> dict:
@@ -109,6 +118,9 @@ class Stage:
             "ref_where": self.ref.where if self.ref else None, "cand_where": self.cand.where if self.cand else None,
             "note": self.note,
             "diagnosis": [f.to_dict() for f in self.diagnosis],
+            "local_max_abs": _num(self.local.max_abs) if self.local else None,
+            "inherited_max_abs": _num(self.inherited_max_abs),
+            "replay": self.replay_note or None,
         }
 
     def _repr_html_(self) -> str:
@@ -156,6 +168,10 @@ class Result:
     cand_path: str = ""
     meta: dict = field(default_factory=dict)
     output_shape_mismatch: tuple | None = None
+    root_cause: Stage | None = None  # the earliest stage that introduces the error (see rootcause.py)
+    health: list[str] = field(default_factory=list)  # warnings about the reference itself
+    tolerance_mode: str = "fixed"  # "fixed" | "auto"
+    fixed_verdict: str | None = None  # with --tolerance auto: what the fixed tolerance said
 
     # ----------------------------------------------------------------- access
     def stage(self, name: str) -> Stage:
@@ -200,7 +216,13 @@ class Result:
             names = fd.ref_name if fd.ref_name == fd.cand_name else f"{fd.ref_name} (candidate: {fd.cand_name})"
             worst = f" worst at {list(s.worst.index)}: ref {s.worst.ref:.6g} vs cand {s.worst.cand:.6g}" if s and s.worst else ""
             before = sum(1 for x in self.stages[: fd.index] if x.status == "ok")
+            rc = self.root_cause
             kind = f"; looks like {fd.diagnosis[0].kind}" if fd.diagnosis else ""
+            if rc is not None and rc is not fd:
+                kind += (f"; root cause: stage {rc.index} {rc.ref_name} introduces the error "
+                         f"(local max_abs={rc.local.max_abs:.3g})" + (f", {rc.diagnosis[0].kind}" if rc.diagnosis else ""))
+            elif rc is fd and fd.local is not None:
+                kind += "; this stage introduces the error (wrong on the reference's own inputs)"
             return (f"diffkit: DIVERGED at stage {fd.index} {names}: max_abs={s.max_abs:.3g} mean_abs={s.mean_abs:.3g} "
                     f"({100 * s.mismatch_fraction:.1f}% of {s.numel} elements out of {tol_s});{worst}; "
                     f"{before} earlier stages match{kind}")
@@ -216,6 +238,10 @@ class Result:
             "verdict": self.verdict,
             "tolerance": self.tolerance(),
             "first_divergence": self.first_divergence.divergence_dict() if self.first_divergence else None,
+            "root_cause": self.root_cause.divergence_dict() if self.root_cause else None,
+            "tolerance_mode": self.tolerance_mode,
+            "fixed_verdict": self.fixed_verdict,
+            "reference_health": self.health,
             "error": self.error.to_dict() if self.error else None,
             "stages": [s.to_dict() for s in self.stages],
             "output": {"max_abs": _num(out.max_abs), "mean_abs": _num(out.mean_abs), "allclose": out.ok,
