@@ -93,7 +93,21 @@ def format_result(result: Result, color: bool = False, full: bool = False) -> st
             out.append(f"  worst element {list(s.worst.index)}: reference {s.worst.ref:.6g}, candidate {s.worst.cand:.6g}")
         if s.cand_nan or s.cand_inf:
             out.append(f"  candidate has {s.cand_nan} NaN and {s.cand_inf} Inf (reference: {s.ref_nan} NaN, {s.ref_inf} Inf)")
+        if fd.local is not None:
+            verb = "introduces" if not fd.local.ok else "only inherits"
+            out.append(f"  re-run alone on the reference's inputs: max_abs {fd.local.max_abs:.4g} — this stage {verb} "
+                       f"the error (its inputs carried max_abs {fd.inherited_max_abs or 0:.3g})")
+        elif fd.replay_note:
+            out.append(f"  {fd.replay_note}")
         for f in fd.diagnosis:
+            out.append(f"  diagnosis [{f.kind}, confidence {f.confidence:.2f}]: {f.detail}")
+    rc = result.root_cause
+    if rc is not None and rc is not fd:
+        out.append("")
+        out.append(f"root cause: stage {rc.index} {rc.ref_name} (candidate {rc.cand_name}) introduces the error: "
+                   f"re-run on the reference's inputs it is off by max_abs {rc.local.max_abs:.4g}"
+                   + (" (within tolerance there, out of it once propagated)" if rc.local.ok else ""))
+        for f in rc.diagnosis:
             out.append(f"  diagnosis [{f.kind}, confidence {f.confidence:.2f}]: {f.detail}")
     if result.error is not None:
         out.append("")
@@ -102,6 +116,8 @@ def format_result(result: Result, color: bool = False, full: bool = False) -> st
             out.append(f"  at {result.error.stage}")
     for w in result.warnings:
         out.append(f"warning: {w}")
+    for h in result.health:
+        out.append(f"reference health: {h}")
     out.append("")
     out.append(result.summary_line())
     return "\n".join(out)
@@ -142,7 +158,11 @@ def main() -> None:
 @click.option("--strict", is_flag=True, help="intermediate stages out of tolerance make the verdict diverged")
 @click.option("--train", is_flag=True, help="keep training mode (default: eval)")
 @click.option("--full", is_flag=True, help="print every stage (default: fold long models around the divergence)")
-def diff(ref_path, cand_path, atol, rtol, seed, device, json_path, csv_path, strict, train, full):
+@click.option("--tolerance", type=click.Choice(["fixed", "auto"]), default="fixed", show_default=True,
+              help="auto: judge each stage against a float64 run of the reference (TorchDynamo's same() rule)")
+@click.option("--reinit-zero", is_flag=True, help="give all-zero weight matrices random values for the diff")
+def diff(ref_path, cand_path, atol, rtol, seed, device, json_path, csv_path, strict, train, full, tolerance,
+         reinit_zero):
     """Compare candidate CAND.py (ModelNew) with reference REF.py (Model), stage by stage."""
     from .compare import diff_files
 
@@ -153,7 +173,7 @@ def diff(ref_path, cand_path, atol, rtol, seed, device, json_path, csv_path, str
     color = sys.stdout.isatty()
     try:
         result = diff_files(ref_path, cand_path, atol=atol, rtol=rtol, seed=seed, device=device, strict=strict,
-                            train=train)
+                            train=train, tolerance=tolerance, reinit_zero=reinit_zero)
     except DiffkitError as e:
         result = error_result(e, ref_path, cand_path, atol, rtol)
         click.echo(f"diffkit: ERROR: {e}", err=False)

@@ -58,6 +58,10 @@ def compare(ref_model: torch.nn.Module, cand_model: torch.nn.Module, inputs: Seq
     return result
 
 
+def _drop_statistical(stage) -> None:
+    stage.diagnosis = [f for f in stage.diagnosis if f.kind not in ("approximation", "precision")]
+
+
 def compare_traces(ref: Trace, cand: Trace, atol: float | None = None, rtol: float | None = None, *,
                    strict: bool = False, ref64: Trace | None = None) -> Result:
     """Align, measure, locate, find the root cause and diagnose, from two captured traces."""
@@ -179,6 +183,9 @@ def _check_nondeterminism(result: Result, model, inputs, no_grad: bool) -> None:
         return
     diff = torch.nan_to_num((a.value.double() - b.value.double()).abs(), nan=0.0)
     n = int((diff > 0).sum())
+    _drop_statistical(fd)  # run-to-run noise is the explanation; a rounding-size guess would be wrong
+    if result.root_cause is not None and result.root_cause is not fd:
+        _drop_statistical(result.root_cause)
     fd.diagnosis.insert(0, Finding(
         "nondeterministic", f"running the candidate twice on the same inputs gives different values here "
         f"({n} of {diff.numel()} elements, max difference {float(diff.max()):.3g}): a race, an uninitialised "

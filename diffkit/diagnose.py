@@ -116,13 +116,15 @@ def check_region(ctx: Context) -> list[Finding]:
 
 
 def _block_size(start: int, total: int) -> int | None:
-    """Largest power of two dividing `start` that is larger than the tail `total - start`."""
-    if start <= 0:
+    """Smallest power of two larger than the tail `total - start` that divides `start`: the
+    tile size that leaves exactly this tail (a larger one is possible, but less likely)."""
+    tail = total - start
+    if start <= 0 or tail <= 0:
         return None
     b = 1
-    while start % (b * 2) == 0 and b * 2 <= start:
+    while b <= tail:
         b *= 2
-    return b if b > total - start else None
+    return b if start % b == 0 else None
 
 
 def _native_ref(ctx: Context) -> torch.Tensor:
@@ -164,6 +166,9 @@ def check_bias_offset(ctx: Context) -> list[Finding]:
         if torch.allclose(-per_channel, b, atol=1e-5, rtol=1e-4):
             return [Finding("missing_bias", f"candidate = reference − {name} (all {n} channels, max |bias| "
                             f"{float(b.abs().max()):.3g}): the bias is not added", 0.95)]
+        if torch.allclose(per_channel, b, atol=1e-5, rtol=1e-4):
+            return [Finding("offset", f"candidate = reference + {name} (all {n} channels): the bias is added twice",
+                            0.95)]
     spread = float(per_channel.max() - per_channel.min())
     if spread <= 1e-6 * (1 + float(per_channel.abs().max())):
         return [Finding("offset", f"candidate = reference + {float(per_channel.mean()):.6g} everywhere (a constant offset)", 0.85)]
@@ -329,8 +334,11 @@ CHECKS: list[Callable[[Context], list[Finding]]] = [
 
 
 def diagnose(stage: Stage, ref_records: list[Record], cand_records: list[Record]) -> list[Finding]:
-    """Ranked findings for a diverged stage (empty when nothing explains the error)."""
-    if stage.stats is None or stage.stats.ok or stage.ref is None or stage.cand is None:
+    """Ranked findings for a stage with an error (empty when nothing explains it).  A root cause
+    may be within tolerance itself (its error crosses tolerance only later): it is diagnosed too."""
+    if stage.stats is None or stage.ref is None or stage.cand is None:
+        return []
+    if stage.stats.ok and (stage.local is None or stage.local.max_abs == 0):
         return []
     if stage.ref.value is None or stage.cand.value is None:
         return []
@@ -350,7 +358,8 @@ def diagnose(stage: Stage, ref_records: list[Record], cand_records: list[Record]
             break
     exact = {"missing_bias", "offset", "scale", "sign", "permutation", "transposed_weight", "unwritten_region",
              "wrong_reduction_axis"}
-    if any(f.kind in exact for f in findings):  # an exact explanation makes the statistical ones noise
+    if any(f.kind in exact for f in findings) or any(f.kind == "nondeterministic" for f in stage.diagnosis):
+        # an exact explanation (or run-to-run noise) makes the statistical ones noise
         findings = [f for f in findings if f.kind not in ("approximation", "precision")]
     findings.sort(key=lambda f: -f.confidence)
     return findings

@@ -112,4 +112,8 @@ def analyse(result: Result, ref: Trace, cand: Trace, alignment: Alignment) -> No
     if before:
         result.root_cause = before[0]
     elif fd.local is None:
-        fd.replay_note = fd.replay_note or "not re-run"
+        # it could not be re-run; every stage before it that could was clean, so it is the earliest
+        # suspect -- say so rather than pretend it was shown to introduce the error
+        fd.replay_note = (fd.replay_note or "not re-run") + "; taken as the root cause because no earlier stage " \
+            "introduces error"
+        result.root_cause = fd

@@ -12,7 +12,7 @@ FUNCTIONS = ["linear", "layernorm", "layernorm_linear", "linear_gelu", "softmax_
 
 # bug flags, mirroring the enum in cpu/ops.cpp
 UNBIASED_VAR, TRANSPOSED_W, SKIP_TAIL, NO_SCALE, WRONG_AXIS = 1, 2, 4, 8, 16
-TANH_GELU, SWAP_IJ, BIAS_LAYOUT, NO_MAX_SUB = 32, 64, 128, 256
+TANH_GELU, SWAP_IJ, BIAS_LAYOUT, NO_MAX_SUB, TAIL_ROWS = 32, 64, 128, 256, 512
 
 _cache = {}
 

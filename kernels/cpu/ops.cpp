@@ -11,7 +11,8 @@
 //   BUG_TANH_GELU        GELU uses the tanh approximation instead of erf
 //   BUG_SWAP_IJ          the triangle contraction writes out[j][i] instead of out[i][j]
 //   BUG_BIAS_LAYOUT      the pair bias [B,N,N,H] is read as if it were [B,H,N,N]
-//   BUG_NO_MAX_SUB       softmax exponentiates without subtracting the row maximum
+//   BUG_NO_MAX_SUB       softmax exponentiates (in float) without subtracting the row maximum
+//   BUG_TAIL_ROWS        the last partial tile of `tile` rows reads its inputs from the wrong rows
 #include <torch/extension.h>
 #include <cmath>
 #include <vector>
@@ -26,6 +27,7 @@ enum Bug {
   BUG_SWAP_IJ = 64,
   BUG_BIAS_LAYOUT = 128,
   BUG_NO_MAX_SUB = 256,
+  BUG_TAIL_ROWS = 512,
 };
 
 static void check(const torch::Tensor& t, const char* name, int64_t dim) {
@@ -42,12 +44,15 @@ static void linear_rows(const float* x, const float* w, const float* b, float* y
   if ((bug & BUG_SKIP_TAIL) && tile > 0) rows = (M / tile) * tile;
   for (int64_t m0 = 0; m0 < rows; m0 += (tile > 0 ? tile : rows)) {
     int64_t m1 = std::min(rows, m0 + (tile > 0 ? tile : rows));
+    const bool partial = tile > 0 && m1 - m0 < tile;
     for (int64_t m = m0; m < m1; ++m) {
+      // BUG_TAIL_ROWS: the partial tile indexes its rows from the tile start instead of the row
+      const int64_t src = ((bug & BUG_TAIL_ROWS) && partial) ? m - m0 : m;
       for (int64_t n = 0; n < N; ++n) {
         double acc = b ? b[n] : 0.0;
         for (int64_t k = 0; k < K; ++k) {
           float wv = (bug & BUG_TRANSPOSED_W) ? w[k * N + n] : w[n * K + k];
-          acc += (double)x[m * K + k] * wv;
+          acc += (double)x[src * K + k] * wv;
         }
         y[m * N + n] = (float)acc;
       }
@@ -129,7 +134,12 @@ static void softmax_rows(float* s, int64_t R, int64_t C, int64_t bug) {
     float* row = s + r * C;
     double mx = -INFINITY;
     for (int64_t c = 0; c < C; ++c) mx = std::max(mx, (double)row[c]);
-    if (bug & BUG_NO_MAX_SUB) mx = 0.0;
+    if (bug & BUG_NO_MAX_SUB) {  // float exp of the raw logits: overflows to inf beyond ~88
+      float fsum = 0.0f;
+      for (int64_t c = 0; c < C; ++c) fsum += std::exp(row[c]);
+      for (int64_t c = 0; c < C; ++c) row[c] = std::exp(row[c]) / fsum;
+      continue;
+    }
     double sum = 0.0;
     for (int64_t c = 0; c < C; ++c) sum += std::exp((double)row[c] - mx);
     for (int64_t c = 0; c < C; ++c) row[c] = (float)(std::exp((double)row[c] - mx) / sum);

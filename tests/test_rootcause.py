@@ -1,0 +1,160 @@
+"""Root cause, diagnosis, --tolerance auto and reference health."""
+import pytest
+import torch
+import torch.nn as nn
+
+import diffkit
+from diffkit.compare import reference_health, reinit_zero_parameters, run_captured
+
+from conftest import candidates
+
+CASES = [c for c in candidates() if c[3] is None or c[3].get("verdict") != "error"]
+KINDS = {"missing_bias", "offset", "scale", "sign", "permutation", "transposed_weight", "unwritten_region", "boundary",
+         "wrong_reduction_axis", "nan_inf", "nondeterministic", "precision", "approximation"}
+
+
+@pytest.mark.parametrize("name,ref,cand,exp", CASES, ids=[c[0] for c in CASES])
+def test_root_cause_and_kind(name, ref, cand, exp, ops):
+    result = diffkit.diff_files(ref, cand)
+    if exp is None:
+        # a correct candidate: no divergence, no root cause, and no finding anywhere
+        assert result.root_cause is None and all(not s.diagnosis for s in result.stages), result.summary_line()
+        return
+    rc = result.root_cause
+    assert rc is not None and rc.matches(exp["stage"]), (exp, rc and rc.ref_name, result.summary_line())
+    if rc.local is not None:
+        assert not rc.local.ok  # wrong on the reference's own inputs
+    else:  # could not be re-run: it must say why, and be the first divergence
+        assert rc.replay_note.startswith("not re-run") and rc is result.first_divergence
+    if exp["kind"]:
+        kinds = [f.kind for f in rc.diagnosis]
+        assert kinds and kinds[0] == exp["kind"], (exp["kind"], [(f.kind, f.detail) for f in rc.diagnosis])
+        assert all(f.detail and 0 < f.confidence <= 1 for f in rc.diagnosis)
+    data = result.to_dict()
+    assert "local_max_abs" in data["root_cause"] and "inherited_max_abs" in data["root_cause"]
+    assert all("local_max_abs" in row for row in data["stages"])
+
+
+def test_every_kind_is_exercised():
+    declared = {c[3]["kind"] for c in candidates() if c[3] and c[3].get("kind")}
+    assert KINDS <= declared, KINDS - declared
+
+
+def test_stages_after_the_root_only_inherit(ops):
+    from conftest import KERNELS, REFS
+    import os
+
+    result = diffkit.diff_files(os.path.join(REFS, "axial_attention.py"),
+                                os.path.join(KERNELS, "axial_attention_missing_bias.py"))
+    replayed = [s for s in result.stages if s.local is not None]
+    # the bias is dropped in both axial blocks: exactly those two stages are wrong on correct inputs
+    introducing = {s.ref_name for s in replayed if not s.local.ok}
+    assert introducing == {"row_attn.out_proj", "col_attn.out_proj"}, introducing
+    later = [s for s in replayed if s.status == "after-divergence" and s.ref_name not in introducing]
+    assert len(later) > 10 and all(s.inherited_max_abs > 0 for s in later)
+
+
+class Chain(nn.Module):
+    def __init__(self, bug=0.0):
+        super().__init__()
+        self.bug = bug
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.a(x)
+        shifted = h + self.bug  # a small error, inside tolerance here ...
+        act = torch.tanh(shifted)
+        wide = act * 50.0  # ... that crosses it only here, several stages later
+        return self.b(wide)
+
+
+def test_small_error_is_traced_to_the_stage_that_introduced_it():
+    torch.manual_seed(0)
+    ref, cand = Chain(), Chain(bug=4e-5)
+    cand.load_state_dict(ref.state_dict())
+    x = torch.randn(6, 8)
+    result = diffkit.compare(ref, cand, [x])
+    fd, rc = result.first_divergence, result.root_cause
+    assert fd is not None and fd.ref_name == "forward:wide"
+    assert rc is not None and rc.ref_name == "forward:shifted" and rc.index < fd.index
+    assert rc.stats.ok and rc.local.max_abs == pytest.approx(4e-5, rel=0.1)
+    assert [f.kind for f in rc.diagnosis][:1] == ["offset"]
+    assert "root cause" in result.summary_line()
+
+
+class DeepStack(nn.Module):
+    """24 residual tanh blocks; `shift` adds and removes a constant (float32 rounds x to its ulp)."""
+
+    def __init__(self, shift=0.0, blocks=24, dim=16, bug=0.0, exact=False):
+        super().__init__()
+        self.shift, self.bug, self.exact = shift, bug, exact
+        self.layers = nn.ModuleList(nn.Linear(dim, dim) for _ in range(blocks))
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            h = x if self.exact else (x + self.shift) - self.shift
+            x = x + 0.5 * torch.tanh(layer(h))
+        return x + self.bug
+
+
+def _pair(**cand_kw):
+    torch.manual_seed(0)
+    shift = cand_kw.pop("shift", 0.0)
+    ref = DeepStack(shift=shift)
+    cand = DeepStack(shift=shift, **cand_kw)
+    cand.load_state_dict(ref.state_dict())
+    return ref, cand, [torch.randn(8, 16)]
+
+
+def test_auto_tolerance_passes_a_correct_candidate_that_fixed_1e4_fails():
+    # the reference rounds x to float32's ulp at 4096 (~5e-4) in every block; the candidate does not
+    ref, cand, x = _pair(shift=4096.0, exact=True)
+    fixed = diffkit.compare(ref, cand, x)
+    assert fixed.verdict == "diverged"
+    auto = diffkit.compare(ref, cand, x, tolerance="auto")
+    assert auto.verdict == "match", auto.summary_line()
+    assert auto.fixed_verdict == "diverged" and any("fixed tolerance says diverged" in w for w in auto.warnings)
+    assert auto.to_dict()["tolerance_mode"] == "auto"
+
+
+def test_auto_tolerance_fails_a_1e5_bug_that_fixed_1e4_hides():
+    ref, cand, x = _pair(bug=1e-5)
+    assert diffkit.compare(ref, cand, x).verdict == "match"  # hidden under atol=1e-4
+    auto = diffkit.compare(ref, cand, x, tolerance="auto")
+    assert auto.verdict == "diverged" and auto.fixed_verdict == "match"
+    out = auto.stage("output")
+    assert out.auto["cand_rmse"] > out.auto["bound"] and out.auto["ref_rmse"] < 1e-5
+
+
+def test_reference_health_warnings():
+    class Dropper(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.drop = nn.Dropout(0.5)
+
+        def forward(self, x):
+            return self.drop(self.lin(x))
+
+    m = Dropper().train()
+    x = [torch.randn(16, 4)]
+    notes = reference_health(m, x, run_captured(m, x), True)
+    assert any("random" in n and "drop" in n for n in notes)
+
+    class Zero(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.final = nn.Linear(4, 4)
+            nn.init.zeros_(self.final.weight)
+            nn.init.zeros_(self.final.bias)
+
+        def forward(self, x):
+            return self.final(x)
+
+    z = Zero()
+    notes = reference_health(z, x, run_captured(z, x), True)
+    assert any("all zeros" in n for n in notes) and any("final.weight" in n for n in notes)
+    cand = Zero()
+    assert reinit_zero_parameters(z, cand) == ["final.weight"]
+    assert z.final.weight.abs().sum() > 0 and torch.equal(z.final.weight, cand.final.weight)
