@@ -161,8 +161,15 @@ def main() -> None:
 @click.option("--tolerance", type=click.Choice(["fixed", "auto"]), default="fixed", show_default=True,
               help="auto: judge each stage against a float64 run of the reference (TorchDynamo's same() rule)")
 @click.option("--reinit-zero", is_flag=True, help="give all-zero weight matrices random values for the diff")
+@click.option("--report-dir", type=click.Path(file_okay=False), default=None,
+              help="write index.html, stages.csv, result.json, summary.md, junit.xml here "
+                   "(default: reports/<candidate name>/)")
+@click.option("--no-report", is_flag=True, help="write no report directory")
+@click.option("--html", "html_path", type=click.Path(dir_okay=False), default=None, help="write the HTML report here")
+@click.option("--markdown", "md_path", type=click.Path(dir_okay=False), default=None, help="write summary.md here")
+@click.option("--junit", "junit_path", type=click.Path(dir_okay=False), default=None, help="write junit.xml here")
 def diff(ref_path, cand_path, atol, rtol, seed, device, json_path, csv_path, strict, train, full, tolerance,
-         reinit_zero):
+         reinit_zero, report_dir, no_report, html_path, md_path, junit_path):
     """Compare candidate CAND.py (ModelNew) with reference REF.py (Model), stage by stage."""
     from .compare import diff_files
 
@@ -177,11 +184,29 @@ def diff(ref_path, cand_path, atol, rtol, seed, device, json_path, csv_path, str
     except DiffkitError as e:
         result = error_result(e, ref_path, cand_path, atol, rtol)
         click.echo(f"diffkit: ERROR: {e}", err=False)
-        write_outputs(result, json_path, csv_path)
+        _artifacts(result, json_path, csv_path, report_dir, no_report, html_path, md_path, junit_path)
         sys.exit(2)
     click.echo(format_result(result, color=color, full=full))
-    write_outputs(result, json_path, csv_path)
+    _artifacts(result, json_path, csv_path, report_dir, no_report, html_path, md_path, junit_path)
     sys.exit(EXIT[result.verdict])
+
+
+def _artifacts(result, json_path, csv_path, report_dir, no_report, html_path, md_path, junit_path) -> None:
+    from . import report
+
+    write_outputs(result, json_path, csv_path)
+    try:
+        if not no_report:
+            paths = report.write_report(result, report_dir)
+            click.echo(f"report: {paths['html']}")
+        if html_path:
+            report.write_html(result, html_path)
+        if md_path:
+            report.write_markdown(result, md_path)
+        if junit_path:
+            report.write_junit(result, junit_path)
+    except OSError as e:
+        click.echo(f"diffkit: could not write the report: {e}", err=True)
 
 
 @main.command(name="capture")

@@ -128,6 +128,12 @@ class Stage:
 
         return stage_html(self)
 
+    def heatmap(self):
+        """reference | candidate | |difference| heatmaps (a matplotlib Figure)."""
+        from .plots import heatmap
+
+        return heatmap(self)
+
 
 def _num(x: float | None) -> float | None:
     if x is None:
@@ -283,3 +289,15 @@ class Result:
         from .render import result_html
 
         return result_html(self)
+
+    def plot(self):
+        """Max and mean |error| per stage, log scale, tolerance and first divergence marked (a Figure)."""
+        from .plots import error_profile
+
+        return error_profile(self)
+
+    def write_report(self, directory: str | None = None) -> dict:
+        """index.html, stages.csv, result.json, summary.md and junit.xml in `directory`."""
+        from .report import write_report
+
+        return write_report(self, directory)

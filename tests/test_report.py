@@ -1,0 +1,140 @@
+"""Reports: HTML (checked in a real headless browser), CSV, JSON, Markdown, JUnit, and the notebook."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+import torch
+import torch.nn as nn
+
+import diffkit
+from diffkit.render import junit_xml
+from diffkit.report import write_report
+
+from conftest import KERNELS, REFS, ROOT
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.fixture(scope="module")
+def results(ops):
+    diverged = diffkit.diff_files(os.path.join(REFS, "axial_attention.py"),
+                                  os.path.join(KERNELS, "axial_attention_missing_bias.py"))
+    match = diffkit.diff_files(os.path.join(REFS, "triangle_multiplicative_update.py"),
+                               os.path.join(KERNELS, "triangle_multiplicative_update_cpp.py"))
+    error = diffkit.diff_files(os.path.join(REFS, "invariant_point_attention.py"),
+                               os.path.join(KERNELS, "invariant_point_attention_crash.py"))
+    return {"diverged": diverged, "match": match, "error": error}
+
+
+@pytest.mark.parametrize("kind", ["diverged", "match", "error"])
+def test_report_directory(kind, results, tmp_path):
+    result = results[kind]
+    assert result.verdict == kind
+    paths = write_report(result, str(tmp_path / kind))
+    assert set(paths) == {"html", "csv", "json", "markdown", "junit"}
+    frame = pd.read_csv(paths["csv"])
+    assert len(frame) == len(result.stages) and "status" in frame.columns
+    data = json.load(open(paths["json"]))
+    for key in ("verdict", "tolerance", "first_divergence", "root_cause", "error", "stages", "output"):
+        assert key in data
+    assert data["verdict"] == kind
+    md = open(paths["markdown"]).read()
+    assert md.startswith(f"## diffkit:") and kind in md.splitlines()[0]
+    from junitparser import JUnitXml
+
+    xml = JUnitXml.fromfile(paths["junit"])
+    cases = [c for suite in xml for c in suite]
+    assert len(cases) == len(result.compared) + (1 if result.error else 0)
+    failed = [c for c in cases if c.result]
+    assert len(failed) == len(result.diverged_stages) + (1 if result.error else 0)
+    if kind == "diverged":
+        first = next(c for c in failed if "row_attn.out_proj" in c.name)
+        assert "max_abs=" in first.result[0].message
+    html = open(paths["html"], encoding="utf-8").read()
+    assert html.startswith("<!DOCTYPE html>") and "http://" not in html and "https://" not in html
+    assert os.path.getsize(paths["html"]) < 3_000_000
+
+
+def test_names_are_escaped(tmp_path):
+    class Evil(nn.Module):
+        def forward(self, x):
+            return diffkit.tap("<script>alert(1)</script>", x * 2)
+
+    class EvilCand(nn.Module):
+        def forward(self, x):
+            return diffkit.tap("<script>alert(1)</script>", x * 3)
+
+    result = diffkit.compare(Evil(), EvilCand(), [torch.randn(4, 4)])
+    result.ref_path = "<b>ref</b>.py"
+    paths = write_report(result, str(tmp_path))
+    html = open(paths["html"], encoding="utf-8").read()
+    assert "<script>" not in html and "&lt;script&gt;" in html and "<b>ref</b>" not in html
+    assert "<script>" not in junit_xml(result)
+
+
+def test_notebook_objects(results):
+    result = results["diverged"]
+    html = result._repr_html_()
+    assert "DIVERGED" in html and "row_attn.out_proj" in html
+    stage = result.stage("row_attn.out_proj")
+    assert "missing_bias" in stage._repr_html_()
+    import matplotlib.figure
+
+    assert isinstance(result.plot(), matplotlib.figure.Figure)
+    assert isinstance(stage.heatmap(), matplotlib.figure.Figure)
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (.ci/run installs it)")
+def test_html_in_a_real_browser(results, tmp_path):
+    from playwright.sync_api import sync_playwright
+
+    paths = write_report(results["diverged"], str(tmp_path / "browser"))
+    shot = os.path.join(ROOT, "reports", "browser-screenshot.png")
+    os.makedirs(os.path.dirname(shot), exist_ok=True)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+            "--disable-component-update", "--disable-sync"])
+        page = browser.new_page(viewport={"width": 1300, "height": 1800})
+        errors = []
+        page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto("file://" + os.path.abspath(paths["html"]))
+        banner = page.inner_text(".banner")
+        widths = page.evaluate("Array.from(document.images).map(i => i.complete ? i.naturalWidth : 0)")
+        page.screenshot(path=shot)
+        browser.close()
+    assert errors == []
+    assert "DIVERGED" in banner and "row_attn.out_proj" in banner and "missing_bias" in banner
+    assert len(widths) >= 3 and all(w > 0 for w in widths)
+    assert os.path.getsize(shot) > 10_000
+
+
+def test_cli_writes_report_and_single_files(tmp_path, ops):
+    cmd = [sys.executable, os.path.join(ROOT, "cli.py"), "diff", os.path.join(REFS, "axial_attention.py"),
+           os.path.join(KERNELS, "axial_attention_tail.py"), "--report-dir", str(tmp_path / "rep"),
+           "--html", str(tmp_path / "one.html"), "--markdown", str(tmp_path / "one.md"), "--junit",
+           str(tmp_path / "one.xml")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    for name in ("index.html", "stages.csv", "result.json", "summary.md", "junit.xml"):
+        assert (tmp_path / "rep" / name).exists()
+    assert "unwritten_region" in (tmp_path / "one.md").read_text()
+    assert (tmp_path / "one.html").read_text().count("<img") >= 3 and (tmp_path / "one.xml").exists()
+
+
+def test_example_notebook_runs(ops):
+    import nbformat
+    from nbclient import NotebookClient
+
+    nb = nbformat.read(os.path.join(ROOT, "examples", "walkthrough.ipynb"), as_version=4)
+    NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": ROOT}}).execute()
+    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
+    assert not [o for o in outputs if o.get("output_type") == "error"]
+    text = json.dumps([o.get("data", {}).get("text/plain", "") or o.get("text", "") for o in outputs])
+    assert "row_attn.out_proj" in text and "missing_bias" in text
+    assert any("image/png" in o.get("data", {}) for o in outputs)
