@@ -13,6 +13,7 @@ when the value was produced), so later in-place writes do not change what was ca
 """
 from __future__ import annotations
 
+import os
 import re
 import sys
 import traceback as _tb
@@ -242,8 +243,10 @@ def _func_name(func: Callable) -> str:
 
 
 class _State:
-    def __init__(self, model: torch.nn.Module | None, snapshot: bool, only: Callable[[str], bool] | None):
+    def __init__(self, model: torch.nn.Module | None, snapshot: bool, only: Callable[[str], bool] | None,
+                 sink: Any = None):
         self.model = model
+        self.sink = sink  # a store.CaptureWriter streaming records to disk, or None
         self.snapshot = snapshot
         self.only = only
         self.trace = Trace()
@@ -324,6 +327,8 @@ class _State:
                     rec.aliases.append(new)
                 rec.is_output = rec.is_output or is_output
                 rec.rebound = rec.rebound or rebound
+                if self.sink is not None:
+                    self.sink.update(rec)
                 return rec
         rec = Record(
             index=len(self.trace.records), name=self.unique(name), kind=kind,
@@ -334,6 +339,8 @@ class _State:
         )
         self.trace.records.append(rec)
         self.track(tensor, rec.index)
+        if self.sink is not None:
+            self.sink.add(rec)
         return rec
 
     def site(self):
@@ -528,6 +535,23 @@ def tap(name: str, tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+_BREADCRUMB = os.environ.get("DIFFKIT_BREADCRUMB", "")
+
+
+def _leave_breadcrumb(qualname: str, st: "_State") -> None:
+    """In an isolated child, note which kernel call is starting, so a crash inside it can be named."""
+    text = ""
+    if qualname:
+        f = naming.user_frame(sys._getframe(2))
+        where = f"{f.f_code.co_filename}:{f.f_lineno}" if f is not None else "?"
+        text = f"inside ext:{qualname} (scope {st.scope or '<model>'}) called at {where}"
+    try:
+        with open(_BREADCRUMB, "w", encoding="utf-8") as fh:
+            fh.write(text)
+    except OSError:
+        pass
+
+
 class _ExtensionPatch:
     """Swap extension functions for recording wrappers for the duration of a capture."""
 
@@ -552,12 +576,16 @@ class _ExtensionPatch:
                     before = [(i, a.detach().clone()) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
                 finally:
                     st.busy = False
+            if _BREADCRUMB:
+                _leave_breadcrumb(qualname, st)
             try:
                 out = fn(*args, **kwargs)
             except BaseException:
                 if st.failing_call is None:
                     st.failing_call = f"ext:{qualname}"
                 raise
+            if _BREADCRUMB:
+                _leave_breadcrumb("", st)  # it returned: a later crash is not inside it
             st.returns_none[qualname] = out is None
             st.busy = True
             try:
@@ -632,8 +660,8 @@ class capture:
     """
 
     def __init__(self, model: torch.nn.Module | None = None, *, snapshot: bool = True,
-                 only: Callable[[str], bool] | None = None, inputs: tuple = ()):
-        self.state = _State(model, snapshot, only)
+                 only: Callable[[str], bool] | None = None, inputs: tuple = (), sink: Any = None):
+        self.state = _State(model, snapshot, only, sink)
         for i, (pos, t) in enumerate(_tensors(list(inputs))):
             # the model's inputs open the trace, so a candidate's copy of an input pairs with it
             self.state.trace.inputs.append(t.detach().clone() if snapshot else t)
@@ -669,6 +697,9 @@ class capture:
         if exc is not None:
             self.state.trace.error = _describe_error(exc, tb, self.state.error_scope or self.state.scope,
                                                      self.state.failing_call)
+        if self.state.sink is not None:
+            self.state.sink.set_error(self.state.trace.error)
+            self.state.sink.close()
         return False
 
 

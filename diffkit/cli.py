@@ -168,19 +168,44 @@ def main() -> None:
 @click.option("--html", "html_path", type=click.Path(dir_okay=False), default=None, help="write the HTML report here")
 @click.option("--markdown", "md_path", type=click.Path(dir_okay=False), default=None, help="write summary.md here")
 @click.option("--junit", "junit_path", type=click.Path(dir_okay=False), default=None, help="write junit.xml here")
+@click.option("--no-isolate", is_flag=True,
+              help="run in this process (default: a child process, so a crashing kernel cannot take the answer with it)")
+@click.option("--timeout", type=float, default=None, help="stop a candidate that runs longer than this (seconds)")
+@click.option("--stream-dir", type=click.Path(file_okay=False), default=None, hidden=True)
 def diff(ref_path, cand_path, atol, rtol, seed, device, json_path, csv_path, strict, train, full, tolerance,
-         reinit_zero, report_dir, no_report, html_path, md_path, junit_path):
-    """Compare candidate CAND.py (ModelNew) with reference REF.py (Model), stage by stage."""
-    from .compare import diff_files
+         reinit_zero, report_dir, no_report, html_path, md_path, junit_path, no_isolate, timeout, stream_dir):
+    """Compare candidate CAND.py (ModelNew) with reference REF.py (Model), stage by stage.
+
+    Either argument may instead be a capture directory written by `diffkit capture -o` (then both must be)."""
+    from .compare import compare_traces, diff_files
 
     if atol is not None and rtol is None:
         rtol = atol
     if rtol is not None and atol is None:
         atol = rtol
     color = sys.stdout.isatty()
+    arts = (json_path, csv_path, report_dir, no_report, html_path, md_path, junit_path)
+    if _is_capture(ref_path) or _is_capture(cand_path):
+        from .store import load_trace
+
+        try:
+            if not (_is_capture(ref_path) and _is_capture(cand_path)):
+                raise DiffkitError("", "read", "give both sides as capture directories, or both as model files")
+            result = compare_traces(load_trace(ref_path), load_trace(cand_path), atol, rtol, strict=strict)
+            result.ref_path, result.cand_path = ref_path, cand_path
+        except DiffkitError as e:
+            click.echo(f"diffkit: ERROR: {e}")
+            _artifacts(error_result(e, ref_path, cand_path, atol, rtol), *arts)
+            sys.exit(2)
+        click.echo(format_result(result, color=color, full=full))
+        _artifacts(result, *arts)
+        sys.exit(EXIT[result.verdict])
+    if not no_isolate:
+        sys.exit(_isolated(sys.argv[1:] if sys.argv[1:2] == ["diff"] else ["diff", *sys.argv[1:]], ref_path, cand_path,
+                           atol, rtol, strict, timeout, color, full, arts))
     try:
         result = diff_files(ref_path, cand_path, atol=atol, rtol=rtol, seed=seed, device=device, strict=strict,
-                            train=train, tolerance=tolerance, reinit_zero=reinit_zero)
+                            train=train, tolerance=tolerance, reinit_zero=reinit_zero, stream_dir=stream_dir)
     except DiffkitError as e:
         result = error_result(e, ref_path, cand_path, atol, rtol)
         click.echo(f"diffkit: ERROR: {e}", err=False)
@@ -189,6 +214,60 @@ def diff(ref_path, cand_path, atol, rtol, seed, device, json_path, csv_path, str
     click.echo(format_result(result, color=color, full=full))
     _artifacts(result, json_path, csv_path, report_dir, no_report, html_path, md_path, junit_path)
     sys.exit(EXIT[result.verdict])
+
+
+def _is_capture(path: str) -> bool:
+    import os
+
+    return os.path.isdir(path) and os.path.exists(os.path.join(path, "index.json"))
+
+
+def _isolated(argv, ref_path, cand_path, atol, rtol, strict, timeout, color, full, arts) -> int:
+    """Run the diff in a child process; if the child crashes or hangs, compare what it captured."""
+    import os
+    import signal
+    import subprocess
+    import tempfile
+
+    from .compare import compare_traces
+    from .result import ErrorInfo
+    from .store import CaptureFile
+
+    with tempfile.TemporaryDirectory(prefix="diffkit-") as tmp:
+        env = dict(os.environ, CUDA_LAUNCH_BLOCKING="1", DIFFKIT_BREADCRUMB=os.path.join(tmp, "breadcrumb"))
+        cmd = [sys.executable, "-m", "diffkit.cli", *argv, "--no-isolate", "--stream-dir", tmp]
+        proc = subprocess.Popen(cmd, env=env)
+        try:
+            code = proc.wait(timeout=timeout)
+            why = None if code >= 0 else f"killed by {signal.Signals(-code).name}"
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            code, why = -9, f"did not finish within {timeout:g} s and was stopped"
+        if code in (0, 1, 2):
+            return code
+        why = why or f"exited with status {code}"
+        traces = {}
+        for side in ("ref", "cand"):
+            path = os.path.join(tmp, f"{side}.dkt")
+            traces[side] = CaptureFile.open(path) if os.path.exists(os.path.join(path, "index.json")) else None
+        crumb = ""
+        if os.path.exists(os.path.join(tmp, "breadcrumb")):
+            crumb = open(os.path.join(tmp, "breadcrumb"), encoding="utf-8").read().strip()
+        side = "candidate" if traces["ref"] is not None and traces["ref"].complete else "reference"
+        from .capture import Trace
+
+        ref = traces["ref"].load() if traces["ref"] is not None else Trace()
+        cand = traces["cand"].load() if traces["cand"] is not None else Trace()
+        last = (cand if side == "candidate" else ref).records
+        where = crumb or (f"after {last[-1].name} ({last[-1].where})" if last else "before any stage was captured")
+        result = compare_traces(ref, cand, atol, rtol, strict=strict)
+        result.error = ErrorInfo(side, "forward", f"the {side} process {why}", where, "")
+        result.verdict = "error"
+        result.ref_path, result.cand_path = ref_path, cand_path
+        click.echo(format_result(result, color=color, full=full))
+        _artifacts(result, *arts)
+        return 2
 
 
 def _artifacts(result, json_path, csv_path, report_dir, no_report, html_path, md_path, junit_path) -> None:
@@ -217,7 +296,9 @@ def _artifacts(result, json_path, csv_path, report_dir, no_report, html_path, md
 @click.option("--inputs-from", "inputs_from", type=click.Path(exists=True, dir_okay=False), default=None,
               help="take get_inputs()/get_init_inputs() from this reference file (for a candidate file)")
 @click.option("--limit", type=int, default=None, help="print at most this many records")
-def capture_cmd(model_path, side, seed, inputs_from, limit):
+@click.option("-o", "--output", type=click.Path(file_okay=False), default=None,
+              help="save the records (values and metadata) as a capture directory for `diffkit diff`")
+def capture_cmd(model_path, side, seed, inputs_from, limit, output):
     """Run one forward of MODEL.py under capture and print its records."""
     import torch
 
@@ -242,8 +323,10 @@ def capture_cmd(model_path, side, seed, inputs_from, limit):
     except DiffkitError as e:
         click.echo(f"diffkit: ERROR: {e}")
         sys.exit(2)
-    trace = run_captured(model, inputs)
+    trace = run_captured(model, inputs, stream_to=output)
     click.echo(trace.format(limit=limit))
+    if output:
+        click.echo(f"saved {len(trace)} records to {output}")
     sys.exit(2 if trace.error else 0)
 
 

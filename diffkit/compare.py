@@ -17,11 +17,18 @@ from .result import Finding, Result
 from .rootcause import analyse
 
 
-def run_captured(model: torch.nn.Module, inputs: Sequence[Any], *, no_grad: bool = True, only=None) -> Trace:
-    """Run one forward under capture; an exception is kept in ``trace.error``, not raised."""
+def run_captured(model: torch.nn.Module, inputs: Sequence[Any], *, no_grad: bool = True, only=None,
+                 stream_to: str | None = None) -> Trace:
+    """Run one forward under capture; an exception is kept in ``trace.error``, not raised.
+    `stream_to` writes each record to a capture directory as it is made (crash insurance)."""
     inputs = list(inputs)
     cm = torch.no_grad() if no_grad else contextlib.nullcontext()
-    cap = capture(model, inputs=tuple(inputs), only=only)
+    sink = None
+    if stream_to:
+        from .store import CaptureWriter
+
+        sink = CaptureWriter(stream_to, shard_bytes=0)
+    cap = capture(model, inputs=tuple(inputs), only=only, sink=sink)
     try:
         with cm, cap:
             model(*inputs)
@@ -33,7 +40,7 @@ def run_captured(model: torch.nn.Module, inputs: Sequence[Any], *, no_grad: bool
 def compare(ref_model: torch.nn.Module, cand_model: torch.nn.Module, inputs: Sequence[Any], atol: float | None = None,
             rtol: float | None = None, *, strict: bool = False, no_grad: bool = True,
             cand_inputs: Sequence[Any] | None = None, tolerance: str = "fixed", health: bool = True,
-            rerun: bool = True) -> Result:
+            rerun: bool = True, stream_dir: str | None = None) -> Result:
     """Run both models on (clones of) `inputs` and say where the candidate first diverges.
 
     `atol`/`rtol` default to KernelBench's per-dtype tolerance (1e-4 float32, 1e-2 half/bfloat16).
@@ -45,8 +52,12 @@ def compare(ref_model: torch.nn.Module, cand_model: torch.nn.Module, inputs: Seq
         raise ValueError(f"tolerance must be 'fixed' or 'auto', not {tolerance!r}")
     ref_in = _clone(list(inputs))
     cand_in = _clone(list(cand_inputs if cand_inputs is not None else inputs))
-    ref_trace = run_captured(ref_model, _clone(ref_in), no_grad=no_grad)
-    cand_trace = run_captured(cand_model, _clone(cand_in), no_grad=no_grad)
+    import os
+
+    ref_trace = run_captured(ref_model, _clone(ref_in), no_grad=no_grad,
+                             stream_to=os.path.join(stream_dir, "ref.dkt") if stream_dir else None)
+    cand_trace = run_captured(cand_model, _clone(cand_in), no_grad=no_grad,
+                              stream_to=os.path.join(stream_dir, "cand.dkt") if stream_dir else None)
     ref64 = None
     if tolerance == "auto":
         ref64 = run_captured(_to_float64(ref_model), _to_float64(_clone(ref_in)), no_grad=no_grad)
@@ -194,12 +205,12 @@ def _check_nondeterminism(result: Result, model, inputs, no_grad: bool) -> None:
 
 def diff_files(ref_path: str, cand_path: str, *, atol: float | None = None, rtol: float | None = None,
                seed: int = 42, device: str | None = None, strict: bool = False, train: bool = False,
-               tolerance: str = "fixed", reinit_zero: bool = False) -> Result:
+               tolerance: str = "fixed", reinit_zero: bool = False, stream_dir: str | None = None) -> Result:
     """Load a KernelBench reference/candidate pair from files and compare them."""
     pair: LoadedPair = load_pair(ref_path, cand_path, seed=seed, device=device, train=train)
     reinit = reinit_zero_parameters(pair.ref, pair.cand) if reinit_zero else []
     result = compare(pair.ref, pair.cand, pair.ref_inputs, atol, rtol, strict=strict, no_grad=True,
-                     cand_inputs=pair.cand_inputs, tolerance=tolerance)
+                     cand_inputs=pair.cand_inputs, tolerance=tolerance, stream_dir=stream_dir)
     if reinit:
         result.warnings.append(f"re-initialised all-zero parameters randomly for this diff: {', '.join(reinit)}")
     result.weights = pair.weights

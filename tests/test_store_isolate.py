@@ -1,0 +1,136 @@
+"""Capture files (round trip, truncation, tampering) and the isolated child process (crash, hang)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import diffkit
+from diffkit import DiffkitError
+from diffkit.compare import run_captured
+from diffkit.store import CaptureFile, load_trace, save_trace
+
+from conftest import KERNELS, REFS, ROOT
+
+
+def _trace():
+    mod = diffkit.load.exec_file(os.path.join(REFS, "transformer_block.py"), "reference")
+    torch.manual_seed(42)
+    model = mod.Model(*mod.get_init_inputs()).eval()
+    return run_captured(model, mod.get_inputs())
+
+
+def test_round_trip_is_exact(tmp_path):
+    trace = _trace()
+    save_trace(trace, str(tmp_path / "run.dkt"), shard_bytes=20_000)  # several shards
+    assert len([f for f in os.listdir(tmp_path / "run.dkt") if f.endswith(".safetensors")]) > 1
+    back = load_trace(str(tmp_path / "run.dkt"))
+    assert [r.name for r in back] == [r.name for r in trace]
+    for a, b in zip(trace, back):
+        assert (a.kind, a.scope, a.label, a.op, a.shape, a.dtype, a.aliases, a.is_output, a.line) == \
+               (b.kind, b.scope, b.label, b.op, b.shape, b.dtype, b.aliases, b.is_output, b.line)
+        assert torch.equal(a.value, b.value)
+    # lazily, one record at a time
+    it = CaptureFile.open(str(tmp_path / "run.dkt")).records()
+    first = next(it)
+    assert first.name == "input[0]" and first.value is not None
+    result = diffkit.compare_traces(trace, back)
+    assert result.verdict == "match" and all(s.stats.max_abs == 0 for s in result.compared)
+
+
+def _broken(tmp_path, edit):
+    path = tmp_path / "run.dkt"
+    save_trace(_trace(), str(path), shard_bytes=20_000)
+    edit(path)
+    with pytest.raises(DiffkitError) as e:
+        load_trace(str(path))
+    return str(e.value)
+
+
+def test_truncated_shard(tmp_path):
+    def cut(path):
+        shard = sorted(p for p in os.listdir(path) if p.endswith(".safetensors"))[1]
+        data = (path / shard).read_bytes()
+        (path / shard).write_bytes(data[: len(data) // 2])
+    msg = _broken(tmp_path, cut)
+    assert "truncated or corrupt" in msg and "shard-00001" in msg
+
+
+def test_truncated_index(tmp_path):
+    def cut(path):
+        text = (path / "index.json").read_text()
+        (path / "index.json").write_text(text[: len(text) // 3])
+    assert "not valid JSON" in _broken(tmp_path, cut)
+
+
+def test_tampered_index(tmp_path):
+    def shape(path):
+        idx = json.loads((path / "index.json").read_text())
+        idx["records"][3]["shape"] = [1, 2, 3]
+        (path / "index.json").write_text(json.dumps(idx))
+    assert "do not belong together" in _broken(tmp_path, shape)
+
+
+def test_path_escape_and_missing_shard(tmp_path):
+    def escape(path):
+        idx = json.loads((path / "index.json").read_text())
+        idx["records"][2]["shard"] = "../../etc/passwd"
+        (path / "index.json").write_text(json.dumps(idx))
+    assert "points outside the capture" in _broken(tmp_path, escape)
+
+
+def test_missing_shard(tmp_path):
+    def drop(path):
+        os.remove(path / "shard-00000.safetensors")
+    assert "is missing" in _broken(tmp_path, drop)
+
+
+def test_not_a_capture(tmp_path):
+    (tmp_path / "index.json").write_text(json.dumps({"format": "something-else"}))
+    with pytest.raises(DiffkitError, match="not a diffkit capture"):
+        load_trace(str(tmp_path))
+
+
+def _cli(*args, timeout=600):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "cli.py"), *args], capture_output=True, text=True,
+                          cwd=ROOT, timeout=timeout)
+
+
+def test_capture_command_and_diff_of_two_captures(tmp_path, ops):
+    ref = _cli("capture", os.path.join(REFS, "transformer_block.py"), "-o", str(tmp_path / "ref.dkt"))
+    assert ref.returncode == 0, ref.stdout + ref.stderr
+    cand = _cli("capture", os.path.join(KERNELS, "transformer_block_no_scale.py"), "--side", "cand", "--inputs-from",
+                os.path.join(REFS, "transformer_block.py"), "-o", str(tmp_path / "cand.dkt"))
+    assert cand.returncode == 0, cand.stdout + cand.stderr
+    out = _cli("diff", str(tmp_path / "ref.dkt"), str(tmp_path / "cand.dkt"), "--no-report")
+    assert out.returncode == 1 and "forward:scores" in out.stdout.strip().splitlines()[-1]
+
+
+CRASH = """
+import ctypes, os, runpy
+_base = runpy.run_path({kernels!r} + "/transformer_block_cpp.py")
+ops = _base["ops"]
+class ModelNew(_base["ModelNew"]):
+    def forward(self, x):
+        b, s, dim = x.shape
+        y = ops.layernorm(x.reshape(b * s, dim), self.ln1.weight, self.ln1.bias, self.ln1.eps, 0)
+        {action}
+        return y
+"""
+
+
+@pytest.mark.parametrize("action,why", [("ctypes.string_at(0)", "SIGSEGV"),
+                                        ("import time; time.sleep(600)", "did not finish within")])
+def test_crash_or_hang_in_the_child_keeps_what_was_captured(tmp_path, action, why, ops):
+    cand = tmp_path / "cand.py"
+    cand.write_text(CRASH.format(kernels=KERNELS, action=action))
+    out = _cli("diff", os.path.join(REFS, "transformer_block.py"), str(cand), "--timeout", "60", "--json",
+               str(tmp_path / "r.json"), "--no-report")
+    assert out.returncode == 2, out.stdout + out.stderr
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["verdict"] == "error" and data["error"]["side"] == "candidate" and why in data["error"]["message"]
+    assert "forward:y" in data["error"]["stage"]  # the last stage captured before it
+    ok = [s for s in data["stages"] if s["status"] == "ok"]
+    assert any(s["ref_name"] == "ln1" for s in ok)
