@@ -210,10 +210,29 @@ def diff(ref_path, cand_path, atol, rtol, seed, device, json_path, csv_path, str
         result = error_result(e, ref_path, cand_path, atol, rtol)
         click.echo(f"diffkit: ERROR: {e}", err=False)
         _artifacts(result, json_path, csv_path, report_dir, no_report, html_path, md_path, junit_path)
+        _done(stream_dir)
+        sys.exit(2)
+    except Exception as e:  # e.g. a CUDA error that poisoned the context after the forward
+        if stream_dir:  # isolated: let the parent compare what was streamed before it
+            raise
+        err = DiffkitError("", "compare", f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
+        click.echo(f"diffkit: ERROR: {err}")
+        _artifacts(error_result(err, ref_path, cand_path, atol, rtol), json_path, csv_path, report_dir, no_report,
+                   html_path, md_path, junit_path)
         sys.exit(2)
     click.echo(format_result(result, color=color, full=full))
     _artifacts(result, json_path, csv_path, report_dir, no_report, html_path, md_path, junit_path)
+    _done(stream_dir)
     sys.exit(EXIT[result.verdict])
+
+
+def _done(stream_dir) -> None:
+    """Tell the isolating parent that this child finished and wrote its own result."""
+    if stream_dir:
+        import os
+
+        with open(os.path.join(stream_dir, "done"), "w") as fh:
+            fh.write("ok")
 
 
 def _is_capture(path: str) -> bool:
@@ -236,17 +255,23 @@ def _isolated(argv, ref_path, cand_path, atol, rtol, strict, timeout, color, ful
     with tempfile.TemporaryDirectory(prefix="diffkit-") as tmp:
         env = dict(os.environ, CUDA_LAUNCH_BLOCKING="1", DIFFKIT_BREADCRUMB=os.path.join(tmp, "breadcrumb"))
         cmd = [sys.executable, "-m", "diffkit.cli", *argv, "--no-isolate", "--stream-dir", tmp]
-        proc = subprocess.Popen(cmd, env=env)
-        try:
-            code = proc.wait(timeout=timeout)
-            why = None if code >= 0 else f"killed by {signal.Signals(-code).name}"
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            code, why = -9, f"did not finish within {timeout:g} s and was stopped"
-        if code in (0, 1, 2):
+        errlog = os.path.join(tmp, "stderr")
+        with open(errlog, "w") as err_fh:
+            proc = subprocess.Popen(cmd, env=env, stderr=err_fh)
+            try:
+                code = proc.wait(timeout=timeout)
+                why = None if code >= 0 else f"killed by {signal.Signals(-code).name}"
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+                code, why = -9, f"did not finish within {timeout:g} s and was stopped"
+        err_text = open(errlog, encoding="utf-8", errors="replace").read()
+        if code in (0, 1, 2) and os.path.exists(os.path.join(tmp, "done")):
+            sys.stderr.write(err_text)
             return code
-        why = why or f"exited with status {code}"
+        last_err = next((ln.strip() for ln in reversed(err_text.splitlines())
+                         if ln.strip() and not ln.startswith(" ") and ":" in ln), "")
+        why = why or f"exited with status {code}" + (f" ({last_err[:300]})" if last_err else "")
         traces = {}
         for side in ("ref", "cand"):
             path = os.path.join(tmp, f"{side}.dkt")
@@ -262,7 +287,7 @@ def _isolated(argv, ref_path, cand_path, atol, rtol, strict, timeout, color, ful
         last = (cand if side == "candidate" else ref).records
         where = crumb or (f"after {last[-1].name} ({last[-1].where})" if last else "before any stage was captured")
         result = compare_traces(ref, cand, atol, rtol, strict=strict)
-        result.error = ErrorInfo(side, "forward", f"the {side} process {why}", where, "")
+        result.error = ErrorInfo(side, "forward", f"the {side} process {why}", where, err_text[-6000:])
         result.verdict = "error"
         result.ref_path, result.cand_path = ref_path, cand_path
         click.echo(format_result(result, color=color, full=full))
@@ -277,7 +302,7 @@ def _artifacts(result, json_path, csv_path, report_dir, no_report, html_path, md
     try:
         if not no_report:
             paths = report.write_report(result, report_dir)
-            click.echo(f"report: {paths['html']}")
+            click.echo(f"report: {paths['html']}", err=True)
         if html_path:
             report.write_html(result, html_path)
         if md_path:

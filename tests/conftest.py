@@ -29,14 +29,18 @@ def expectation(path):
     return None
 
 
-def candidates():
+def candidates(device="cpu"):
+    """(name, reference, candidate, expectation) for every candidate in kernels/ that runs on `device`
+    (CUDA candidates are the files named *_cuda*)."""
     out = []
     for name in sorted(os.listdir(KERNELS)):
         if not name.endswith(".py") or name == "cpu_ops.py" or name.startswith("_"):
             continue
+        if ("_cuda" in name) != (device == "cuda"):
+            continue
         path = os.path.join(KERNELS, name)
         exp = expectation(path)
-        ref = exp["reference"] if exp else name.replace("_cpp.py", ".py")
+        ref = exp["reference"] if exp else name.replace("_cpp.py", ".py").replace("_cuda.py", ".py")
         out.append((name, os.path.join(REFS, ref), path, exp))
     return out
 
