@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 
 import click
@@ -269,8 +270,9 @@ def _isolated(argv, ref_path, cand_path, atol, rtol, strict, timeout, color, ful
         if code in (0, 1, 2) and os.path.exists(os.path.join(tmp, "done")):
             sys.stderr.write(err_text)
             return code
-        last_err = next((ln.strip() for ln in reversed(err_text.splitlines())
-                         if ln.strip() and not ln.startswith(" ") and ":" in ln), "")
+        lines = [ln.strip() for ln in err_text.splitlines() if ln.strip() and not ln.startswith(" ")]
+        last_err = next((ln for ln in reversed(lines) if re.match(r"^[\w.]*(Error|Exception)\b.*:", ln)),
+                        lines[-1] if lines else "")
         why = why or f"exited with status {code}" + (f" ({last_err[:300]})" if last_err else "")
         traces = {}
         for side in ("ref", "cand"):
