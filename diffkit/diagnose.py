@@ -76,10 +76,7 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 def check_region(ctx: Context) -> list[Finding]:
     """An unwritten or wrong block of rows in the candidate's own [rows, last-dim] layout."""
-    c = _rows(ctx.cand_native)
-    transform = ctx.stage.transform
-    from .align import to_ref_layout  # noqa: F401  (the native layout is what the kernel wrote)
-
+    c = _rows(ctx.cand_native)  # the native layout is what the kernel wrote
     try:
         r = _rows(_native_ref(ctx))
     except Exception:
@@ -358,8 +355,9 @@ def diagnose(stage: Stage, ref_records: list[Record], cand_records: list[Record]
             break
     exact = {"missing_bias", "offset", "scale", "sign", "permutation", "transposed_weight", "unwritten_region",
              "wrong_reduction_axis"}
-    if any(f.kind in exact for f in findings) or any(f.kind == "nondeterministic" for f in stage.diagnosis):
-        # an exact explanation (or run-to-run noise) makes the statistical ones noise
+    if any(f.kind in exact for f in findings):
+        # an exact explanation makes the statistical ones noise (compare.py drops them too when a
+        # rerun later shows run-to-run noise)
         findings = [f for f in findings if f.kind not in ("approximation", "precision")]
     findings.sort(key=lambda f: -f.confidence)
     return findings

@@ -7,6 +7,8 @@ as KernelBench judges it; intermediates that fail while the output passes are wa
 """
 from __future__ import annotations
 
+import bisect
+
 from .align import Alignment, to_ref_layout
 from .capture import Record, Trace
 from .measure import default_tolerance, measure
@@ -27,9 +29,9 @@ def build_stages(ref: Trace, cand: Trace, alignment: Alignment, atol: float | No
     for ri in alignment.ref_unmatched:
         if ref.records[ri].kind == "input":
             continue
-        earlier = [r for r in paired_refs if r < ri]
-        if earlier:
-            ref_after.setdefault(ref_to_cand[earlier[-1]], []).append(ri)
+        k = bisect.bisect_left(paired_refs, ri)  # the nearest paired reference record before it
+        if k:
+            ref_after.setdefault(ref_to_cand[paired_refs[k - 1]], []).append(ri)
         else:
             leading.append(ri)
     for ri in leading:
