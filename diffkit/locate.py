@@ -11,12 +11,18 @@ import bisect
 
 from .align import Alignment, to_ref_layout
 from .capture import Record, Trace
-from .measure import default_tolerance, measure
+from .measure import PendingStats, default_tolerance, measure_async
 from .result import ErrorInfo, Result, Stage
 
 
-def build_stages(ref: Trace, cand: Trace, alignment: Alignment, atol: float | None, rtol: float | None) -> list[Stage]:
-    """Stages in candidate order; reference-only stages follow the stage paired before them."""
+def build_stages(ref: Trace, cand: Trace, alignment: Alignment, atol: float | None, rtol: float | None,
+                 known: dict | None = None) -> list[Stage]:
+    """Stages in candidate order; reference-only stages follow the stage paired before them.
+
+    `known` maps (ref index, cand index, transform) to Stats already measured (streaming mode).
+    Every pair is measured on its device first and the scalars gathered afterwards, so a GPU
+    diff waits for the device once, not once per stage."""
+    pending: list[tuple[Stage, PendingStats]] = []
     by_cand = alignment.by_cand()
     rows: list[Stage] = []
     ref_after: dict[int, list[int]] = {}
@@ -44,16 +50,20 @@ def build_stages(ref: Trace, cand: Trace, alignment: Alignment, atol: float | No
             rows.append(Stage(index=0, ref=None, cand=c, note="no reference counterpart"))
         else:
             r = ref.records[p.ref]
-            rows.append(_measured(r, c, p.paired_by, p.transform, p.describe_transform(), atol, rtol))
+            rows.append(_measured(r, c, p.paired_by, p.transform, p.describe_transform(), atol, rtol, pending,
+                                  (known or {}).get((r.index, c.index, p.transform))))
         for ri in ref_after.get(c.index, []):
             rows.append(Stage(index=0, ref=ref.records[ri], cand=None, note="no candidate counterpart"))
+    for st, ps in pending:
+        st.stats = ps.result()
+        st.status = "ok" if st.stats.ok else "diverged"
     for i, s in enumerate(rows):
         s.index = i
     return rows
 
 
 def _measured(r: Record, c: Record, how: str, transform: tuple, transform_text: str,
-              atol: float | None, rtol: float | None) -> Stage:
+              atol: float | None, rtol: float | None, pending: list, known=None) -> Stage:
     stage = Stage(index=0, ref=r, cand=c, paired_by=how, transform=transform_text, pair_transform=transform)
     a = atol if atol is not None else default_tolerance(r.dtype)
     t = rtol if rtol is not None else default_tolerance(r.dtype)
@@ -61,14 +71,16 @@ def _measured(r: Record, c: Record, how: str, transform: tuple, transform_text: 
         stage.status = "diverged"
         stage.note = f"shape mismatch: reference {list(r.shape)}, candidate {list(c.shape)}"
         return stage
+    if c.dtype != r.dtype:
+        stage.note = f"dtype {str(c.dtype).replace('torch.', '')} compared against {str(r.dtype).replace('torch.', '')}"
+    if known is not None:
+        stage.stats = known
+        stage.status = "ok" if known.ok else "diverged"
+        return stage
     if r.value is None or c.value is None:
         stage.note = "values not captured"
         return stage
-    cv = to_ref_layout(c.value, r.shape, transform)
-    if cv.dtype != r.value.dtype:
-        stage.note = f"dtype {str(c.dtype).replace('torch.', '')} compared against {str(r.dtype).replace('torch.', '')}"
-    stage.stats = measure(r.value, cv, a, t)
-    stage.status = "ok" if stage.stats.ok else "diverged"
+    pending.append((stage, measure_async(r.value, to_ref_layout(c.value, r.shape, transform), a, t)))
     return stage
 
 

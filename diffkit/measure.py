@@ -73,27 +73,73 @@ def _unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(idx))
 
 
+class PendingStats:
+    """Metrics computed on the tensors' device, on their way to the host.
+
+    The scalars travel as one small float64 vector through pinned memory behind a CUDA event, so
+    measuring many pairs costs no synchronisation until `result()` is asked for."""
+
+    def __init__(self, packed: torch.Tensor | None, shape: tuple[int, ...], atol: float, rtol: float,
+                 ready: Stats | None = None):
+        self.shape, self.atol, self.rtol = shape, atol, rtol
+        self._stats = ready
+        self._event = None
+        self._host = None
+        if packed is not None:
+            if packed.is_cuda:
+                self._host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+                self._host.copy_(packed, non_blocking=True)
+                self._event = torch.cuda.Event()
+                self._event.record()
+            else:
+                self._host = packed
+
+    def done(self) -> bool:
+        return self._stats is not None or self._event is None or self._event.query()
+
+    def result(self) -> Stats:
+        if self._stats is None:
+            if self._event is not None:
+                self._event.synchronize()
+            (mism, max_abs, mean_abs, max_rel, cosine, r_nan, r_inf, c_nan, c_inf, flat, wr, wc, n) = \
+                self._host.tolist()
+            wabs = abs(wc - wr)
+            self._stats = Stats(int(n), max_abs, mean_abs, max_rel, int(mism), cosine, int(r_nan), int(r_inf),
+                                int(c_nan), int(c_inf), Worst(_unravel(int(flat), self.shape), wr, wc,
+                                                              wabs if wabs == wabs and wabs != float("inf") else float("inf")),
+                                self.atol, self.rtol)
+            self._host = None
+        return self._stats
+
+
 def measure(ref: torch.Tensor, cand: torch.Tensor, atol: float, rtol: float) -> Stats:
     """Compare `cand` against `ref` (same shape; bring the layout in line before calling)."""
+    return measure_async(ref, cand, atol, rtol).result()
+
+
+def measure_async(ref: torch.Tensor, cand: torch.Tensor, atol: float, rtol: float) -> PendingStats:
+    """`measure` without waiting for the device: every scalar is reduced on the device into one vector."""
     if tuple(ref.shape) != tuple(cand.shape):
         raise ValueError(f"measure needs equal shapes, got {tuple(ref.shape)} and {tuple(cand.shape)}")
     if cand.device != ref.device:
-        cand = cand.to(ref.device)
+        cand = cand.to(ref.device, non_blocking=True)
     n = ref.numel()
-    exact = not (ref.is_floating_point() or ref.is_complex())
+    shape = tuple(ref.shape)
+    if n == 0:
+        return PendingStats(None, shape, atol, rtol, ready=Stats(0, 0.0, 0.0, 0.0, 0, 1.0, 0, 0, 0, 0, None, atol, rtol))
     r = ref.detach().reshape(-1)
     c = cand.detach().reshape(-1)
-    if n == 0:
-        return Stats(0, 0.0, 0.0, 0.0, 0, 1.0, 0, 0, 0, 0, None, atol, rtol)
-    if exact and not (c.is_floating_point() or c.is_complex()):
-        diff = (c.to(torch.float64) - r.to(torch.float64)).abs()
+    exact = not (ref.is_floating_point() or ref.is_complex()) and not (c.is_floating_point() or c.is_complex())
+    rd = r.to(torch.float64)
+    cd = c.to(torch.float64)
+    zero = torch.zeros((), dtype=torch.float64, device=rd.device)
+    if exact:
+        diff = (cd - rd).abs()
         bad = c != r
-        rd, cd = r.to(torch.float64), c.to(torch.float64)
-        r_nan = r_inf = c_nan = c_inf = 0
         nan_bad = torch.zeros_like(bad)
+        counts = zero.expand(4)
+        finite_r, finite_c = rd, cd
     else:
-        rd = r.to(torch.float64)
-        cd = c.to(torch.float64)
         r_nan_m, c_nan_m = torch.isnan(rd), torch.isnan(cd)
         r_inf_m, c_inf_m = torch.isinf(rd), torch.isinf(cd)
         # NaN where the reference has NaN, or the same infinity, is agreement; anything else is not
@@ -102,27 +148,23 @@ def measure(ref: torch.Tensor, cand: torch.Tensor, atol: float, rtol: float) -> 
         special = r_nan_m | c_nan_m | r_inf_m | c_inf_m
         nan_bad = special & ~(both_nan | same_inf)
         finite = ~special
-        diff = torch.where(finite, (cd - rd).abs(), torch.zeros_like(rd))
-        tol_bad = finite & (diff > atol + rtol * rd.abs())
-        bad = tol_bad | nan_bad
-        r_nan, r_inf = int(r_nan_m.sum()), int(r_inf_m.sum())
-        c_nan, c_inf = int(c_nan_m.sum()), int(c_inf_m.sum())
-    mismatches = int(bad.sum())
-    max_abs = float(diff.max())
-    mean_abs = float(diff.mean())
-    nz = rd.abs() > 0
-    rel = torch.where(nz & torch.isfinite(rd) & torch.isfinite(cd), diff / rd.abs().clamp_min(1e-300), torch.zeros_like(diff))
-    max_rel = float(rel.max())
-    fr = torch.where(torch.isfinite(rd), rd, torch.zeros_like(rd))
-    fc = torch.where(torch.isfinite(cd), cd, torch.zeros_like(cd))
-    denom = float(fr.norm() * fc.norm())
-    cosine = float((fr * fc).sum() / denom) if denom > 0 else (1.0 if float(fr.norm()) == float(fc.norm()) else 0.0)
-    if mismatches and bool(nan_bad.any()):
-        flat = int(torch.nonzero(nan_bad)[0, 0])
-    else:
-        # the element that exceeds its tolerance by the most (or, all passing, the largest error)
-        excess = diff - (atol + rtol * rd.abs())
-        flat = int(torch.argmax(excess if mismatches else diff))
-    worst = Worst(_unravel(flat, tuple(ref.shape)), float(rd[flat]), float(cd[flat]),
-                  float(abs(float(cd[flat]) - float(rd[flat]))) if bool(torch.isfinite(cd[flat] - rd[flat])) else float("inf"))
-    return Stats(n, max_abs, mean_abs, max_rel, mismatches, cosine, r_nan, r_inf, c_nan, c_inf, worst, atol, rtol)
+        diff = torch.where(finite, (cd - rd).abs(), zero)
+        bad = (finite & (diff > atol + rtol * rd.abs())) | nan_bad
+        counts = torch.stack([m.sum(dtype=torch.float64) for m in (r_nan_m, r_inf_m, c_nan_m, c_inf_m)])
+        finite_r = torch.where(torch.isfinite(rd), rd, zero)
+        finite_c = torch.where(torch.isfinite(cd), cd, zero)
+    mism = bad.sum(dtype=torch.float64)
+    rel = torch.where((rd.abs() > 0) & torch.isfinite(rd) & torch.isfinite(cd), diff / rd.abs().clamp_min(1e-300), zero)
+    nr, nc = finite_r.norm(), finite_c.norm()
+    denom = nr * nc
+    cosine = torch.where(denom > 0, (finite_r * finite_c).sum() / torch.where(denom > 0, denom, 1.0),
+                         (nr == nc).to(torch.float64))
+    # the worst element: the first NaN/Inf disagreement, else the element exceeding its tolerance by
+    # the most (all passing: the largest error)
+    excess = diff - (atol + rtol * rd.abs())
+    by_err = torch.where(mism > 0, torch.argmax(excess), torch.argmax(diff))
+    flat = torch.where(nan_bad.any() & (mism > 0), torch.argmax(nan_bad.to(torch.uint8)), by_err)
+    packed = torch.cat([torch.stack([mism, diff.max(), diff.mean(), rel.max(), cosine]), counts,
+                        torch.stack([flat.to(torch.float64), rd[flat], cd[flat],
+                                     torch.tensor(float(n), dtype=torch.float64, device=rd.device)])])
+    return PendingStats(packed, shape, atol, rtol)
