@@ -16,7 +16,9 @@ the candidate closest to the reference is used and recorded in `transform`.
 """
 from __future__ import annotations
 
+import functools
 import itertools
+from typing import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -149,35 +151,80 @@ def best_layout(cand: torch.Tensor, ref: torch.Tensor) -> tuple[tuple, float]:
 PERMUTE_ACCEPT_REL_ERR = 0.1
 
 
+_SAMPLE = 4096  # positions on which permutations are screened before the best is checked in full
+
+
+def _strides(shape: tuple) -> list[int]:
+    out, acc = [], 1
+    for size in reversed(shape):
+        out.append(acc)
+        acc *= size
+    return list(reversed(out))
+
+
+def _unravel_many(j: torch.Tensor, shape: tuple) -> list[torch.Tensor]:
+    return [(j // st) % size for st, size in zip(_strides(shape), shape)]
+
+
+def _source_index(j: torch.Tensor, cshape: tuple, rshape: tuple, t: tuple) -> torch.Tensor:
+    """For reference flat positions `j`, the candidate flat positions `to_ref_layout` takes them from."""
+    if t[0] == "permute":
+        p = t[1]
+        m = _unravel_many(j, tuple(cshape[i] for i in p))  # reshape keeps the permuted view's order
+        cst = _strides(cshape)
+        return sum(m[i] * cst[p[i]] for i in range(len(p)))
+    qshape, inv = t[1], t[2]
+    m = _unravel_many(j, rshape)
+    qst = _strides(qshape)
+    return sum(m[i] * qst[inv[i]] for i in range(len(inv)))
+
+
+@functools.lru_cache(maxsize=512)
+def _layout_options(cshape: tuple, rshape: tuple) -> tuple[list[tuple], torch.Tensor, torch.Tensor]:
+    """Every permuted layout between two shapes, with sampled reference positions and, per layout,
+    the candidate positions they come from (computed once per pair of shapes)."""
+    options: list[tuple] = []
+    if len(cshape) <= _MAX_PERM_DIMS:
+        for p in itertools.permutations(range(len(cshape))):
+            if list(p) != sorted(p) and _groupable(tuple(cshape[i] for i in p), rshape):
+                options.append(("permute", p))
+    if len(rshape) <= _MAX_PERM_DIMS:
+        for q in itertools.permutations(range(len(rshape))):
+            qshape = tuple(rshape[i] for i in q)
+            if list(q) != sorted(q) and _groupable(qshape, cshape):
+                options.append(("unpermute", qshape, tuple(sorted(range(len(q)), key=lambda i: q[i]))))
+    n = 1
+    for size in rshape:
+        n *= size
+    g = torch.Generator().manual_seed(0)
+    j = torch.randint(n, (_SAMPLE,), generator=g) if n > _SAMPLE else torch.arange(n)
+    idx = torch.stack([_source_index(j, cshape, rshape, t) for t in options]) if options else torch.empty(0, len(j))
+    return options, j, idx.long()
+
+
 def _best_permutation(cand: torch.Tensor, ref: torch.Tensor, best: tuple[tuple, float]) -> tuple[tuple, float]:
     cshape, rshape = tuple(cand.shape), tuple(ref.shape)
-    if cand.dim() <= _MAX_PERM_DIMS:
-        for p in itertools.permutations(range(cand.dim())):
-            if list(p) == sorted(p):
-                continue
-            pshape = tuple(cshape[i] for i in p)
-            if not _groupable(pshape, rshape):
-                continue
-            err = _rel_err(cand.permute(*p).reshape(rshape), ref)
-            if err < best[1]:
-                best = (("permute", p), err)
-    if ref.dim() <= _MAX_PERM_DIMS:
-        for q in itertools.permutations(range(ref.dim())):
-            if list(q) == sorted(q):
-                continue
-            qshape = tuple(rshape[i] for i in q)
-            if not _groupable(qshape, cshape):
-                continue
-            inv = tuple(sorted(range(len(q)), key=lambda i: q[i]))
-            t = ("unpermute", qshape, inv)
-            err = _rel_err(to_ref_layout(cand, rshape, t), ref)
-            if err < best[1]:
-                best = (t, err)
+    options, j, idx = _layout_options(cshape, rshape)
+    if not options:
+        return best
+    # screen every layout on the same sampled positions at once, then check the best two in full
+    cf = cand.reshape(-1).to(torch.float64)
+    rj = ref.reshape(-1)[j.to(ref.device)].to(torch.float64)
+    cs = cf[idx.to(cf.device)]
+    ok = torch.isfinite(cs) & torch.isfinite(rj)
+    d = torch.where(ok, cs - rj, 0.0).norm(dim=1)
+    scale = torch.where(ok, rj.expand_as(cs), 0.0).norm(dim=1)
+    errs = torch.where(scale > 0, d / scale.clamp_min(1e-300), torch.where(d == 0, 0.0, float("inf")))
+    for k in torch.argsort(errs)[:2].tolist():
+        t = options[k]
+        err = _rel_err(to_ref_layout(cand, rshape, t), ref)
+        if err < best[1]:
+            best = (t, err)
     return best
 
 
-def _fingerprint(r: Record, k: int = 33) -> torch.Tensor | None:
-    v = r.value
+def _fingerprint(r: Record, k: int = 33, v: torch.Tensor | None = None) -> torch.Tensor | None:
+    v = r.value if v is None else v
     if v is None or not (v.is_floating_point()) or v.numel() == 0:
         return None
     flat = v.detach().reshape(-1)
@@ -224,18 +271,28 @@ VALUE_MATCH_REL_ERR = 0.5
 NAME_MATCH_REL_ERR = 1.0
 
 
-def align(ref: list[Record], cand: list[Record], value_match: bool = True) -> Alignment:
+def align(ref: list[Record], cand: list[Record], value_match: bool = True, *,
+          fixed: dict[int, tuple[int, tuple]] | None = None,
+          ref_value: Callable[[Record], torch.Tensor | None] | None = None) -> Alignment:
+    """`fixed` (candidate index → (reference index, transform)) are pairs made already (a streaming
+    diff pairs by name as records are produced); `ref_value` fetches a reference value that is
+    not held in its record (read lazily from a store)."""
     paired_ref: dict[int, int] = {}
     pairs: dict[int, Pair] = {}
+    rv = (lambda r: r.value if r.value is not None else ref_value(r)) if ref_value is not None else (lambda r: r.value)
+    for ci, (ri, t) in (fixed or {}).items():
+        pairs[ci] = Pair(ci, ri, "name", t)
+        paired_ref.setdefault(ri, ci)
 
     def can_pair(ci: int, ri: int) -> bool:
         return _numel(cand[ci]) == _numel(ref[ri])
 
     def layout(ci: int, ri: int) -> tuple:
         c, r = cand[ci], ref[ri]
-        if c.shape == r.shape or c.value is None or r.value is None:
+        if c.shape == r.shape or c.value is None:
             return () if c.shape == r.shape else ("reshape",)
-        return best_layout(c.value, r.value)[0]
+        v = rv(r)
+        return best_layout(c.value, v)[0] if v is not None else ("reshape",)
 
     def add(ci: int, ri: int, how: str, transform: tuple | None = None) -> None:
         pairs[ci] = Pair(ci, ri, how, layout(ci, ri) if transform is None else transform)
@@ -250,8 +307,9 @@ def align(ref: list[Record], cand: list[Record], value_match: bool = True) -> Al
 
     def add_checked(ci: int, ri: int, how: str) -> None:
         c, r = cand[ci], ref[ri]
-        if weak(ci, ri) and c.value is not None and r.value is not None:
-            t, err = best_layout(c.value, r.value)
+        v = rv(r) if weak(ci, ri) and c.value is not None else None
+        if v is not None:
+            t, err = best_layout(c.value, v)
             if err > NAME_MATCH_REL_ERR:
                 deferred[ci] = ri
                 return
@@ -265,6 +323,8 @@ def align(ref: list[Record], cand: list[Record], value_match: bool = True) -> Al
         for n in r.names():
             names.setdefault(n, []).append(r.index)
     for c in cand:
+        if c.index in pairs:
+            continue
         for n in c.names():
             hit = next((ri for ri in names.get(n, []) if ri not in paired_ref and can_pair(c.index, ri)), None)
             if hit is not None:
@@ -305,7 +365,7 @@ def align(ref: list[Record], cand: list[Record], value_match: bool = True) -> Al
             pos_c = c.index / max(len(cand), 1)
             for ri in contenders:
                 if ri not in fps:
-                    fps[ri] = _fingerprint(ref[ri])
+                    fps[ri] = _fingerprint(ref[ri], v=rv(ref[ri]))
                 fr = fps[ri]
                 if fr is None:
                     continue
@@ -316,9 +376,11 @@ def align(ref: list[Record], cand: list[Record], value_match: bool = True) -> Al
             scored.sort()
             best = None
             for _, prior, ri in scored[:6]:
-                t, err = best_layout(c.value, ref[ri].value)
+                t, err = best_layout(c.value, rv(ref[ri]))
                 if err <= VALUE_MATCH_REL_ERR and (best is None or err + prior < best[0]):
                     best = (err + prior, ri, t)
+                if err < 1e-6 and prior <= min(x[1] for x in scored[:6]):
+                    break  # identical values at the expected place: no contender can do better
             if best is not None:
                 add(c.index, best[1], "value", best[2])
     # a rejected name pair stands when no value match was found instead

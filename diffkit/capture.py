@@ -28,7 +28,13 @@ from torch.overrides import TorchFunctionMode
 
 from . import naming
 
-__all__ = ["Record", "Trace", "CaptureError", "Ref", "capture", "tap", "register_extension"]
+__all__ = ["Record", "Trace", "CaptureError", "Ref", "StopCapture", "capture", "tap", "register_extension"]
+
+
+class StopCapture(BaseException):
+    """Raised by a sink to end the forward early (``--stop-at-first``); not an error of the model.
+
+    A BaseException, so the model's own ``except Exception`` blocks do not swallow it."""
 
 
 @dataclass(frozen=True)
@@ -105,6 +111,7 @@ class Trace:
     records: list[Record] = field(default_factory=list)
     inputs: list[torch.Tensor] = field(default_factory=list)
     error: CaptureError | None = None
+    stopped: str = ""  # why the forward was ended early on purpose (StopCapture), if it was
 
     def __len__(self) -> int:
         return len(self.records)
@@ -328,19 +335,26 @@ class _State:
                 rec.is_output = rec.is_output or is_output
                 rec.rebound = rec.rebound or rebound
                 if self.sink is not None:
-                    self.sink.update(rec)
+                    if getattr(self.sink, "owns_values", False):
+                        self.sink.update(rec, tensor)
+                    else:
+                        self.sink.update(rec)
                 return rec
+        owns = getattr(self.sink, "owns_values", False)  # the sink keeps the value (streaming)
         rec = Record(
             index=len(self.trace.records), name=self.unique(name), kind=kind,
             scope=self.scope if scope is None else scope, label=label, function=function, file=file,
             line=line, op=op, shape=tuple(tensor.shape), dtype=tensor.dtype, device=str(tensor.device),
-            value=_snapshot(tensor) if self.snapshot else None, is_output=is_output,
+            value=_snapshot(tensor) if self.snapshot and not owns else None, is_output=is_output,
             call=call, inputs=inputs, rebound=rebound,
         )
         self.trace.records.append(rec)
         self.track(tensor, rec.index)
         if self.sink is not None:
-            self.sink.add(rec)
+            if owns:
+                self.sink.add(rec, tensor)
+            else:
+                self.sink.add(rec)
         return rec
 
     def site(self):
@@ -432,6 +446,8 @@ class _Mode(TorchFunctionMode):
         st.busy = True
         try:
             st.on_op(func, args, kwargs, out)
+        except StopCapture:
+            raise
         except Exception as e:  # never break the user's model because naming failed
             if not st.warned:
                 st.warned = True
@@ -694,7 +710,9 @@ class capture:
             for h in self._handles:
                 h.remove()
             self._patch.remove()
-        if exc is not None:
+        if isinstance(exc, StopCapture):
+            self.state.trace.stopped = str(exc) or "stopped"
+        elif exc is not None:
             self.state.trace.error = _describe_error(exc, tb, self.state.error_scope or self.state.scope,
                                                      self.state.failing_call)
         if self.state.sink is not None:

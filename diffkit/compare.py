@@ -9,7 +9,8 @@ from typing import Any, Sequence
 import torch
 
 from .align import align, to_ref_layout
-from .capture import Trace, capture
+from .measure import default_tolerance, measure
+from .capture import StopCapture, Trace, capture
 from .diagnose import diagnose
 from .load import LoadedPair, _clone, load_pair
 from .locate import build_stages, locate
@@ -18,13 +19,13 @@ from .rootcause import analyse
 
 
 def run_captured(model: torch.nn.Module, inputs: Sequence[Any], *, no_grad: bool = True, only=None,
-                 stream_to: str | None = None) -> Trace:
+                 stream_to: str | None = None, sink: Any = None) -> Trace:
     """Run one forward under capture; an exception is kept in ``trace.error``, not raised.
-    `stream_to` writes each record to a capture directory as it is made (crash insurance)."""
+    `stream_to` writes each record to a capture directory as it is made (crash insurance);
+    `sink` receives the records instead (see store.CaptureWriter, stream.TieredStore)."""
     inputs = list(inputs)
     cm = torch.no_grad() if no_grad else contextlib.nullcontext()
-    sink = None
-    if stream_to:
+    if stream_to and sink is None:
         from .store import CaptureWriter
 
         sink = CaptureWriter(stream_to, shard_bytes=0)
@@ -32,27 +33,42 @@ def run_captured(model: torch.nn.Module, inputs: Sequence[Any], *, no_grad: bool
     try:
         with cm, cap:
             model(*inputs)
-    except Exception:
-        pass  # recorded in trace.error by capture's __exit__
+    except (Exception, StopCapture):
+        pass  # recorded in trace.error (or trace.stopped) by capture's __exit__
     return cap.state.trace
 
 
 def compare(ref_model: torch.nn.Module, cand_model: torch.nn.Module, inputs: Sequence[Any], atol: float | None = None,
             rtol: float | None = None, *, strict: bool = False, no_grad: bool = True,
             cand_inputs: Sequence[Any] | None = None, tolerance: str = "fixed", health: bool = True,
-            rerun: bool = True, stream_dir: str | None = None) -> Result:
+            rerun: bool = True, stream_dir: str | None = None, max_memory: int | None = None,
+            only: str | None = None, stop_at_first: bool = False, streaming: bool | None = None) -> Result:
     """Run both models on (clones of) `inputs` and say where the candidate first diverges.
 
     `atol`/`rtol` default to KernelBench's per-dtype tolerance (1e-4 float32, 1e-2 half/bfloat16).
     `tolerance="auto"` judges each stage against a float64 run of the reference instead.
     `health` runs the reference twice to warn when it is itself random or degenerate; `rerun`
     runs the candidate again when it diverges, to tell a race from a deterministic bug.
+
+    Streaming (`streaming=True`, implied by `max_memory`, `only` or `stop_at_first`) compares each
+    candidate record as it is produced and keeps only what the report needs: see `compare_streaming`.
     """
     if tolerance not in ("fixed", "auto"):
         raise ValueError(f"tolerance must be 'fixed' or 'auto', not {tolerance!r}")
     ref_in = _clone(list(inputs))
     cand_in = _clone(list(cand_inputs if cand_inputs is not None else inputs))
     import os
+
+    if streaming or (streaming is None and (max_memory is not None or only or stop_at_first)):
+        if tolerance == "auto":
+            raise ValueError("--tolerance auto needs every reference value twice; it does not combine with streaming")
+        result = compare_streaming(ref_model, cand_model, ref_in, cand_in, atol, rtol, strict=strict, no_grad=no_grad,
+                                   max_memory=max_memory, only=only, stop_at_first=stop_at_first,
+                                   stream_dir=stream_dir)
+        if rerun and result.first_divergence is not None and result.error is None and result.first_divergence.cand:
+            names = set(result.first_divergence.cand.names())
+            _check_nondeterminism(result, cand_model, cand_in, no_grad, only=lambda n: n in names)
+        return result
 
     ref_trace = run_captured(ref_model, _clone(ref_in), no_grad=no_grad,
                              stream_to=os.path.join(stream_dir, "ref.dkt") if stream_dir else None)
@@ -67,6 +83,140 @@ def compare(ref_model: torch.nn.Module, cand_model: torch.nn.Module, inputs: Seq
     if rerun and result.first_divergence is not None and result.error is None:
         _check_nondeterminism(result, cand_model, cand_in, no_grad)
     return result
+
+
+STREAM_WINDOW = 8  # stages before the first divergence whose values a streaming diff keeps
+
+
+def compare_streaming(ref_model: torch.nn.Module, cand_model: torch.nn.Module, ref_in: list, cand_in: list,
+                      atol: float | None = None, rtol: float | None = None, *, strict: bool = False,
+                      no_grad: bool = True, max_memory: int | None = None, only: str | None = None,
+                      stop_at_first: bool = False, stream_dir: str | None = None,
+                      host_memory: int | None = None) -> Result:
+    """The two-pass diff in bounded memory (see diffkit.stream).
+
+    `max_memory` bounds the bytes of captured values held on the device (for a CPU model: in host
+    memory); three quarters go to the reference's records, a quarter to the candidate values kept
+    for the report.  Values beyond it go to pinned host memory (`host_memory`, CUDA only) and then
+    to a spill directory on disk.  `only` is a comma-separated list of glob patterns on record
+    names; `stop_at_first` ends the candidate's forward at its first divergent record."""
+    import os
+
+    from .stream import Budget, StreamComparer, TieredStore, default_budget, name_filter
+
+    dev = _device_of(ref_model, ref_in)
+    budget = max_memory if max_memory is not None else default_budget(dev)
+    host = host_memory if host_memory is not None else (default_budget("cpu") if dev.startswith("cuda") else 0)
+    ref_dev, keep_dev = Budget(budget - budget // 4), Budget(budget // 4)
+    ref_host, keep_host = Budget(host - host // 4), Budget(host // 4)
+    meta_ref = meta_cand = journal = None
+    if stream_dir:
+        from .store import CaptureWriter
+
+        meta_ref = CaptureWriter(os.path.join(stream_dir, "ref.dkt"), shard_bytes=0, values=False)
+        meta_cand = CaptureWriter(os.path.join(stream_dir, "cand.dkt"), shard_bytes=0, values=False)
+        journal = open(os.path.join(stream_dir, "stats.jsonl"), "w", encoding="utf-8")
+    keep_filter = name_filter(only)
+    ref_store = TieredStore(ref_dev, ref_host, meta=meta_ref)
+    keep = TieredStore(keep_dev, keep_host)
+    try:
+        ref_trace = run_captured(ref_model, _clone(ref_in), no_grad=no_grad, only=keep_filter, sink=ref_store)
+        comparer = StreamComparer(ref_trace, ref_store, keep, atol, rtol, window=STREAM_WINDOW,
+                                  stop_at_first=stop_at_first, journal=journal, meta=meta_cand)
+        cand_trace = run_captured(cand_model, _clone(cand_in), no_grad=no_grad, only=keep_filter, sink=comparer)
+        try:
+            comparer.finish()
+        except StopCapture:
+            pass
+        # leftovers are aligned by order and value afterwards, reading reference values lazily
+        for ci in comparer.unmatched:
+            cand_trace.records[ci].value = keep.get(ci)
+        cache: dict[int, torch.Tensor | None] = {}
+
+        def ref_value(r):
+            if r.index not in cache:
+                if len(cache) > 64:
+                    cache.clear()
+                cache[r.index] = ref_store.get(r.index, dev)
+            return cache[r.index]
+
+        alignment = align(ref_trace.records, cand_trace.records, fixed=comparer.pairs, ref_value=ref_value)
+        cache.clear()
+        known = dict(comparer.stats)
+        for p in alignment.pairs:  # pairs made by order or value: measure them now, one at a time
+            r, c = ref_trace.records[p.ref], cand_trace.records[p.cand]
+            if (p.ref, p.cand, p.transform) in known or c.value is None or p.transform == ("shape-mismatch",):
+                continue
+            rv = ref_store.get(p.ref, c.value.device)
+            if rv is not None:
+                known[(p.ref, p.cand, p.transform)] = measure(
+                    rv, to_ref_layout(c.value, tuple(r.shape), p.transform),
+                    atol if atol is not None else default_tolerance(r.dtype),
+                    rtol if rtol is not None else default_tolerance(r.dtype))
+        # values for the stages the report, diagnosis and root cause look at
+        for ci in keep.slots:
+            if cand_trace.records[ci].value is None:
+                cand_trace.records[ci].value = keep.get(ci)
+        stages = build_stages(ref_trace, cand_trace, alignment, atol, rtol, known=known)
+        result = locate(stages, ref_trace, cand_trace, atol, rtol, strict=strict)
+        need: set[int] = set()
+        fd = result.first_divergence
+        measured = [s for s in stages if s.stats is not None and s.ref is not None]
+        if fd is not None:
+            before = [s for s in measured if s.index <= fd.index][-(STREAM_WINDOW + 1):]
+            for s in before:
+                need.add(s.ref.index)
+                by_cand = alignment.by_cand()
+                need.update(by_cand[x.index].ref for x in s.cand.inputs if x.index in by_cand)
+        need.update(s.ref.index for s in stages if s.ref is not None and s.cand is not None
+                    and s.cand.value is not None)
+        for ri in need:
+            if ref_trace.records[ri].value is None:
+                ref_trace.records[ri].value = ref_store.get(ri)
+        result.meta.update({
+            "mode": "streaming", "ref_records": len(ref_trace.records), "cand_records": len(cand_trace.records),
+            "paired": len(alignment.pairs), "max_memory": budget, "host_memory": host,
+            "peak_device_bytes": ref_dev.peak + keep_dev.peak, "peak_host_bytes": ref_host.peak + keep_host.peak,
+            "spilled_bytes": ref_store.spilled_bytes + keep.spilled_bytes,
+            "reference_tiers": dict(ref_store.tiers), "compared_bytes": comparer.compared_bytes,
+            "kept_candidate_values": len(keep.slots)})
+        if only:
+            result.meta["only"] = only
+            result.warnings.append(f"only records matching {only!r} were captured")
+        if cand_trace.stopped:
+            result.meta["stopped"] = cand_trace.stopped
+            result.warnings.append(f"--stop-at-first: the candidate's forward was {cand_trace.stopped}; later stages "
+                                   f"were not run")
+            if result.error is not None and result.error.phase == "output":
+                result.error = None  # the output is missing because we stopped, not because of the candidate
+                result.verdict = "diverged"
+        analyse(result, ref_trace, cand_trace, alignment, window=STREAM_WINDOW)
+        if fd is not None and fd.local is not None:
+            result.meta["root_cause_window"] = STREAM_WINDOW
+        for s in {id(x): x for x in (result.first_divergence, result.root_cause) if x is not None}.values():
+            s.diagnosis = diagnose(s, ref_trace.records, cand_trace.records) + s.diagnosis
+        return result
+    finally:
+        ref_store.clear()
+        keep.clear()
+        if journal is not None:
+            journal.close()
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _device_of(model: torch.nn.Module, inputs: list) -> str:
+    for p in model.parameters():
+        return str(p.device)
+    for t in inputs:
+        if isinstance(t, torch.Tensor):
+            return str(t.device)
+    return "cpu"
 
 
 def _drop_statistical(stage) -> None:
@@ -181,8 +331,8 @@ def reinit_zero_parameters(ref: torch.nn.Module, cand: torch.nn.Module | None = 
     return done
 
 
-def _check_nondeterminism(result: Result, model, inputs, no_grad: bool) -> None:
-    again = run_captured(model, _clone(inputs), no_grad=no_grad)
+def _check_nondeterminism(result: Result, model, inputs, no_grad: bool, only=None) -> None:
+    again = run_captured(model, _clone(inputs), no_grad=no_grad, only=only)
     fd = result.first_divergence
     a = fd.cand
     if a is None:
@@ -205,12 +355,15 @@ def _check_nondeterminism(result: Result, model, inputs, no_grad: bool) -> None:
 
 def diff_files(ref_path: str, cand_path: str, *, atol: float | None = None, rtol: float | None = None,
                seed: int = 42, device: str | None = None, strict: bool = False, train: bool = False,
-               tolerance: str = "fixed", reinit_zero: bool = False, stream_dir: str | None = None) -> Result:
+               tolerance: str = "fixed", reinit_zero: bool = False, stream_dir: str | None = None,
+               max_memory: int | None = None, only: str | None = None, stop_at_first: bool = False,
+               streaming: bool | None = None) -> Result:
     """Load a KernelBench reference/candidate pair from files and compare them."""
     pair: LoadedPair = load_pair(ref_path, cand_path, seed=seed, device=device, train=train)
     reinit = reinit_zero_parameters(pair.ref, pair.cand) if reinit_zero else []
     result = compare(pair.ref, pair.cand, pair.ref_inputs, atol, rtol, strict=strict, no_grad=True,
-                     cand_inputs=pair.cand_inputs, tolerance=tolerance, stream_dir=stream_dir)
+                     cand_inputs=pair.cand_inputs, tolerance=tolerance, stream_dir=stream_dir,
+                     max_memory=max_memory, only=only, stop_at_first=stop_at_first, streaming=streaming)
     if reinit:
         result.warnings.append(f"re-initialised all-zero parameters randomly for this diff: {', '.join(reinit)}")
     result.weights = pair.weights

@@ -117,8 +117,47 @@ def measure(ref: torch.Tensor, cand: torch.Tensor, atol: float, rtol: float) -> 
     return measure_async(ref, cand, atol, rtol).result()
 
 
+CHUNK = 1 << 22  # elements per reduction step: float64 temporaries stay ~32 MiB each, whatever the size
+
+
+def _partials(r: torch.Tensor, c: torch.Tensor, atol: float, rtol: float, exact: bool, offset: int) -> torch.Tensor:
+    """One chunk's sufficient statistics, as a float64 vector (see _PARTS)."""
+    rd = r.to(torch.float64)
+    cd = c.to(torch.float64)
+    zero = torch.zeros((), dtype=torch.float64, device=rd.device)
+    n = rd.numel()
+    if exact:
+        diff = (cd - rd).abs()
+        bad = c != r
+        nan_bad = torch.zeros_like(bad)
+        counts = zero.expand(4)
+        fr, fc = rd, cd
+    else:
+        r_nan_m, c_nan_m = torch.isnan(rd), torch.isnan(cd)
+        r_inf_m, c_inf_m = torch.isinf(rd), torch.isinf(cd)
+        # NaN where the reference has NaN, or the same infinity, is agreement; anything else is not
+        special = r_nan_m | c_nan_m | r_inf_m | c_inf_m
+        nan_bad = special & ~((r_nan_m & c_nan_m) | (r_inf_m & c_inf_m & (rd == cd)))
+        finite = ~special
+        diff = torch.where(finite, (cd - rd).abs(), zero)
+        bad = (finite & (diff > atol + rtol * rd.abs())) | nan_bad
+        counts = torch.stack([m.sum(dtype=torch.float64) for m in (r_nan_m, r_inf_m, c_nan_m, c_inf_m)])
+        fr = torch.where(torch.isfinite(rd), rd, zero)
+        fc = torch.where(torch.isfinite(cd), cd, zero)
+    rel = torch.where((rd.abs() > 0) & torch.isfinite(rd) & torch.isfinite(cd), diff / rd.abs().clamp_min(1e-300), zero)
+    excess = diff - (atol + rtol * rd.abs())
+    i_ex, i_d = torch.argmax(excess), torch.argmax(diff)
+    any_nb = nan_bad.any()
+    first_nb = torch.where(any_nb, torch.argmax(nan_bad.to(torch.uint8)).to(torch.float64) + offset, float("inf"))
+    return torch.cat([torch.stack([bad.sum(dtype=torch.float64), diff.max(), diff.sum(), rel.max(), (fr * fc).sum(),
+                                   (fr * fr).sum(), (fc * fc).sum()]), counts,
+                      torch.stack([excess[i_ex], i_ex.to(torch.float64) + offset, diff[i_d],
+                                   i_d.to(torch.float64) + offset, first_nb])])
+
+
 def measure_async(ref: torch.Tensor, cand: torch.Tensor, atol: float, rtol: float) -> PendingStats:
-    """`measure` without waiting for the device: every scalar is reduced on the device into one vector."""
+    """`measure` without waiting for the device: every scalar is reduced on the device into one
+    vector, chunk by chunk, so the temporary memory does not grow with the tensor."""
     if tuple(ref.shape) != tuple(cand.shape):
         raise ValueError(f"measure needs equal shapes, got {tuple(ref.shape)} and {tuple(cand.shape)}")
     if cand.device != ref.device:
@@ -130,41 +169,20 @@ def measure_async(ref: torch.Tensor, cand: torch.Tensor, atol: float, rtol: floa
     r = ref.detach().reshape(-1)
     c = cand.detach().reshape(-1)
     exact = not (ref.is_floating_point() or ref.is_complex()) and not (c.is_floating_point() or c.is_complex())
-    rd = r.to(torch.float64)
-    cd = c.to(torch.float64)
-    zero = torch.zeros((), dtype=torch.float64, device=rd.device)
-    if exact:
-        diff = (cd - rd).abs()
-        bad = c != r
-        nan_bad = torch.zeros_like(bad)
-        counts = zero.expand(4)
-        finite_r, finite_c = rd, cd
-    else:
-        r_nan_m, c_nan_m = torch.isnan(rd), torch.isnan(cd)
-        r_inf_m, c_inf_m = torch.isinf(rd), torch.isinf(cd)
-        # NaN where the reference has NaN, or the same infinity, is agreement; anything else is not
-        both_nan = r_nan_m & c_nan_m
-        same_inf = r_inf_m & c_inf_m & (rd == cd)
-        special = r_nan_m | c_nan_m | r_inf_m | c_inf_m
-        nan_bad = special & ~(both_nan | same_inf)
-        finite = ~special
-        diff = torch.where(finite, (cd - rd).abs(), zero)
-        bad = (finite & (diff > atol + rtol * rd.abs())) | nan_bad
-        counts = torch.stack([m.sum(dtype=torch.float64) for m in (r_nan_m, r_inf_m, c_nan_m, c_inf_m)])
-        finite_r = torch.where(torch.isfinite(rd), rd, zero)
-        finite_c = torch.where(torch.isfinite(cd), cd, zero)
-    mism = bad.sum(dtype=torch.float64)
-    rel = torch.where((rd.abs() > 0) & torch.isfinite(rd) & torch.isfinite(cd), diff / rd.abs().clamp_min(1e-300), zero)
-    nr, nc = finite_r.norm(), finite_c.norm()
+    parts = torch.stack([_partials(r[i:i + CHUNK], c[i:i + CHUNK], atol, rtol, exact, i) for i in range(0, n, CHUNK)])
+    # combine the chunks (argmax takes the first of equal maxima, as one pass over the whole would)
+    mism = parts[:, 0].sum()
+    dot, nr, nc = parts[:, 4].sum(), parts[:, 5].sum().sqrt(), parts[:, 6].sum().sqrt()
     denom = nr * nc
-    cosine = torch.where(denom > 0, (finite_r * finite_c).sum() / torch.where(denom > 0, denom, 1.0),
-                         (nr == nc).to(torch.float64))
+    cosine = torch.where(denom > 0, dot / torch.where(denom > 0, denom, 1.0), (nr == nc).to(torch.float64))
+    by_excess = parts[torch.argmax(parts[:, 11]), 12]
+    by_diff = parts[torch.argmax(parts[:, 13]), 14]
+    first_nb = parts[:, 15].min()
     # the worst element: the first NaN/Inf disagreement, else the element exceeding its tolerance by
     # the most (all passing: the largest error)
-    excess = diff - (atol + rtol * rd.abs())
-    by_err = torch.where(mism > 0, torch.argmax(excess), torch.argmax(diff))
-    flat = torch.where(nan_bad.any() & (mism > 0), torch.argmax(nan_bad.to(torch.uint8)), by_err)
-    packed = torch.cat([torch.stack([mism, diff.max(), diff.mean(), rel.max(), cosine]), counts,
-                        torch.stack([flat.to(torch.float64), rd[flat], cd[flat],
-                                     torch.tensor(float(n), dtype=torch.float64, device=rd.device)])])
+    flat = torch.where(first_nb < n, first_nb, torch.where(mism > 0, by_excess, by_diff)).to(torch.int64)
+    packed = torch.cat([torch.stack([mism, parts[:, 1].max(), parts[:, 2].sum() / n, parts[:, 3].max(), cosine]),
+                        parts[:, 7:11].sum(0),
+                        torch.stack([flat.to(torch.float64), r[flat].to(torch.float64), c[flat].to(torch.float64),
+                                     torch.tensor(float(n), dtype=torch.float64, device=r.device)])])
     return PendingStats(packed, shape, atol, rtol)

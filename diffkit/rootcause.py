@@ -83,13 +83,18 @@ def replay(stage: Stage, ref: Trace, cand: Trace, ref_of_cand: dict[int, tuple[i
     return to_ref_layout(out, tuple(stage.ref.shape), stage.pair_transform)
 
 
-def analyse(result: Result, ref: Trace, cand: Trace, alignment: Alignment) -> None:
-    """Fill `local`, `inherited_max_abs` and `replay_note` per stage, and `result.root_cause`."""
+def analyse(result: Result, ref: Trace, cand: Trace, alignment: Alignment, window: int | None = None) -> None:
+    """Fill `local`, `inherited_max_abs` and `replay_note` per stage, and `result.root_cause`.
+
+    `window` limits the replays to that many measured stages before the first divergence (a
+    streaming diff keeps the reference values of those only)."""
     ref_of_cand = {p.cand: (p.ref, p.transform) for p in alignment.pairs}
     stage_of_cand = {s.cand.index: s for s in result.stages if s.cand is not None}
     fd = result.first_divergence
     last = fd.index if fd is not None else -1
     todo = [s for s in result.stages if s.stats is not None and (s.index <= last or s.failed)]
+    if window is not None:
+        todo = [s for s in todo if s.index <= last][-(window + 1):]
     introduced: list[Stage] = []
     for s in todo[:MAX_REPLAYS]:
         if s.cand.kind == "input":
@@ -101,6 +106,9 @@ def analyse(result: Result, ref: Trace, cand: Trace, alignment: Alignment) -> No
             out = replay(s, ref, cand, ref_of_cand)
         except NotReplayable as e:
             s.replay_note = f"not re-run: {e}"
+            continue
+        if s.ref.value is None:
+            s.replay_note = "not re-run: the reference value was not kept"
             continue
         s.local = measure(s.ref.value, out, s.stats.atol, s.stats.rtol)
         scale = float(s.ref.value.detach().abs().max()) if s.ref.value.numel() else 0.0

@@ -2,9 +2,10 @@
 
 A capture is a directory (conventionally ``*.dkt``) holding safetensors shards and one
 ``index.json`` with every record's metadata, the shard and key of its value, and the error if
-the forward raised.  It is written incrementally (a shard whenever the buffer passes
-`shard_bytes`, and the index rewritten atomically after each shard), so a process that dies
-mid-forward leaves every record flushed before it.  Reading is lazy: one tensor at a time.
+the forward raised.  It is written incrementally: a shard whenever the buffer passes
+`shard_bytes`, each flushed record's metadata appended as one line to ``records.jsonl``, and
+``index.json`` rewritten atomically at most once a second and at the end.  A process that dies
+mid-forward thus leaves every record flushed before it, at a cost linear in the records.  Reading is lazy: one tensor at a time.
 Nothing in it is executable: no pickle anywhere.
 """
 from __future__ import annotations
@@ -40,8 +41,10 @@ def _meta(rec: Record) -> dict:
 class CaptureWriter:
     """Append records; `flush()` writes a shard; `close()` marks the capture complete."""
 
-    def __init__(self, path: str, side: str = "", source: str = "", shard_bytes: int = 64 << 20):
+    def __init__(self, path: str, side: str = "", source: str = "", shard_bytes: int = 64 << 20,
+                 values: bool = True):
         self.path = path
+        self.values = values  # False: metadata only (a streaming diff's crash insurance)
         self.side, self.source = side, source
         self.shard_bytes = shard_bytes
         os.makedirs(path, exist_ok=True)
@@ -52,11 +55,13 @@ class CaptureWriter:
         self.shards = 0
         self.error: dict | None = None
         self.complete = False
+        self._last_index = 0.0
+        self._journal = open(os.path.join(path, "records.jsonl"), "w", encoding="utf-8")
         self._write_index()
 
     def add(self, rec: Record) -> None:
         meta = _meta(rec)
-        if rec.value is not None:
+        if rec.value is not None and self.values:
             key = f"r{rec.index:06d}"
             v = rec.value.detach()
             self.pending[key] = v.to("cpu").contiguous()
@@ -68,10 +73,15 @@ class CaptureWriter:
 
     def update(self, rec: Record) -> None:
         """A record already written got another name (aliases, renames): keep the index in step."""
-        for m in self.entries + self.pending_meta:
+        for m in reversed(self.pending_meta):
             if m["index"] == rec.index:
                 m.update({k: getattr(rec, k) for k in ("name", "kind", "aliases", "is_output", "rebound")})
                 return
+        if 0 <= rec.index < len(self.entries) and self.entries[rec.index]["index"] == rec.index:
+            m = self.entries[rec.index]
+            m.update({k: getattr(rec, k) for k in ("name", "kind", "aliases", "is_output", "rebound")})
+            self._journal.write(json.dumps(m) + "\n")  # a later line for an index replaces the earlier
+            self._journal.flush()
 
     def flush(self) -> None:
         if not self.pending_meta:
@@ -88,8 +98,13 @@ class CaptureWriter:
             if "key" in m:
                 m["shard"] = shard
         self.entries += self.pending_meta
+        self._journal.write("".join(json.dumps(m) + "\n" for m in self.pending_meta))
+        self._journal.flush()
         self.pending, self.pending_meta, self.pending_bytes = {}, [], 0
-        self._write_index()
+        import time
+
+        if time.monotonic() - self._last_index > 1.0:
+            self._write_index()
 
     def set_error(self, err: CaptureError | None) -> None:
         self.error = None if err is None else {k: getattr(err, k) for k in (
@@ -99,14 +114,37 @@ class CaptureWriter:
         self.flush()
         self.complete = True
         self._write_index()
+        self._journal.close()
 
     def _write_index(self) -> None:
+        import time
+
+        self._last_index = time.monotonic()
         data = {"format": FORMAT, "version": VERSION, "side": self.side, "source": self.source,
                 "complete": self.complete, "error": self.error, "records": self.entries}
         tmp = os.path.join(self.path, "index.json.tmp")
         with open(tmp, "w", encoding="utf-8") as fh:
             json.dump(data, fh)
         os.replace(tmp, os.path.join(self.path, "index.json"))
+
+
+def _recover(path: str, records: list) -> list:
+    """An unfinished capture: the journal may hold records flushed after the index was last written.
+    A torn last line (the writer died mid-write) ends the journal."""
+    journal = os.path.join(path, "records.jsonl")
+    if not os.path.exists(journal):
+        return records
+    by_index: dict[int, dict] = {}
+    with open(journal, encoding="utf-8", errors="replace") as fh:
+        for line in fh:
+            try:
+                m = json.loads(line)
+                by_index[int(m["index"])] = m
+            except (ValueError, KeyError, TypeError):
+                break
+    if len(by_index) < len(records):
+        return records
+    return [by_index[i] for i in range(len(by_index)) if i in by_index]
 
 
 def save_trace(trace: Trace, path: str, side: str = "", source: str = "", shard_bytes: int = 64 << 20) -> str:
@@ -147,6 +185,8 @@ class CaptureFile:
                                f"version {VERSION}", idx_path)
         if not isinstance(index.get("records"), list):
             raise DiffkitError("", "read", f"{idx_path} has no record list", idx_path)
+        if not index.get("complete"):
+            index["records"] = _recover(path, index["records"])
         return cls(path, index)
 
     @property

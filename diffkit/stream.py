@@ -1,0 +1,371 @@
+"""Streaming two-pass diff: bounded memory, one comparison per record as it is produced.
+
+Pass 1 runs the reference; a `TieredStore` keeps each record's value where the memory budget
+allows: on the tensor's device, then (for CUDA tensors) pinned host memory, then disk.  Pass 2
+runs the candidate; a `StreamComparer` pairs each record by name with its reference record the
+moment it is made, measures the pair on the device (no synchronisation: the scalars come back
+through pinned memory), and keeps the candidate's value only where the report needs it: a
+window of the stages before the first divergence (where the root cause lies), the first few
+divergent stages, records without a name partner (for order/value alignment) and the output.
+Everything else is dropped as soon as its metrics are known.
+
+The objects that leave this module are the usual ones: two `Trace`s and a stats table that
+`locate.build_stages` consumes, so the result is the same `Result` as an in-memory diff.
+"""
+from __future__ import annotations
+
+import collections
+import fnmatch
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from .align import NAME_MATCH_REL_ERR, best_layout, to_ref_layout
+from .capture import Record, StopCapture, Trace
+from .measure import PendingStats, Stats, default_tolerance, measure_async
+
+__all__ = ["Budget", "TieredStore", "StreamComparer", "default_budget", "name_filter", "parse_size"]
+
+
+def parse_size(text: str | int | None) -> int | None:
+    """'512M', '2G', '1.5GiB', '1000000' → bytes."""
+    if text is None or isinstance(text, int):
+        return text
+    t = str(text).strip().upper().replace("IB", "").rstrip("B")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    try:
+        if t and t[-1] in mult:
+            return int(float(t[:-1]) * mult[t[-1]])
+        return int(float(t))
+    except ValueError:
+        raise ValueError(f"cannot read {text!r} as a size (examples: 512M, 2G, 1000000)") from None
+
+
+def _available_host() -> int:
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 << 30
+
+
+def default_budget(device: str) -> int:
+    """A quarter of what is free on `device` (its GPU memory, or the host's available memory)."""
+    if device.startswith("cuda") and torch.cuda.is_available():
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        return free // 4
+    return _available_host() // 4
+
+
+def name_filter(patterns: str | None) -> Callable[[str], bool] | None:
+    """`--only`: comma-separated glob patterns on record names; inputs and the output always pass
+    (the verdict is the output's)."""
+    if not patterns:
+        return None
+    pats = [p.strip() for p in patterns.split(",") if p.strip()]
+
+    def keep(name: str) -> bool:
+        base = name.split("#", 1)[0]
+        return base == "output" or base.startswith(("output[", "input[")) or any(
+            fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(base, p) for p in pats)
+
+    return keep
+
+
+@dataclass
+class Budget:
+    """Bytes allowed in one memory tier; `peak` is the most ever held."""
+
+    limit: int
+    used: int = 0
+    peak: int = 0
+
+    def take(self, n: int) -> bool:
+        if self.used + n > self.limit:
+            return False
+        self.used += n
+        self.peak = max(self.peak, self.used)
+        return True
+
+    def give(self, n: int) -> None:
+        self.used -= n
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+@dataclass
+class _Slot:
+    tier: str  # "device" | "host" | "disk"
+    value: torch.Tensor | None  # device / host tiers
+    nbytes: int
+    path: str = ""
+    shape: tuple = ()
+    dtype: Any = None
+    device: str = "cpu"
+
+
+class TieredStore:
+    """Values by key, each in the first tier with room: device, pinned host, disk.
+
+    Device-to-host copies are asynchronous (pinned memory on the current stream), so keeping a
+    value in the host tier does not wait for the GPU; a CPU tensor's "device" tier is host memory.
+    Used as a capture sink (``owns_values``), it keeps every record's value under its index."""
+
+    owns_values = True
+
+    def __init__(self, device_budget: Budget, host_budget: Budget | None = None, spill_dir: str | None = None,
+                 meta: Any = None):
+        self.device_budget = device_budget
+        self.host_budget = host_budget if host_budget is not None else Budget(0)
+        self._spill_root = spill_dir
+        self._spill: str | None = None
+        self.slots: dict[int, _Slot] = {}
+        self.meta = meta  # a metadata-only CaptureWriter (crash insurance), or None
+        self.tiers = collections.Counter()
+        self.spilled_bytes = 0
+
+    # -- capture sink protocol
+    def add(self, rec: Record, tensor: torch.Tensor) -> None:
+        self.put(rec.index, tensor)
+        if self.meta is not None:
+            self.meta.add(rec)
+
+    def update(self, rec: Record, tensor: torch.Tensor | None = None) -> None:
+        if self.meta is not None:
+            self.meta.update(rec)
+
+    def set_error(self, err) -> None:
+        if self.meta is not None:
+            self.meta.set_error(err)
+
+    def close(self) -> None:
+        if self.meta is not None:
+            self.meta.close()
+
+    # -- values
+    def put(self, key: int, tensor: torch.Tensor) -> None:
+        self.drop(key)
+        t = tensor.detach()
+        n = _nbytes(t)
+        if self.device_budget.take(n):
+            self.slots[key] = _Slot("device", t.clone(), n)
+        elif t.is_cuda and self.host_budget.take(n):
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host.copy_(t, non_blocking=True)  # stream-ordered: later in-place writes come after it
+            self.slots[key] = _Slot("host", host, n)
+        else:
+            from safetensors.torch import save_file
+
+            if self._spill is None:
+                self._spill = tempfile.mkdtemp(prefix="diffkit-spill-", dir=self._spill_root)
+            path = os.path.join(self._spill, f"{key}.safetensors")
+            save_file({"v": t.to("cpu").contiguous()}, path)
+            self.slots[key] = _Slot("disk", None, n, path, tuple(t.shape), t.dtype, str(t.device))
+            self.spilled_bytes += n
+        self.tiers[self.slots[key].tier] += 1
+
+    def get(self, key: int, device: torch.device | str | None = None) -> torch.Tensor | None:
+        s = self.slots.get(key)
+        if s is None:
+            return None
+        if s.tier == "disk":
+            from safetensors import safe_open
+
+            with safe_open(s.path, framework="pt") as fh:
+                v = fh.get_tensor("v")
+        else:
+            v = s.value
+        return v.to(device, non_blocking=True) if device is not None and v.device != torch.device(device) else v
+
+    def __contains__(self, key: int) -> bool:
+        return key in self.slots
+
+    def drop(self, key: int) -> None:
+        s = self.slots.pop(key, None)
+        if s is None:
+            return
+        if s.tier == "device":
+            self.device_budget.give(s.nbytes)
+        elif s.tier == "host":
+            self.host_budget.give(s.nbytes)
+        elif s.path:
+            try:
+                os.remove(s.path)
+            except OSError:
+                pass
+
+    def clear(self) -> None:
+        for k in list(self.slots):
+            self.drop(k)
+        if self._spill is not None:
+            shutil.rmtree(self._spill, ignore_errors=True)
+            self._spill = None
+
+
+@dataclass
+class _Pending:
+    cand: int
+    ref: int
+    transform: tuple
+    stats: PendingStats
+
+
+@dataclass
+class StreamComparer:
+    """Capture sink for the candidate pass: pair by name, measure at once, keep little.
+
+    `stats` maps (ref index, cand index, transform) to Stats, as `build_stages(known=...)` wants.
+    `keep` holds the candidate values the report and root cause need (see the module doc)."""
+
+    ref: Trace
+    ref_store: TieredStore
+    keep: TieredStore
+    atol: float | None = None
+    rtol: float | None = None
+    window: int = 8  # candidate values kept before the first divergence
+    keep_diverged: int = 4
+    stop_at_first: bool = False
+    journal: Any = None  # a text file: one JSON line per measured pair (crash insurance)
+    meta: Any = None  # metadata-only CaptureWriter for the candidate
+    stats: dict = field(default_factory=dict)
+    first: int | None = None  # candidate index of the first divergent pair, once known
+    compared_bytes: int = 0
+    owns_values = True
+
+    def __post_init__(self):
+        self.names: dict[str, list[int]] = {}
+        for r in self.ref.records:
+            for n in r.names():
+                self.names.setdefault(n, []).append(r.index)
+        self.paired: set[int] = set()
+        self.pairs: dict[int, tuple[int, tuple]] = {}  # candidate index -> (reference index, transform)
+        self.queue: collections.deque[_Pending] = collections.deque()
+        self.ring: collections.deque[int] = collections.deque()  # ok candidate values before the first divergence
+        self.diverged: list[int] = []
+        self.unmatched: list[int] = []
+        self.records: list[Record] = []
+
+    # -- capture sink protocol
+    def add(self, rec: Record, tensor: torch.Tensor) -> None:
+        self.records.append(rec)
+        if self.meta is not None:
+            self.meta.add(rec)
+        numel = tensor.numel()
+        ri = next((i for n in rec.names() for i in self.names.get(n, ())
+                   if i not in self.paired and _numel(self.ref.records[i]) == numel), None)
+        if ri is None:
+            if rec.kind != "input":
+                self.keep.put(rec.index, tensor)  # align by order/value afterwards
+                self.unmatched.append(rec.index)
+            return
+        r = self.ref.records[ri]
+        refv = self.ref_store.get(ri, tensor.device)
+        if refv is None:
+            return
+        transform: tuple = ()
+        if tuple(r.shape) != tuple(tensor.shape) or rec.rebound or r.rebound:
+            # as align does: the layout closest in value; a reused variable name must agree in value
+            transform, err = best_layout(tensor.detach(), refv)
+            if (rec.rebound or r.rebound) and err > NAME_MATCH_REL_ERR:
+                self.keep.put(rec.index, tensor)  # align by value afterwards
+                self.unmatched.append(rec.index)
+                return
+        self.paired.add(ri)
+        self.pairs[rec.index] = (ri, transform)
+        if self.first is None or len(self.diverged) < self.keep_diverged:
+            self.keep.put(rec.index, tensor)  # provisional: dropped once its metrics say it is not needed
+        a = self.atol if self.atol is not None else default_tolerance(r.dtype)
+        t = self.rtol if self.rtol is not None else default_tolerance(r.dtype)
+        cv = to_ref_layout(tensor.detach(), tuple(r.shape), transform)
+        self.queue.append(_Pending(rec.index, ri, transform, measure_async(refv, cv, a, t)))
+        self.compared_bytes += 2 * _nbytes(tensor)
+        self.drain(block=self.stop_at_first)
+
+    def update(self, rec: Record, tensor: torch.Tensor | None = None) -> None:
+        if self.meta is not None:
+            self.meta.update(rec)
+        if rec.is_output and tensor is not None and rec.index not in self.keep:
+            self.keep.put(rec.index, tensor)
+
+    def set_error(self, err) -> None:
+        if self.meta is not None:
+            self.meta.set_error(err)
+
+    def close(self) -> None:
+        if self.meta is not None:
+            self.meta.close()
+
+    # -- resolution
+    def drain(self, block: bool = False) -> None:
+        """Collect the metrics that have arrived (all of them when `block`); decide what to keep."""
+        while self.queue and (block or self.queue[0].stats.done()):
+            p = self.queue.popleft()
+            st = p.stats.result()
+            self.stats[(p.ref, p.cand, p.transform)] = st
+            if self.journal is not None:
+                self.journal.write(json.dumps({"ref": p.ref, "cand": p.cand, "transform": list(p.transform),
+                                               "stats": st.to_dict()}) + "\n")
+                self.journal.flush()
+            self._decide(p.cand, st)
+
+    def _decide(self, ci: int, st: Stats) -> None:
+        is_out = self.records[ci].is_output
+        if not st.ok:
+            if self.first is None:
+                self.first = ci
+            self.diverged.append(ci)
+            if len(self.diverged) > self.keep_diverged and not is_out:
+                self.keep.drop(ci)
+            if self.stop_at_first:
+                raise StopCapture(f"stopped at the first divergence ({self.records[ci].name})")
+            return
+        if self.first is None:
+            self.ring.append(ci)
+            while len(self.ring) > self.window:
+                old = self.ring.popleft()
+                if not self.records[old].is_output:
+                    self.keep.drop(old)
+        elif not is_out:
+            self.keep.drop(ci)
+
+    def finish(self) -> None:
+        self.drain(block=True)
+
+
+def _numel(r: Record) -> int:
+    n = 1
+    for s in r.shape:
+        n *= s
+    return n
+
+
+def read_journal(path: str) -> dict:
+    """Stats measured by a streaming child before it died: (ref, cand, transform) → Stats."""
+    from .measure import Worst
+
+    out: dict = {}
+    if not os.path.exists(path):
+        return out
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        for line in fh:
+            try:
+                d = json.loads(line)
+                s = dict(d["stats"])
+                s.pop("mismatch_fraction", None)
+                w = s.pop("worst")
+                st = Stats(**s, worst=Worst(tuple(w["index"]), w["ref"], w["cand"], w["abs_err"]) if w else None)
+                tr = d["transform"]
+                out[(int(d["ref"]), int(d["cand"]), tuple(tr))] = st
+            except (ValueError, KeyError, TypeError):
+                break
+    return out
