@@ -273,13 +273,15 @@ NAME_MATCH_REL_ERR = 1.0
 
 def align(ref: list[Record], cand: list[Record], value_match: bool = True, *,
           fixed: dict[int, tuple[int, tuple]] | None = None,
-          ref_value: Callable[[Record], torch.Tensor | None] | None = None) -> Alignment:
+          ref_value: Callable[[Record], torch.Tensor | None] | None = None,
+          cand_value: Callable[[Record], torch.Tensor | None] | None = None) -> Alignment:
     """`fixed` (candidate index → (reference index, transform)) are pairs made already (a streaming
     diff pairs by name as records are produced); `ref_value` fetches a reference value that is
-    not held in its record (read lazily from a store)."""
+    not held in its record (read lazily from a store); `cand_value` likewise."""
     paired_ref: dict[int, int] = {}
     pairs: dict[int, Pair] = {}
     rv = (lambda r: r.value if r.value is not None else ref_value(r)) if ref_value is not None else (lambda r: r.value)
+    cv = (lambda c: c.value if c.value is not None else cand_value(c)) if cand_value is not None else (lambda c: c.value)
     for ci, (ri, t) in (fixed or {}).items():
         pairs[ci] = Pair(ci, ri, "name", t)
         paired_ref.setdefault(ri, ci)
@@ -289,10 +291,10 @@ def align(ref: list[Record], cand: list[Record], value_match: bool = True, *,
 
     def layout(ci: int, ri: int) -> tuple:
         c, r = cand[ci], ref[ri]
-        if c.shape == r.shape or c.value is None:
-            return () if c.shape == r.shape else ("reshape",)
-        v = rv(r)
-        return best_layout(c.value, v)[0] if v is not None else ("reshape",)
+        if c.shape == r.shape:
+            return ()
+        v, w = rv(r), cv(c)
+        return best_layout(w, v)[0] if v is not None and w is not None else ("reshape",)
 
     def add(ci: int, ri: int, how: str, transform: tuple | None = None) -> None:
         pairs[ci] = Pair(ci, ri, how, layout(ci, ri) if transform is None else transform)
@@ -307,9 +309,10 @@ def align(ref: list[Record], cand: list[Record], value_match: bool = True, *,
 
     def add_checked(ci: int, ri: int, how: str) -> None:
         c, r = cand[ci], ref[ri]
-        v = rv(r) if weak(ci, ri) and c.value is not None else None
+        w = cv(c) if weak(ci, ri) else None
+        v = rv(r) if w is not None else None
         if v is not None:
-            t, err = best_layout(c.value, v)
+            t, err = best_layout(w, v)
             if err > NAME_MATCH_REL_ERR:
                 deferred[ci] = ri
                 return
@@ -352,12 +355,15 @@ def align(ref: list[Record], cand: list[Record], value_match: bool = True, *,
         for r in ref:
             by_numel.setdefault(_numel(r), []).append(r.index)
         for c in cand:
-            if c.index in pairs or c.value is None:
+            if c.index in pairs:
+                continue
+            c_value = cv(c)
+            if c_value is None:
                 continue
             contenders = by_numel.get(_numel(c), [])
             if not contenders:
                 continue
-            fc = _fingerprint(c)
+            fc = _fingerprint(c, v=c_value)
             if fc is None:
                 continue
             scale = float(fc.abs().max()) or 1.0
@@ -376,7 +382,7 @@ def align(ref: list[Record], cand: list[Record], value_match: bool = True, *,
             scored.sort()
             best = None
             for _, prior, ri in scored[:6]:
-                t, err = best_layout(c.value, rv(ref[ri]))
+                t, err = best_layout(c_value, rv(ref[ri]))
                 if err <= VALUE_MATCH_REL_ERR and (best is None or err + prior < best[0]):
                     best = (err + prior, ri, t)
                 if err < 1e-6 and prior <= min(x[1] for x in scored[:6]):

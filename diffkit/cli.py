@@ -172,9 +172,19 @@ def main() -> None:
 @click.option("--no-isolate", is_flag=True,
               help="run in this process (default: a child process, so a crashing kernel cannot take the answer with it)")
 @click.option("--timeout", type=float, default=None, help="stop a candidate that runs longer than this (seconds)")
+@click.option("--max-memory", "max_memory", default=None, metavar="SIZE",
+              help="streaming diff: hold at most SIZE (e.g. 512M, 4G) of captured values on the device (CPU: in "
+                   "memory); the rest goes to pinned host memory, then disk. Default without the flag: in-memory diff")
+@click.option("--stream", "stream", is_flag=True,
+              help="streaming diff with the default budget (a quarter of the free device memory)")
+@click.option("--only", "only", default=None, metavar="PATTERNS",
+              help="capture only records whose names match these comma-separated globs (e.g. 'blocks.3.*'); "
+                   "inputs and the output are always kept")
+@click.option("--stop-at-first", is_flag=True, help="end the candidate's forward at its first divergent stage")
 @click.option("--stream-dir", type=click.Path(file_okay=False), default=None, hidden=True)
 def diff(ref_path, cand_path, atol, rtol, seed, device, json_path, csv_path, strict, train, full, tolerance,
-         reinit_zero, report_dir, no_report, html_path, md_path, junit_path, no_isolate, timeout, stream_dir):
+         reinit_zero, report_dir, no_report, html_path, md_path, junit_path, no_isolate, timeout, max_memory, stream,
+         only, stop_at_first, stream_dir):
     """Compare candidate CAND.py (ModelNew) with reference REF.py (Model), stage by stage.
 
     Either argument may instead be a capture directory written by `diffkit capture -o` (then both must be)."""
@@ -185,6 +195,13 @@ def diff(ref_path, cand_path, atol, rtol, seed, device, json_path, csv_path, str
     if rtol is not None and atol is None:
         atol = rtol
     color = sys.stdout.isatty()
+    from .stream import parse_size
+
+    try:
+        max_bytes = parse_size(max_memory)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--max-memory")
+    streaming = True if (stream or max_bytes is not None or only or stop_at_first) else None
     arts = (json_path, csv_path, report_dir, no_report, html_path, md_path, junit_path)
     if _is_capture(ref_path) or _is_capture(cand_path):
         from .store import load_trace
@@ -206,7 +223,8 @@ def diff(ref_path, cand_path, atol, rtol, seed, device, json_path, csv_path, str
                            atol, rtol, strict, timeout, color, full, arts))
     try:
         result = diff_files(ref_path, cand_path, atol=atol, rtol=rtol, seed=seed, device=device, strict=strict,
-                            train=train, tolerance=tolerance, reinit_zero=reinit_zero, stream_dir=stream_dir)
+                            train=train, tolerance=tolerance, reinit_zero=reinit_zero, stream_dir=stream_dir,
+                            max_memory=max_bytes, only=only, stop_at_first=stop_at_first, streaming=streaming)
     except DiffkitError as e:
         result = error_result(e, ref_path, cand_path, atol, rtol)
         click.echo(f"diffkit: ERROR: {e}", err=False)
@@ -288,7 +306,10 @@ def _isolated(argv, ref_path, cand_path, atol, rtol, strict, timeout, color, ful
         cand = traces["cand"].load() if traces["cand"] is not None else Trace()
         last = (cand if side == "candidate" else ref).records
         where = crumb or (f"after {last[-1].name} ({last[-1].where})" if last else "before any stage was captured")
-        result = compare_traces(ref, cand, atol, rtol, strict=strict)
+        from .stream import read_journal
+
+        result = compare_traces(ref, cand, atol, rtol, strict=strict,
+                                known=read_journal(os.path.join(tmp, "stats.jsonl")))
         result.error = ErrorInfo(side, "forward", f"the {side} process {why}", where, err_text[-6000:])
         result.verdict = "error"
         result.ref_path, result.cand_path = ref_path, cand_path

@@ -128,51 +128,49 @@ def compare_streaming(ref_model: torch.nn.Module, cand_model: torch.nn.Module, r
             comparer.finish()
         except StopCapture:
             pass
-        # leftovers are aligned by order and value afterwards, reading reference values lazily
-        for ci in comparer.unmatched:
-            cand_trace.records[ci].value = keep.get(ci)
-        cache: dict[int, torch.Tensor | None] = {}
+        # leftovers are aligned by order and value afterwards, reading values lazily (a few at a time)
+        def lazy(store, device):
+            cache: dict[int, torch.Tensor | None] = {}
 
-        def ref_value(r):
-            if r.index not in cache:
-                if len(cache) > 64:
-                    cache.clear()
-                cache[r.index] = ref_store.get(r.index, dev)
-            return cache[r.index]
+            def get(rec):
+                if rec.index not in cache:
+                    if len(cache) >= 2:
+                        cache.pop(next(iter(cache)))
+                    cache[rec.index] = store.get(rec.index, device)
+                return cache[rec.index]
+            return get
 
-        alignment = align(ref_trace.records, cand_trace.records, fixed=comparer.pairs, ref_value=ref_value)
-        cache.clear()
+        alignment = align(ref_trace.records, cand_trace.records, fixed=comparer.pairs,
+                          ref_value=lazy(ref_store, dev), cand_value=lazy(keep, dev))
         known = dict(comparer.stats)
         for p in alignment.pairs:  # pairs made by order or value: measure them now, one at a time
             r, c = ref_trace.records[p.ref], cand_trace.records[p.cand]
-            if (p.ref, p.cand, p.transform) in known or c.value is None or p.transform == ("shape-mismatch",):
+            if (p.ref, p.cand, p.transform) in known or p.cand not in keep or p.transform == ("shape-mismatch",):
                 continue
-            rv = ref_store.get(p.ref, c.value.device)
-            if rv is not None:
+            rv, cv = ref_store.get(p.ref, dev), keep.get(p.cand, dev)
+            if rv is not None and cv is not None:
                 known[(p.ref, p.cand, p.transform)] = measure(
-                    rv, to_ref_layout(c.value, tuple(r.shape), p.transform),
+                    rv, to_ref_layout(cv, tuple(r.shape), p.transform),
                     atol if atol is not None else default_tolerance(r.dtype),
                     rtol if rtol is not None else default_tolerance(r.dtype))
-        # values for the stages the report, diagnosis and root cause look at
-        for ci in keep.slots:
-            if cand_trace.records[ci].value is None:
-                cand_trace.records[ci].value = keep.get(ci)
         stages = build_stages(ref_trace, cand_trace, alignment, atol, rtol, known=known)
         result = locate(stages, ref_trace, cand_trace, atol, rtol, strict=strict)
-        need: set[int] = set()
+        # values for the stages the report, diagnosis and root cause look at: the window before the
+        # first divergence (and those stages' inputs), the first few divergent stages, the output
         fd = result.first_divergence
-        measured = [s for s in stages if s.stats is not None and s.ref is not None]
+        measured = [s for s in stages if s.stats is not None and s.ref is not None and s.cand is not None]
+        show: list = []
         if fd is not None:
-            before = [s for s in measured if s.index <= fd.index][-(STREAM_WINDOW + 1):]
-            for s in before:
-                need.add(s.ref.index)
-                by_cand = alignment.by_cand()
-                need.update(by_cand[x.index].ref for x in s.cand.inputs if x.index in by_cand)
-        need.update(s.ref.index for s in stages if s.ref is not None and s.cand is not None
-                    and s.cand.value is not None)
-        for ri in need:
-            if ref_trace.records[ri].value is None:
-                ref_trace.records[ri].value = ref_store.get(ri)
+            show += [s for s in measured if s.index <= fd.index][-(STREAM_WINDOW + 1):]
+        show += [s for s in measured if s.status in ("diverged", "after-divergence")][:comparer.keep_diverged]
+        show += [s for s in measured if s.cand.is_output]
+        by_cand = alignment.by_cand()
+        for s in show:
+            if s.cand.value is None and s.cand.index in keep:
+                s.cand.value = keep.get(s.cand.index)
+            for ri in [s.ref.index] + [by_cand[x.index].ref for x in s.cand.inputs if x.index in by_cand]:
+                if ref_trace.records[ri].value is None:
+                    ref_trace.records[ri].value = ref_store.get(ri)
         result.meta.update({
             "mode": "streaming", "ref_records": len(ref_trace.records), "cand_records": len(cand_trace.records),
             "paired": len(alignment.pairs), "max_memory": budget, "host_memory": host,
@@ -224,10 +222,13 @@ def _drop_statistical(stage) -> None:
 
 
 def compare_traces(ref: Trace, cand: Trace, atol: float | None = None, rtol: float | None = None, *,
-                   strict: bool = False, ref64: Trace | None = None) -> Result:
-    """Align, measure, locate, find the root cause and diagnose, from two captured traces."""
-    alignment = align(ref.records, cand.records)
-    stages = build_stages(ref, cand, alignment, atol, rtol)
+                   strict: bool = False, ref64: Trace | None = None, known: dict | None = None) -> Result:
+    """Align, measure, locate, find the root cause and diagnose, from two captured traces.
+    `known`: stats measured already (a streaming child's journal), keyed (ref, cand, transform);
+    their pairs are kept as they were made."""
+    fixed = {k[1]: (k[0], k[2]) for k in known} if known else None
+    alignment = align(ref.records, cand.records, fixed=fixed)
+    stages = build_stages(ref, cand, alignment, atol, rtol, known=known)
     fixed = None
     if ref64 is not None:
         fixed = locate([dataclasses.replace(s) for s in stages], ref, cand, atol, rtol, strict=strict).verdict
