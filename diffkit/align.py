@@ -351,6 +351,7 @@ def align(ref: list[Record], cand: list[Record], value_match: bool = True, *,
     # 3. values
     if value_match:
         fps: dict[int, torch.Tensor | None] = {}
+        groups: dict[int, tuple] = {}
         by_numel: dict[int, list[int]] = {}
         for r in ref:
             by_numel.setdefault(_numel(r), []).append(r.index)
@@ -367,19 +368,25 @@ def align(ref: list[Record], cand: list[Record], value_match: bool = True, *,
             if fc is None:
                 continue
             scale = float(fc.abs().max()) or 1.0
-            scored = []
-            pos_c = c.index / max(len(cand), 1)
-            for ri in contenders:
-                if ri not in fps:
-                    fps[ri] = _fingerprint(ref[ri], v=rv(ref[ri]))
-                fr = fps[ri]
-                if fr is None:
-                    continue
-                # values first; then prefer the same module scope, a similar position, a free partner
-                prior = (0.1 * (ref[ri].scope != c.scope) + 0.2 * abs(ri / max(len(ref), 1) - pos_c)
-                         + 0.1 * (ri in paired_ref))
-                scored.append((float((fc - fr).abs().max()) / scale + prior, prior, ri))
-            scored.sort()
+            group = groups.get(_numel(c))
+            if group is None:  # the contenders' fingerprints as one matrix, once per element count
+                for ri in contenders:
+                    if ri not in fps:
+                        fps[ri] = _fingerprint(ref[ri], v=rv(ref[ri]))
+                have = [ri for ri in contenders if fps[ri] is not None]
+                group = groups[_numel(c)] = (have, torch.stack([fps[ri] for ri in have]) if have else None,
+                                             torch.tensor([ri / max(len(ref), 1) for ri in have], dtype=torch.float64),
+                                             [ref[ri].scope for ri in have])
+            have, mat, pos, scopes = group
+            if not have:
+                continue
+            # values first; then prefer the same module scope, a similar position, a free partner
+            prior = (0.1 * torch.tensor([sc != c.scope for sc in scopes], dtype=torch.float64)
+                     + 0.2 * (pos - c.index / max(len(cand), 1)).abs()
+                     + 0.1 * torch.tensor([ri in paired_ref for ri in have], dtype=torch.float64))
+            score = (mat - fc).abs().max(dim=1).values / scale + prior
+            top = torch.argsort(score)[:6].tolist()
+            scored = [(float(score[k]), float(prior[k]), have[k]) for k in top]
             best = None
             for _, prior, ri in scored[:6]:
                 t, err = best_layout(c_value, rv(ref[ri]))

@@ -1,5 +1,6 @@
 import ast
 import os
+import re
 import runpy
 import sys
 
@@ -31,16 +32,16 @@ def expectation(path):
 
 def candidates(device="cpu"):
     """(name, reference, candidate, expectation) for every candidate in kernels/ that runs on `device`
-    (CUDA candidates are the files named *_cuda*)."""
+    (GPU candidates are the files named *_cuda* or *_triton*)."""
     out = []
     for name in sorted(os.listdir(KERNELS)):
         if not name.endswith(".py") or name == "cpu_ops.py" or name.startswith("_"):
             continue
-        if ("_cuda" in name) != (device == "cuda"):
+        if ("_cuda" in name or "_triton" in name) != (device == "cuda"):
             continue
         path = os.path.join(KERNELS, name)
         exp = expectation(path)
-        ref = exp["reference"] if exp else name.replace("_cpp.py", ".py").replace("_cuda.py", ".py")
+        ref = exp["reference"] if exp else re.sub(r"_(cpp|cuda|fused|triton)\.py$", ".py", name)
         out.append((name, os.path.join(REFS, ref), path, exp))
     return out
 
