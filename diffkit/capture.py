@@ -159,6 +159,10 @@ _SKIP_FUNCS = {"__get__", "__set__", "__repr__", "__format__", "__bool__", "__le
                "__contains__", "__hash__", "__reduce_ex__", "__deepcopy__"}
 
 
+# allocations hold no computed value (a kernel fills them later): no record, so the kernel's
+# write, named after the same variable, is the record that pairs with the reference
+_ALLOC_FUNCS = {"empty", "empty_like", "new_empty", "empty_strided"}
+
 _NOT_EXTENSIONS = {"torch", "numpy", "triton", "pandas", "matplotlib", "scipy"}
 
 
@@ -370,7 +374,7 @@ class _State:
     # -- torch function mode
     def on_op(self, func, args, kwargs, out) -> None:
         fname = getattr(func, "__name__", "")
-        if fname in _SKIP_FUNCS:
+        if fname in _SKIP_FUNCS or fname in _ALLOC_FUNCS:
             return
         if out is None and fname == "__setitem__" and args and isinstance(args[0], torch.Tensor):
             site = self.site()
@@ -667,6 +671,77 @@ class _ExtensionPatch:
         self.undo.clear()
 
 
+class _TritonPatch:
+    """Record user-launched Triton kernels: ``kernel[grid](...)`` is wrapped for the capture's duration.
+
+    The wrapper sits on ``KernelInterface.__getitem__``, the user-facing launch: an autotuner or
+    heuristics wrapper launches its inner kernel through ``run`` directly (benchmarking configs
+    included), so each user launch is recorded once.  Triton kernels return nothing; the tensor
+    arguments whose contents the launch changed are recorded (kind ``write``), each named by its
+    argument's source text at the call site, like any variable assigned there."""
+
+    def __init__(self, state: _State):
+        self.state = state
+        self.undo: Any = None
+
+    def install(self) -> None:
+        jit = sys.modules.get("triton.runtime.jit")
+        ki = getattr(jit, "KernelInterface", None) if jit is not None else None
+        if ki is None or "__getitem__" not in vars(ki):
+            return
+        original = vars(ki)["__getitem__"]
+        st = self.state
+
+        def __getitem__(kernel, grid):
+            launch = original(kernel, grid)
+            if st.busy or st.opaque or _ACTIVE[-1:] != [st]:
+                return launch
+            name = getattr(kernel, "__name__", None) or getattr(getattr(kernel, "fn", None), "__name__", "kernel")
+
+            def run(*args, **kwargs):
+                if st.busy:
+                    return launch(*args, **kwargs)
+                st.busy = True  # also the re-entrancy guard: nested launches are the same user launch
+                try:
+                    tensors = [(i, a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+                    before = [(i, a.detach().clone()) for i, a in tensors]
+                    if _BREADCRUMB:
+                        _leave_breadcrumb(f"triton:{name}", st)
+                    try:
+                        out = launch(*args, **kwargs)
+                    except BaseException:
+                        if st.failing_call is None:
+                            st.failing_call = f"triton:{name}"
+                        raise
+                    if _BREADCRUMB:
+                        _leave_breadcrumb("", st)
+                    written = [i for i, old in before if not _same(old, args[i])]
+                    if not written and tensors:
+                        written = [tensors[-1][0]]
+                    f = naming.user_frame(sys._getframe(1))
+                    site = naming.site_of(f) if f is not None else naming.Site("", 0, "?", (), "?")
+                    for i in written:
+                        label = site.args[i] if i < len(site.args) else f"arg{i}"
+                        st.add(name=st.op_name(st.scope, site.function, label), kind="write", label=label,
+                               rebound=label in site.rebound, function=site.function, file=site.file,
+                               line=site.line, op=f"triton:{name}", tensor=args[i],
+                               call=(("triton", None, None), ("arg", i)))
+                    return out
+                finally:
+                    st.busy = False
+
+            return run
+
+        ki.__getitem__ = __getitem__
+        self.undo = (ki, original)
+
+    def remove(self) -> None:
+        if self.undo is not None:
+            ki, original = self.undo
+            ki.__getitem__ = original
+            self.undo = None
+
+
 class capture:
     """``with diffkit.capture(model) as trace: model(*inputs)`` — records one forward.
 
@@ -686,6 +761,7 @@ class capture:
         self._handles: list[Any] = []
         self._mode: _Mode | None = None
         self._patch = _ExtensionPatch(self.state)
+        self._triton = _TritonPatch(self.state)
 
     def __enter__(self) -> Trace:
         _install_extension_import_hook()
@@ -695,6 +771,7 @@ class capture:
             reg.register_module_forward_hook(_post_hook, always_call=True),
         ]
         self._patch.install(self.state.model)
+        self._triton.install()
         _ACTIVE.append(self.state)
         self._mode = _Mode(self.state)
         self._mode.__enter__()
@@ -710,6 +787,7 @@ class capture:
             for h in self._handles:
                 h.remove()
             self._patch.remove()
+            self._triton.remove()
         if isinstance(exc, StopCapture):
             self.state.trace.stopped = str(exc) or "stopped"
         elif exc is not None:

@@ -1,0 +1,9 @@
+"""invariant point attention with CUDA kernels (GPU only): the same model body as invariant_point_attention_cpp.py
+(kernels/_ipa_body.py) with the kernels of kernels/cuda/structure_ops.cu."""
+import os
+import runpy
+
+_here = os.path.dirname(os.path.abspath(__file__))
+_k = runpy.run_path(os.path.join(_here, "cuda_ops.py"))
+_body = runpy.run_path(os.path.join(_here, "_ipa_body.py"), init_globals={"ops": _k["load"]()})
+ModelNew = _body["ModelNew"]

@@ -1,0 +1,15 @@
+"""Broken on purpose (CUDA only): the triangle contraction reads its shared-memory tile of `a`
+without the __syncthreads() after staging it, so warps read entries other warps have not written."""
+import os
+import runpy
+
+_here = os.path.dirname(os.path.abspath(__file__))
+_base = runpy.run_path(os.path.join(_here, "triangle_multiplicative_update_cuda.py"))
+_k = runpy.run_path(os.path.join(_here, "cuda_ops.py"))
+
+DIFFKIT_EXPECT = {"reference": "triangle_multiplicative_update.py", "stage": "forward:x", "kind": "nondeterministic",
+                  "device": "cuda"}
+
+
+class ModelNew(_base["ModelNew"]):
+    BUG_TRIANGLE = _k["RACE"]
