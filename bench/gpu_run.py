@@ -1,9 +1,11 @@
-"""Everything GPU-side in one call (device time is scarce): environment, every CUDA candidate
-through the diff, the GPU tests, and the wall time of a GPU diff against two plain forwards.
+"""Everything GPU-side, in a few calls (device time is scarce).
 
-    python bench/gpu_run.py [--skip-tests]
+    python bench/gpu_run.py build      # build both CUDA extensions at once (two processes)
+    python bench/gpu_run.py tests      # pytest -m cuda: every CUDA/Triton candidate, sanitizers, streaming
+    python bench/gpu_run.py timing     # GPU diff wall time vs two plain forwards (axial, B4 64x64 dim256)
+    python bench/gpu_run.py sanitizer  # the raw compute-sanitizer logs of the two sanitizer cases
+Scale figures: bench/scale.py --preset h200 --dtype float32|bfloat16.
 """
-import argparse
 import os
 import subprocess
 import sys
@@ -14,29 +16,44 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--skip-tests", action="store_true")
-    args = ap.parse_args()
+def env_report():
     import torch
 
     print(f"torch {torch.__version__}, cuda {torch.version.cuda}, device {torch.cuda.get_device_name(0)}")
     for mod in ("pandas", "matplotlib", "click", "safetensors", "pytest", "triton"):
         try:
-            __import__(mod)
-            print(f"  {mod}: yes")
+            m = __import__(mod)
+            print(f"  {mod}: {getattr(m, '__version__', 'yes')}")
         except Exception as e:
             print(f"  {mod}: NO ({e.__class__.__name__})")
-    import diffkit
-    from conftest import candidates
 
+
+def build():
     t0 = time.perf_counter()
-    diffkit.load.exec_file(os.path.join(ROOT, "kernels", "axial_attention_cuda.py"), "candidate")
-    print(f"CUDA extension built/loaded in {time.perf_counter() - t0:.1f} s")
-    # the realistic size: B=4, 64x64 grid, dim 256
-    ref_path = os.path.join(ROOT, "references", "axial_attention_large.py")
-    cand_path = os.path.join(ROOT, "kernels", "axial_attention_cuda.py")
-    pair = diffkit.load_pair(ref_path, cand_path, device="cuda")
+    procs = [subprocess.Popen([sys.executable, "-c", f"import runpy; runpy.run_path({path!r})"], cwd=ROOT)
+             for path in (os.path.join(ROOT, "kernels", "axial_attention_cuda.py"),
+                          os.path.join(ROOT, "kernels", "cuda_ops.py"))]
+    # cuda_ops.py only defines load(): call it
+    procs[1].wait()
+    procs[1] = subprocess.Popen([sys.executable, "-c", "import runpy; runpy.run_path('kernels/cuda_ops.py')['load']()"],
+                                cwd=ROOT)
+    codes = [p.wait() for p in procs]
+    print(f"extensions built in {time.perf_counter() - t0:.1f} s, exit codes {codes}")
+
+
+def tests():
+    sys.stdout.flush()
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "-m", "cuda", "-p", "no:cacheprovider",
+                    os.path.join(ROOT, "tests", "test_gpu.py")], cwd=ROOT)
+
+
+def timing():
+    import torch
+
+    import diffkit
+
+    pair = diffkit.load_pair(os.path.join(ROOT, "references", "axial_attention_large.py"),
+                             os.path.join(ROOT, "kernels", "axial_attention_cuda.py"), device="cuda")
     with torch.no_grad():
         for _ in range(3):
             pair.ref(*pair.ref_inputs), pair.cand(*pair.cand_inputs)
@@ -47,35 +64,52 @@ def main():
             pair.cand(*pair.cand_inputs)
         torch.cuda.synchronize()
         plain = (time.perf_counter() - t0) / 5
-    diffkit.compare(pair.ref, pair.cand, pair.ref_inputs, cand_inputs=pair.cand_inputs)  # warm
-    torch.cuda.synchronize()
-    for label, kw in (("full (health + rerun)", {}), ("no health/rerun", {"health": False, "rerun": False})):
+    runs = (("in memory, health + rerun", {}), ("in memory, no health/rerun", {"health": False, "rerun": False}),
+            ("streaming, default budget", {"health": False, "rerun": False, "streaming": True}),
+            ("streaming, --max-memory 256M", {"health": False, "rerun": False, "max_memory": 256 << 20}))
+    diffkit.compare(pair.ref, pair.cand, pair.ref_inputs, cand_inputs=pair.cand_inputs, health=False)  # warm
+    for label, kw in runs:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
         t0 = time.perf_counter()
         r = diffkit.compare(pair.ref, pair.cand, pair.ref_inputs, cand_inputs=pair.cand_inputs, **kw)
         torch.cuda.synchronize()
         t = time.perf_counter() - t0
-        print(f"\nlarge axial (4×64×64×256) {label}: diff {t * 1e3:.1f} ms vs two plain forwards {plain * 1e3:.1f} ms "
-              f"= {t / plain:.1f}×; {len(r.stages)} stages, verdict {r.verdict}, "
-              f"peak GPU memory {torch.cuda.max_memory_allocated() / 2 ** 30:.2f} GiB")
-    # each candidate through the CLI, in its isolated child: a kernel that kills the CUDA context
-    # (an illegal address) must not take the other results with it
-    for name, ref, cand, exp in candidates("cuda"):
+        print(f"axial 4x64x64x256, {label}: diff {t * 1e3:.1f} ms vs two plain forwards {plain * 1e3:.1f} ms "
+              f"= {t / plain:.1f}x; {len(r.stages)} stages, verdict {r.verdict}, peak GPU memory above the models "
+              f"{(torch.cuda.max_memory_allocated() - base) / 2 ** 30:.2f} GiB"
+              + (f", reference tiers {r.meta.get('reference_tiers')}" if "reference_tiers" in r.meta else ""))
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    diffkit.compare(pair.ref, pair.cand, pair.ref_inputs, cand_inputs=pair.cand_inputs, health=False, rerun=False)
+    torch.cuda.synchronize()
+    prof.disable()
+    pstats.Stats(prof).sort_stats("cumulative").print_stats(25)
+
+
+def sanitizer():
+    for tool, ref, cand in (("memcheck", "axial_attention_large.py", "axial_attention_cuda_smem.py"),
+                            ("racecheck", "triangle_multiplicative_update.py", "triangle_multiplicative_update_cuda_race.py")):
+        log = f"/tmp/sanitizer-{tool}.log"
         t0 = time.perf_counter()
-        out = subprocess.run([sys.executable, os.path.join(ROOT, "cli.py"), "diff", ref, cand, "--device", "cuda",
-                              "--no-report", "--timeout", "300"], capture_output=True, text=True, cwd=ROOT)
-        lines = out.stdout.strip().splitlines()
-        print(f"\n== {name}: exit {out.returncode} ({time.perf_counter() - t0:.1f} s); expected {exp}")
-        for ln in lines:
-            if ln.lstrip().startswith(("diagnosis", "error:", "at ", "root cause", "re-run", "first divergence")) \
-                    or ln.startswith("diffkit:"):
-                print("  " + ln.strip())
-        if out.returncode not in (0, 1, 2):
-            print(out.stderr[-1500:])
-    if not args.skip_tests:
-        sys.stdout.flush()
-        subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "-m", "cuda", os.path.join(ROOT, "tests", "test_gpu.py")],
-                       cwd=ROOT)
+        out = subprocess.run([sys.executable, os.path.join(ROOT, "cli.py"), "diff", os.path.join(ROOT, "references", ref),
+                              os.path.join(ROOT, "kernels", cand), "--device", "cuda", "--no-report", "--sanitize", tool,
+                              "--timeout", "400"], capture_output=True, text=True, cwd=ROOT,
+                             env=dict(os.environ, DIFFKIT_SANITIZER_COPY=log))
+        print(f"\n== {tool} {cand}: exit {out.returncode} in {time.perf_counter() - t0:.0f} s")
+        print("\n".join(ln for ln in out.stdout.splitlines() if "sanitizer" in ln or ln.startswith(("diffkit", "error", "  at", "warning")))[-3000:])
+        if os.path.exists(log):
+            print("-- raw log head --\n" + open(log).read()[:2500])
 
 
 if __name__ == "__main__":
-    main()
+    env_report()
+    for phase in sys.argv[1:] or ["build", "tests", "timing"]:
+        print(f"\n######## {phase}")
+        sys.stdout.flush()
+        globals()[phase]()
+        sys.stdout.flush()

@@ -181,10 +181,13 @@ def main() -> None:
               help="capture only records whose names match these comma-separated globs (e.g. 'blocks.3.*'); "
                    "inputs and the output are always kept")
 @click.option("--stop-at-first", is_flag=True, help="end the candidate's forward at its first divergent stage")
+@click.option("--sanitize", type=click.Choice(["memcheck", "racecheck"]), default=None,
+              help="run the diff's child process under compute-sanitizer and attach its reports (kernel, thread, "
+                   "address) to the stage that launched the kernel")
 @click.option("--stream-dir", type=click.Path(file_okay=False), default=None, hidden=True)
 def diff(ref_path, cand_path, atol, rtol, seed, device, json_path, csv_path, strict, train, full, tolerance,
          reinit_zero, report_dir, no_report, html_path, md_path, junit_path, no_isolate, timeout, max_memory, stream,
-         only, stop_at_first, stream_dir):
+         only, stop_at_first, sanitize, stream_dir):
     """Compare candidate CAND.py (ModelNew) with reference REF.py (Model), stage by stage.
 
     Either argument may instead be a capture directory written by `diffkit capture -o` (then both must be)."""
@@ -218,9 +221,14 @@ def diff(ref_path, cand_path, atol, rtol, seed, device, json_path, csv_path, str
         click.echo(format_result(result, color=color, full=full))
         _artifacts(result, *arts)
         sys.exit(EXIT[result.verdict])
+    if sanitize and no_isolate:
+        raise click.UsageError("--sanitize runs the diff in a child process under compute-sanitizer; drop --no-isolate")
     if not no_isolate:
-        sys.exit(_isolated(sys.argv[1:] if sys.argv[1:2] == ["diff"] else ["diff", *sys.argv[1:]], ref_path, cand_path,
-                           atol, rtol, strict, timeout, color, full, arts))
+        argv = sys.argv[1:] if sys.argv[1:2] == ["diff"] else ["diff", *sys.argv[1:]]
+        if sanitize:
+            argv = [a for i, a in enumerate(argv) if a != "--sanitize" and not (i and argv[i - 1] == "--sanitize")
+                    and not a.startswith("--sanitize=")]
+        sys.exit(_isolated(argv, ref_path, cand_path, atol, rtol, strict, timeout, color, full, arts, sanitize))
     try:
         result = diff_files(ref_path, cand_path, atol=atol, rtol=rtol, seed=seed, device=device, strict=strict,
                             train=train, tolerance=tolerance, reinit_zero=reinit_zero, stream_dir=stream_dir,
@@ -239,10 +247,31 @@ def diff(ref_path, cand_path, atol, rtol, seed, device, json_path, csv_path, str
         _artifacts(error_result(err, ref_path, cand_path, atol, rtol), json_path, csv_path, report_dir, no_report,
                    html_path, md_path, junit_path)
         sys.exit(2)
+    _sanitizer_findings(result)
     click.echo(format_result(result, color=color, full=full))
     _artifacts(result, json_path, csv_path, report_dir, no_report, html_path, md_path, junit_path)
     _done(stream_dir)
     sys.exit(EXIT[result.verdict])
+
+
+def _sanitizer_findings(result) -> None:
+    """In a child run under compute-sanitizer: attach what it has logged so far to the stages."""
+    import os
+
+    log, tool = os.environ.get("DIFFKIT_SANITIZER_LOG"), os.environ.get("DIFFKIT_SANITIZER_TOOL", "")
+    if not log:
+        return
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    except Exception:
+        pass
+    from .sanitize import attach, parse
+
+    text = open(log, encoding="utf-8", errors="replace").read() if os.path.exists(log) else ""
+    attach(result, parse(text, tool))
 
 
 def _done(stream_dir) -> None:
@@ -260,7 +289,7 @@ def _is_capture(path: str) -> bool:
     return os.path.isdir(path) and os.path.exists(os.path.join(path, "index.json"))
 
 
-def _isolated(argv, ref_path, cand_path, atol, rtol, strict, timeout, color, full, arts) -> int:
+def _isolated(argv, ref_path, cand_path, atol, rtol, strict, timeout, color, full, arts, sanitize=None) -> int:
     """Run the diff in a child process; if the child crashes or hangs, compare what it captured."""
     import os
     import signal
@@ -274,6 +303,16 @@ def _isolated(argv, ref_path, cand_path, atol, rtol, strict, timeout, color, ful
     with tempfile.TemporaryDirectory(prefix="diffkit-") as tmp:
         env = dict(os.environ, CUDA_LAUNCH_BLOCKING="1", DIFFKIT_BREADCRUMB=os.path.join(tmp, "breadcrumb"))
         cmd = [sys.executable, "-m", "diffkit.cli", *argv, "--no-isolate", "--stream-dir", tmp]
+        san_log = os.path.join(tmp, "sanitizer.log")
+        if sanitize:
+            from .sanitize import wrap_command
+
+            try:
+                cmd = wrap_command(sanitize, san_log, cmd)
+            except (FileNotFoundError, ValueError) as e:
+                click.echo(f"diffkit: ERROR: --sanitize: {e}")
+                return 2
+            env.update(DIFFKIT_SANITIZER_LOG=san_log, DIFFKIT_SANITIZER_TOOL=sanitize)
         errlog = os.path.join(tmp, "stderr")
         with open(errlog, "w") as err_fh:
             proc = subprocess.Popen(cmd, env=env, stderr=err_fh)
@@ -285,6 +324,10 @@ def _isolated(argv, ref_path, cand_path, atol, rtol, strict, timeout, color, ful
                 proc.wait()
                 code, why = -9, f"did not finish within {timeout:g} s and was stopped"
         err_text = open(errlog, encoding="utf-8", errors="replace").read()
+        if sanitize and os.environ.get("DIFFKIT_SANITIZER_COPY") and os.path.exists(san_log):
+            import shutil
+
+            shutil.copy(san_log, os.environ["DIFFKIT_SANITIZER_COPY"])  # keep the raw log (debugging the parser)
         if code in (0, 1, 2) and os.path.exists(os.path.join(tmp, "done")):
             sys.stderr.write(err_text)
             return code
@@ -311,6 +354,10 @@ def _isolated(argv, ref_path, cand_path, atol, rtol, strict, timeout, color, ful
         result = compare_traces(ref, cand, atol, rtol, strict=strict,
                                 known=read_journal(os.path.join(tmp, "stats.jsonl")))
         result.error = ErrorInfo(side, "forward", f"the {side} process {why}", where, err_text[-6000:])
+        if sanitize and os.path.exists(san_log):
+            from .sanitize import attach, parse
+
+            attach(result, parse(open(san_log, encoding="utf-8", errors="replace").read(), sanitize))
         result.verdict = "error"
         result.ref_path, result.cand_path = ref_path, cand_path
         click.echo(format_result(result, color=color, full=full))

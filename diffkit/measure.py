@@ -83,6 +83,7 @@ class PendingStats:
                  ready: Stats | None = None):
         self.shape, self.atol, self.rtol = shape, atol, rtol
         self._stats = ready
+        self.rel_l2 = 0.0
         self._event = None
         self._host = None
         if packed is not None:
@@ -101,8 +102,9 @@ class PendingStats:
         if self._stats is None:
             if self._event is not None:
                 self._event.synchronize()
-            (mism, max_abs, mean_abs, max_rel, cosine, r_nan, r_inf, c_nan, c_inf, flat, wr, wc, n) = \
+            (mism, max_abs, mean_abs, max_rel, cosine, r_nan, r_inf, c_nan, c_inf, flat, wr, wc, n, rel_l2) = \
                 self._host.tolist()
+            self.rel_l2 = rel_l2  # ||c - r|| / ||r|| over finite elements (align's value-agreement measure)
             wabs = abs(wc - wr)
             self._stats = Stats(int(n), max_abs, mean_abs, max_rel, int(mism), cosine, int(r_nan), int(r_inf),
                                 int(c_nan), int(c_inf), Worst(_unravel(int(flat), self.shape), wr, wc,
@@ -155,7 +157,7 @@ def _partials(r: torch.Tensor, c: torch.Tensor, atol: float, rtol: float, exact:
     return torch.cat([torch.stack([bad.sum(dtype=torch.float64), diff.max(), diff.sum(), rel.max(), (fr * fc).sum(),
                                    (fr * fr).sum(), (fc * fc).sum()]), counts,
                       torch.stack([excess[i_ex], i_ex.to(torch.float64) + offset, diff[i_d],
-                                   i_d.to(torch.float64) + offset, first_nb])])
+                                   i_d.to(torch.float64) + offset, first_nb, (diff * diff).sum()])])
 
 
 def measure_async(ref: torch.Tensor, cand: torch.Tensor, atol: float, rtol: float) -> PendingStats:
@@ -188,5 +190,6 @@ def measure_async(ref: torch.Tensor, cand: torch.Tensor, atol: float, rtol: floa
     packed = torch.cat([torch.stack([mism, parts[:, 1].max(), parts[:, 2].sum() / n, parts[:, 3].max(), cosine]),
                         parts[:, 7:11].sum(0),
                         torch.stack([flat.to(torch.float64), r[flat].to(torch.float64), c[flat].to(torch.float64),
-                                     torch.tensor(float(n), dtype=torch.float64, device=r.device)])])
+                                     torch.tensor(float(n), dtype=torch.float64, device=r.device),
+                                     parts[:, 16].sum().sqrt() / torch.where(nr > 0, nr, 1.0)])])
     return PendingStats(packed, shape, atol, rtol)

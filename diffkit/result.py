@@ -105,6 +105,7 @@ class Stage:
             "inherited_max_abs": _num(self.inherited_max_abs),
             "replay": self.replay_note or None,
             "auto": self.auto,
+            "diagnosis": [f.to_dict() for f in self.diagnosis],
         }
 
     def divergence_dict(self) -> dict:

@@ -218,6 +218,7 @@ class _Pending:
     ref: int
     transform: tuple
     stats: PendingStats
+    weak: bool = False  # checked for value agreement when its metrics arrive (no sync at pairing time)
 
 
 @dataclass
@@ -273,21 +274,23 @@ class StreamComparer:
         if refv is None:
             return
         transform: tuple = ()
-        if tuple(r.shape) != tuple(tensor.shape) or rec.rebound or r.rebound:
-            # as align does: the layout closest in value; a reused variable name must agree in value
+        weak = rec.rebound or r.rebound  # a reused variable name: the pair must also agree in value
+        if tuple(r.shape) != tuple(tensor.shape):
+            # as align does: the layout closest in value
             transform, err = best_layout(tensor.detach(), refv)
-            if (rec.rebound or r.rebound) and err > NAME_MATCH_REL_ERR:
+            if weak and err > NAME_MATCH_REL_ERR:
                 self.keep.put(rec.index, tensor)  # align by value afterwards
                 self.unmatched.append(rec.index)
                 return
+            weak = False
         self.paired.add(ri)
         self.pairs[rec.index] = (ri, transform)
-        if self.first is None or len(self.diverged) < self.keep_diverged:
+        if weak or self.first is None or len(self.diverged) < self.keep_diverged:
             self.keep.put(rec.index, tensor)  # provisional: dropped once its metrics say it is not needed
         a = self.atol if self.atol is not None else default_tolerance(r.dtype)
         t = self.rtol if self.rtol is not None else default_tolerance(r.dtype)
         cv = to_ref_layout(tensor.detach(), tuple(r.shape), transform)
-        self.queue.append(_Pending(rec.index, ri, transform, measure_async(refv, cv, a, t)))
+        self.queue.append(_Pending(rec.index, ri, transform, measure_async(refv, cv, a, t), weak))
         self.compared_bytes += 2 * _nbytes(tensor)
         self.drain(block=self.stop_at_first)
 
@@ -311,6 +314,12 @@ class StreamComparer:
         while self.queue and (block or self.queue[0].stats.done()):
             p = self.queue.popleft()
             st = p.stats.result()
+            if p.weak and p.stats.rel_l2 > NAME_MATCH_REL_ERR:
+                # the reused name pointed at a different tensor: unpair, let value alignment place it
+                self.paired.discard(p.ref)
+                self.pairs.pop(p.cand, None)
+                self.unmatched.append(p.cand)
+                continue
             self.stats[(p.ref, p.cand, p.transform)] = st
             if self.journal is not None:
                 self.journal.write(json.dumps({"ref": p.ref, "cand": p.cand, "transform": list(p.transform),

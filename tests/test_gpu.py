@@ -30,3 +30,41 @@ def test_cuda_candidate(name, ref, cand, exp, tmp_path):
     if exp.get("kind"):
         kinds = [f["kind"] for f in (data["root_cause"] or fd)["diagnosis"]]
         assert exp["kind"] in kinds, kinds
+
+
+def _diff(ref, cand, tmp_path, *extra):
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "cli.py"), "diff", os.path.join(ROOT, ref),
+                          os.path.join(ROOT, cand), "--device", "cuda", "--json", str(tmp_path / "r.json"), "--no-report",
+                          "--timeout", "500", *extra], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    print(out.stdout[-4000:], out.stderr[-2000:])
+    return out, json.loads((tmp_path / "r.json").read_text())
+
+
+@pytest.mark.cuda
+def test_sanitize_memcheck_names_the_overflowing_kernel(tmp_path):
+    out, data = _diff("references/axial_attention_large.py", "kernels/axial_attention_cuda_smem.py", tmp_path,
+                      "--sanitize", "memcheck")
+    reports = data["meta"].get("sanitizer") or []
+    assert reports and any(r["kernel"] == "ln_linear_kernel" for r in reports), reports
+    found = [f for s in data["stages"] for f in s.get("diagnosis", []) if f["kind"] == "memory_error"]
+    assert found or any("ln_linear_kernel" in w for w in data["warnings"])
+
+
+@pytest.mark.cuda
+def test_sanitize_racecheck_attaches_race_to_the_triangle_stage(tmp_path):
+    out, data = _diff("references/triangle_multiplicative_update.py",
+                      "kernels/triangle_multiplicative_update_cuda_race.py", tmp_path, "--sanitize", "racecheck")
+    reports = data["meta"].get("sanitizer") or []
+    assert any(r["kernel"] == "triangle_kernel" for r in reports), reports
+    stage = next(s for s in data["stages"] if any(f["kind"] == "race" for f in s.get("diagnosis", [])))
+    assert stage["cand_op"].endswith("triangle_outgoing"), stage
+
+
+@pytest.mark.cuda
+def test_streaming_diff_on_gpu_same_answer(tmp_path):
+    a, da = _diff("references/axial_attention_large.py", "kernels/axial_attention_cuda_tail.py", tmp_path)
+    b, db = _diff("references/axial_attention_large.py", "kernels/axial_attention_cuda_tail.py", tmp_path,
+                  "--max-memory", "64M")
+    key = lambda d: (d["verdict"], (d["first_divergence"] or {}).get("ref_name"))
+    assert key(da) == key(db) and db["meta"]["mode"] == "streaming"
+    assert db["meta"]["peak_device_bytes"] <= 64 << 20
