@@ -147,27 +147,51 @@ def kernel_launchers() -> dict[str, str]:
     return out
 
 
+def _group(reports: list[SanitizerReport]) -> list[tuple[SanitizerReport, int, str]]:
+    """One entry per distinct error (a bad access repeats once per thread): first report, count, extent."""
+    groups: dict[tuple, list[SanitizerReport]] = {}
+    for r in reports:
+        groups.setdefault((r.tool, r.message, r.kernel, r.source), []).append(r)
+    out = []
+    for rs in groups.values():
+        threads = sorted({r.thread for r in rs if r.thread})
+        blocks = sorted({r.block for r in rs if r.block})
+        extent = ""
+        if len(rs) > 1:
+            extent = f"{len(rs)} reports" + (f", {len(threads)} threads" if threads else "") + \
+                (f" in {len(blocks)} block(s) ({', '.join(blocks[:3])}{' …' if len(blocks) > 3 else ''})" if blocks else "")
+        out.append((rs[0], len(rs), extent))
+    return out
+
+
 def attach(result: Result, reports: list[SanitizerReport], launchers: dict[str, str] | None = None) -> int:
-    """Add each report as a Finding on the stage whose call launched its kernel; reports that match
-    no stage become warnings.  Returns the number attached to stages."""
+    """Add each distinct report as a Finding on the stage whose call launched its kernel; one whose
+    call raised (no stage) is added to the error's description; others become warnings.  Returns the
+    number attached to stages."""
     launchers = kernel_launchers() if launchers is None else launchers
-    result.meta["sanitizer"] = [r.__dict__ for r in reports]
+    result.meta["sanitizer"] = [r.__dict__ for r in reports[:200]]
+    result.meta["sanitizer_reports"] = len(reports)
     attached = 0
-    for rep in reports:
+    for rep, count, extent in _group(reports):
         names = {rep.kernel}
         if rep.kernel in launchers:
             names.add(launchers[rep.kernel])
         names.update(h.split("(")[0].split("::")[-1] for h in rep.host)
         names.discard("")
+        text = rep.describe() + (f"; {extent}" if extent else "")
         stage = next((s for s in result.stages if s.cand is not None and s.cand.op.startswith(("ext:", "triton:"))
                       and s.cand.op.rsplit(".", 1)[-1].split(":")[-1] in names), None)
         kind = "memory_error" if rep.tool == "memcheck" else "race"
-        if stage is None:
-            result.warnings.append(rep.describe() + (" (the launching call was not captured)" if rep.kernel else ""))
-            continue
-        stage.diagnosis.insert(0, Finding(kind, rep.describe() + f"; launched by {stage.cand.op} at {stage.cand.where}",
-                                          0.95))
-        attached += 1
+        if stage is not None:
+            if not any(f.kind == kind and f.detail.startswith(rep.describe()) for f in stage.diagnosis):
+                stage.diagnosis.insert(0, Finding(kind, text + f"; launched by {stage.cand.op} at {stage.cand.where}",
+                                                  0.95))
+            attached += 1
+        elif result.error is not None and any(re.search(rf"[.:]{re.escape(n)}\b", result.error.stage or "")
+                                                for n in names):
+            result.error.message += f"; {text} (in the call that failed)"
+        else:
+            result.warnings.append(text + " (its launching call was not captured)")
     if reports and result.verdict == "match":
         result.verdict = "diverged"
         result.warnings.insert(0, f"compute-sanitizer reported {len(reports)} error(s): the output matched, the "
