@@ -162,6 +162,11 @@ def main():
             print(f"{mode}: failed after {time.perf_counter() - t0:.0f} s\n{rows[-1]['error']}")
             continue
         rows.append(json.loads(line[7:]))
+        r = rows[-1]
+        print(f"{mode}: {r['seconds']:.3f} s (all {[round(x, 3) for x in r['all_seconds']]}), host peak RSS "
+              f"{r['host_peak_rss'] / 2**30:.2f} GiB" + (f", device peak above models {r['device_peak_extra'] / 2**30:.2f} GiB"
+                                                      if "device_peak_extra" in r else "")
+              + f"; process wall {time.perf_counter() - t0:.0f} s", flush=True)
     plain = next((r["seconds"] for r in rows if r.get("mode") == "plain" and "seconds" in r), None)
     size = PRESETS[args.preset]
     print(f"\ndeep transformer: {size['DIFFKIT_DEPTH']} blocks, batch {size['DIFFKIT_BATCH']}, seq {size['DIFFKIT_SEQ']}, "
