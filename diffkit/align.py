@@ -392,8 +392,8 @@ def align(ref: list[Record], cand: list[Record], value_match: bool = True, *,
                 t, err = best_layout(c_value, rv(ref[ri]))
                 if err <= VALUE_MATCH_REL_ERR and (best is None or err + prior < best[0]):
                     best = (err + prior, ri, t)
-                if err < 1e-6 and prior <= min(x[1] for x in scored[:6]):
-                    break  # identical values at the expected place: no contender can do better
+                if err < 1e-6 and (ri == scored[0][2] or prior <= min(x[1] for x in scored[:6])):
+                    break  # the closest fingerprint holds identical values: no need to look further
             if best is not None:
                 add(c.index, best[1], "value", best[2])
     # a rejected name pair stands when no value match was found instead

@@ -102,11 +102,11 @@ def compare_streaming(ref_model: torch.nn.Module, cand_model: torch.nn.Module, r
     names; `stop_at_first` ends the candidate's forward at its first divergent record."""
     import os
 
-    from .stream import Budget, StreamComparer, TieredStore, default_budget, name_filter
+    from .stream import Budget, StreamComparer, TieredStore, default_budget, default_host_budget, name_filter
 
     dev = _device_of(ref_model, ref_in)
     budget = max_memory if max_memory is not None else default_budget(dev)
-    host = host_memory if host_memory is not None else (default_budget("cpu") if dev.startswith("cuda") else 0)
+    host = host_memory if host_memory is not None else (default_host_budget() if dev.startswith("cuda") else 0)
     ref_dev, keep_dev = Budget(budget - budget // 4), Budget(budget // 4)
     ref_host, keep_host = Budget(host - host // 4), Budget(host // 4)
     meta_ref = meta_cand = journal = None
@@ -167,10 +167,10 @@ def compare_streaming(ref_model: torch.nn.Module, cand_model: torch.nn.Module, r
         by_cand = alignment.by_cand()
         for s in show:
             if s.cand.value is None and s.cand.index in keep:
-                s.cand.value = keep.get(s.cand.index)
+                s.cand.value = keep.get(s.cand.index, dev)
             for ri in [s.ref.index] + [by_cand[x.index].ref for x in s.cand.inputs if x.index in by_cand]:
                 if ref_trace.records[ri].value is None:
-                    ref_trace.records[ri].value = ref_store.get(ri)
+                    ref_trace.records[ri].value = ref_store.get(ri, dev)  # on the device, as replays need
         result.meta.update({
             "mode": "streaming", "ref_records": len(ref_trace.records), "cand_records": len(cand_trace.records),
             "paired": len(alignment.pairs), "max_memory": budget, "host_memory": host,

@@ -65,6 +65,11 @@ def default_budget(device: str) -> int:
     return _available_host() // 4
 
 
+def default_host_budget() -> int:
+    """For a GPU diff: half the host's available memory for pinned copies before anything goes to disk."""
+    return _available_host() // 2
+
+
 def name_filter(patterns: str | None) -> Callable[[str], bool] | None:
     """`--only`: comma-separated glob patterns on record names; inputs and the output always pass
     (the verdict is the output's)."""

@@ -35,7 +35,7 @@ def candidates(device="cpu"):
     (GPU candidates are the files named *_cuda* or *_triton*)."""
     out = []
     for name in sorted(os.listdir(KERNELS)):
-        if not name.endswith(".py") or name == "cpu_ops.py" or name.startswith("_"):
+        if not name.endswith(".py") or name in ("cpu_ops.py", "cuda_ops.py") or name.startswith("_"):
             continue
         if ("_cuda" in name or "_triton" in name) != (device == "cuda"):
             continue
