@@ -109,7 +109,21 @@ def child(mode, dev, repeat, max_memory):
             info["naive_mismatching_modules"] = naive(ref, cand, ri, ci)
         else:
             kw = dict(streaming=True, max_memory=parse_size(max_memory)) if mode == "stream" else {}
+            prof = None
+            if os.environ.get("SCALE_PROFILE"):
+                import cProfile
+
+                prof = cProfile.Profile()
+                prof.enable()
             r = diffkit.compare(ref, cand, ri, cand_inputs=ci, health=False, rerun=False, **kw)
+            if prof is not None:
+                import io
+                import pstats
+
+                prof.disable()
+                buf = io.StringIO()
+                pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(14)
+                sys.stderr.write(buf.getvalue()[-3500:])
             fd = r.first_divergence
             info.update(verdict=r.verdict, stages=len(r.stages), first=fd.ref_name if fd else None,
                         compared_bytes=sum(2 * s.stats.numel * s.ref.value.element_size() if s.ref.value is not None
@@ -156,6 +170,8 @@ def main():
             cmd += ["--max-memory", args.max_memory]
         t0 = time.perf_counter()
         p = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if os.environ.get("SCALE_PROFILE"):
+            print(p.stderr[-3500:])
         line = next((ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")), None)
         if line is None:
             rows.append(dict(mode=mode, error=(p.stderr or p.stdout)[-1500:]))
