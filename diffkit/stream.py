@@ -108,6 +108,58 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+class _Stager:
+    """Device → host copies without pinning every value: a fixed pinned ring (allocated once)
+    receives asynchronous copies behind CUDA events; once an event has passed, the bytes move on to
+    ordinary (pageable) host memory.  Pinning each value separately costs more than the copy itself
+    (cudaHostAlloc is slow), and a pageable copy would stall the model on every record."""
+
+    def __init__(self, size: int = 256 << 20):
+        self.size = size
+        self.ring: torch.Tensor | None = None
+        self.head = 0
+        self.pending: collections.deque = collections.deque()  # (event, start, nbytes, destination view)
+
+    def copy(self, src: torch.Tensor) -> torch.Tensor:
+        if self.ring is None:
+            self.ring = torch.empty(self.size, dtype=torch.uint8, pin_memory=True)
+        dest = torch.empty(src.shape, dtype=src.dtype)
+        s = src.contiguous().reshape(-1).view(torch.uint8)
+        d = dest.reshape(-1).view(torch.uint8)
+        for lo in range(0, s.numel(), self.size):
+            piece = s[lo:lo + self.size]
+            n = piece.numel()
+            if self.head + n > self.size:
+                self.head = 0
+            self._wait_for(self.head, n)
+            self.ring[self.head:self.head + n].copy_(piece, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record()
+            self.pending.append((ev, self.head, n, d[lo:lo + n]))
+            self.head += n
+        self.poll()
+        return dest
+
+    def _wait_for(self, start: int, n: int) -> None:
+        # finish every pending copy that overlaps [start, start + n)
+        while any(p[1] < start + n and start < p[1] + p[2] for p in self.pending):
+            self._finish(self.pending.popleft(), block=True)
+
+    def _finish(self, item, block: bool) -> None:
+        ev, start, n, dest = item
+        if block:
+            ev.synchronize()
+        dest.copy_(self.ring[start:start + n])
+
+    def poll(self) -> None:
+        while self.pending and self.pending[0][0].query():
+            self._finish(self.pending.popleft(), block=False)
+
+    def flush(self) -> None:
+        while self.pending:
+            self._finish(self.pending.popleft(), block=True)
+
+
 @dataclass
 class _Slot:
     tier: str  # "device" | "host" | "disk"
@@ -138,6 +190,7 @@ class TieredStore:
         self.meta = meta  # a metadata-only CaptureWriter (crash insurance), or None
         self.tiers = collections.Counter()
         self.spilled_bytes = 0
+        self._stager: _Stager | None = None
 
     # -- capture sink protocol
     def add(self, rec: Record, tensor: torch.Tensor) -> None:
@@ -165,9 +218,10 @@ class TieredStore:
         if self.device_budget.take(n):
             self.slots[key] = _Slot("device", t.clone(), n)
         elif t.is_cuda and self.host_budget.take(n):
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            host.copy_(t, non_blocking=True)  # stream-ordered: later in-place writes come after it
-            self.slots[key] = _Slot("host", host, n)
+            if self._stager is None:
+                self._stager = _Stager()
+            # stream-ordered: later in-place writes to `t` come after the copy
+            self.slots[key] = _Slot("host", self._stager.copy(t), n)
         else:
             from safetensors.torch import save_file
 
@@ -183,6 +237,8 @@ class TieredStore:
         s = self.slots.get(key)
         if s is None:
             return None
+        if s.tier == "host" and self._stager is not None:
+            self._stager.flush()  # its bytes may still be on their way through the pinned ring
         if s.tier == "disk":
             from safetensors import safe_open
 
@@ -210,6 +266,8 @@ class TieredStore:
                 pass
 
     def clear(self) -> None:
+        if self._stager is not None:
+            self._stager.flush()
         for k in list(self.slots):
             self.drop(k)
         if self._spill is not None:
