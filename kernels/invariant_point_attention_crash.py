@@ -6,7 +6,8 @@ _base = runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), 
 _k = runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_ops.py"))
 
 DIFFKIT_EXPECT = {"reference": "invariant_point_attention.py", "stage": None, "kind": "crash",
-                  "verdict": "error", "raises_in": "frame_apply"}
+                  "verdict": "error", "raises_in": "frame_apply",
+                  "raises_at": "_ipa_body.py"}
 
 
 class ModelNew(_base["ModelNew"]):
