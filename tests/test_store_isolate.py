@@ -134,3 +134,29 @@ def test_crash_or_hang_in_the_child_keeps_what_was_captured(tmp_path, action, wh
     assert "forward:y" in data["error"]["stage"]  # the last stage captured before it
     ok = [s for s in data["stages"] if s["status"] == "ok"]
     assert any(s["ref_name"] == "ln1" for s in ok)
+
+
+def test_streaming_child_crash_keeps_its_measured_stages(tmp_path, ops):
+    """With --max-memory the child keeps no values on disk; what it measured before dying comes back
+    through its stats journal, so the parent still reports those stages as compared."""
+    cand = tmp_path / "cand.py"
+    cand.write_text(CRASH.format(kernels=KERNELS, action="ctypes.string_at(0)"))
+    out = _cli("diff", os.path.join(REFS, "transformer_block.py"), str(cand), "--timeout", "60", "--max-memory", "64K",
+               "--json", str(tmp_path / "r.json"), "--no-report")
+    assert out.returncode == 2, out.stdout + out.stderr
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["verdict"] == "error" and "SIGSEGV" in data["error"]["message"]
+    ok = [s for s in data["stages"] if s["status"] == "ok"]
+    assert any(s["ref_name"] == "ln1" and s["max_abs"] is not None for s in ok)
+
+
+def test_streaming_flags_on_the_command_line(tmp_path):
+    out = _cli("diff", os.path.join(REFS, "axial_attention.py"), os.path.join(KERNELS, "axial_attention_missing_bias.py"),
+               "--max-memory", "64K", "--stop-at-first", "--json", str(tmp_path / "r.json"), "--no-report")
+    assert out.returncode == 1, out.stdout + out.stderr
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["meta"]["mode"] == "streaming" and data["meta"]["stopped"]
+    assert data["first_divergence"]["ref_name"] == "row_attn.out_proj"
+    bad = _cli("diff", os.path.join(REFS, "axial_attention.py"), os.path.join(KERNELS, "axial_attention_cpp.py"),
+               "--max-memory", "lots", "--no-report")
+    assert bad.returncode == 2 and "--max-memory" in bad.stderr + bad.stdout
