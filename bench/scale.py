@@ -4,7 +4,7 @@
     python bench/scale.py --preset h200 --dtype float32 # 24 blocks, B4 S2048 D1024 (and bfloat16)
     python bench/scale.py --preset h200 --dtype bfloat16 --json out.json
 
-Each mode runs in its own process (peak host memory from getrusage is per process):
+Each mode runs in its own process (peak host memory, VmHWM, is per process):
   plain  two plain forwards (reference, candidate)
   stream diffkit.compare(streaming=True) with --max-memory (default budget when not given)
   full   diffkit.compare in memory (every intermediate of both sides kept)
@@ -18,13 +18,24 @@ the loaded models, peak host RSS, bytes compared per second, and the device's co
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def peak_rss() -> int:
+    """This process's peak RSS (VmHWM).  Not getrusage's ru_maxrss: Linux carries that across
+    fork+exec, so a child started by a big parent (pytest) would report the parent's peak."""
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 sys.path.insert(0, ROOT)
 REF = os.path.join(ROOT, "references", "deep_transformer.py")
 CAND = os.path.join(ROOT, "kernels", "deep_transformer_fused.py")
@@ -98,7 +109,7 @@ def child(mode, dev, repeat, max_memory):
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         base_dev = torch.cuda.memory_allocated()
-    host_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    host_before = peak_rss()
     times, info = [], {}
     for _ in range(repeat):
         t0 = time.perf_counter()
@@ -134,7 +145,7 @@ def child(mode, dev, repeat, max_memory):
         _sync(dev)
         times.append(time.perf_counter() - t0)
     out = dict(mode=mode, device=dev, seconds=statistics.median(times), all_seconds=times, copy_bandwidth=bw,
-               host_peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, host_rss_before=host_before,
+               host_peak_rss=peak_rss(), host_rss_before=host_before,
                **info)
     if dev == "cuda":
         out["device_peak_extra"] = torch.cuda.max_memory_allocated() - base_dev

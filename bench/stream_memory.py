@@ -2,15 +2,26 @@
 
     python bench/stream_memory.py MODE [--max-memory SIZE]      MODE: plain | memory | stream
 
-Prints one JSON line: mode, peak RSS (bytes, from getrusage), peak RSS of the loaded models before
+Prints one JSON line: mode, peak RSS (bytes, VmHWM), peak RSS of the loaded models before
 the diff, verdict, first divergence, the bytes all captured intermediates would take, largest one."""
 import argparse
 import json
 import os
-import resource
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def peak_rss() -> int:
+    """This process's peak RSS (VmHWM).  Not getrusage's ru_maxrss: Linux carries that across
+    fork+exec, so a child started by a big parent (pytest) would report the parent's peak."""
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 sys.path.insert(0, ROOT)
 
 
@@ -31,7 +42,7 @@ def main():
     with torch.no_grad():
         pair.ref(*pair.ref_inputs)
         pair.cand(*pair.cand_inputs)
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    base = peak_rss()
     out = {"mode": args.mode, "base_rss": base}
     if args.mode == "plain":
         with torch.no_grad():
@@ -49,7 +60,7 @@ def main():
                    kind=fd.diagnosis[0].kind if fd and fd.diagnosis else None,
                    intermediates=sum(nbytes), largest=max(nbytes),
                    accounted_peak=r.meta.get("peak_device_bytes"), spilled=r.meta.get("spilled_bytes"))
-    out["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    out["peak_rss"] = peak_rss()
     print(json.dumps(out))
 
 

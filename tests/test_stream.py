@@ -112,8 +112,8 @@ def test_streaming_peak_memory_within_budget():
     extra_mem = mem["peak_rss"] - mem["base_rss"]
     print(f"\nintermediates {stream['intermediates'] >> 20} MiB, budget {budget >> 20} MiB: peak extra RSS "
           f"in-memory {extra_mem >> 20} MiB, streaming {extra_stream >> 20} MiB")
-    assert extra_stream <= budget + WORKING_SET
-    assert extra_mem > budget + WORKING_SET  # the in-memory diff of the same model does not fit
+    assert extra_stream <= budget + WORKING_SET, (mem, stream)
+    assert extra_mem > budget + WORKING_SET, (mem, stream)  # the in-memory diff of the same model does not fit
     for k in ("verdict", "first", "first_cand", "root", "kind"):
         assert stream[k] == mem[k]
     assert stream["first"] == "blocks.7.fc2" and stream["kind"] == "missing_bias"
