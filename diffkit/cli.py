@@ -185,9 +185,11 @@ def main() -> None:
               help="run the diff's child process under compute-sanitizer and attach its reports (kernel, thread, "
                    "address) to the stage that launched the kernel")
 @click.option("--stream-dir", type=click.Path(file_okay=False), default=None, hidden=True)
+@click.option("--side-only", type=click.Choice(["ref"]), default=None, hidden=True)
+@click.option("--ref-capture", type=click.Path(file_okay=False), default=None, hidden=True)
 def diff(ref_path, cand_path, atol, rtol, seed, device, json_path, csv_path, strict, train, full, tolerance,
          reinit_zero, report_dir, no_report, html_path, md_path, junit_path, no_isolate, timeout, max_memory, stream,
-         only, stop_at_first, sanitize, stream_dir):
+         only, stop_at_first, sanitize, stream_dir, side_only, ref_capture):
     """Compare candidate CAND.py (ModelNew) with reference REF.py (Model), stage by stage.
 
     Either argument may instead be a capture directory written by `diffkit capture -o` (then both must be)."""
@@ -229,10 +231,28 @@ def diff(ref_path, cand_path, atol, rtol, seed, device, json_path, csv_path, str
             argv = [a for i, a in enumerate(argv) if a != "--sanitize" and not (i and argv[i - 1] == "--sanitize")
                     and not a.startswith("--sanitize=")]
         sys.exit(_isolated(argv, ref_path, cand_path, atol, rtol, strict, timeout, color, full, arts, sanitize))
+    if side_only == "ref":  # an isolated diff's reference process: capture, then leave the rest to the other
+        import os
+
+        from .compare import capture_reference
+
+        try:
+            capture_reference(ref_path, cand_path, os.path.join(stream_dir, "ref.dkt"), seed=seed, device=device,
+                              train=train, reinit_zero=reinit_zero, only=only)
+        except DiffkitError as e:
+            result = error_result(e, ref_path, cand_path, atol, rtol)
+            click.echo(f"diffkit: ERROR: {e}")
+            _artifacts(result, json_path, csv_path, report_dir, no_report, html_path, md_path, junit_path)
+            _done(stream_dir)  # a load error is a finished answer, not a crash
+            sys.exit(2)
+        with open(os.path.join(stream_dir, "ref-done"), "w") as fh:
+            fh.write("ok")
+        sys.exit(0)
     try:
         result = diff_files(ref_path, cand_path, atol=atol, rtol=rtol, seed=seed, device=device, strict=strict,
                             train=train, tolerance=tolerance, reinit_zero=reinit_zero, stream_dir=stream_dir,
-                            max_memory=max_bytes, only=only, stop_at_first=stop_at_first, streaming=streaming)
+                            max_memory=max_bytes, only=only, stop_at_first=stop_at_first, streaming=streaming,
+                            ref_capture=ref_capture)
     except DiffkitError as e:
         result = error_result(e, ref_path, cand_path, atol, rtol)
         click.echo(f"diffkit: ERROR: {e}", err=False)
@@ -302,28 +322,37 @@ def _isolated(argv, ref_path, cand_path, atol, rtol, strict, timeout, color, ful
 
     with tempfile.TemporaryDirectory(prefix="diffkit-") as tmp:
         env = dict(os.environ, CUDA_LAUNCH_BLOCKING="1", DIFFKIT_BREADCRUMB=os.path.join(tmp, "breadcrumb"))
-        cmd = [sys.executable, "-m", "diffkit.cli", *argv, "--no-isolate", "--stream-dir", tmp]
+        base = [sys.executable, "-m", "diffkit.cli", *argv, "--no-isolate", "--stream-dir", tmp]
+        # one process per side: the reference's forward streams to ref.dkt; the candidate's process
+        # reads it back (lazily) and runs the candidate, the comparison and the root-cause replays
+        ref_cmd = base + ["--side-only", "ref"]
+        cand_cmd = base + ["--ref-capture", os.path.join(tmp, "ref.dkt")]
         san_log = os.path.join(tmp, "sanitizer.log")
-        if sanitize:
+        cand_env = dict(env)
+        if sanitize:  # the candidate's process only
             from .sanitize import wrap_command
 
             try:
-                cmd = wrap_command(sanitize, san_log, cmd)
+                cand_cmd = wrap_command(sanitize, san_log, cand_cmd)
             except (FileNotFoundError, ValueError) as e:
                 click.echo(f"diffkit: ERROR: --sanitize: {e}")
                 return 2
-            env.update(DIFFKIT_SANITIZER_LOG=san_log, DIFFKIT_SANITIZER_TOOL=sanitize)
+            cand_env.update(DIFFKIT_SANITIZER_LOG=san_log, DIFFKIT_SANITIZER_TOOL=sanitize)
         errlog = os.path.join(tmp, "stderr")
-        with open(errlog, "w") as err_fh:
-            proc = subprocess.Popen(cmd, env=env, stderr=err_fh)
-            try:
-                code = proc.wait(timeout=timeout)
-                why = None if code >= 0 else f"killed by {signal.Signals(-code).name}"
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-                code, why = -9, f"did not finish within {timeout:g} s and was stopped"
-        err_text = open(errlog, encoding="utf-8", errors="replace").read()
+        code, why = 0, None
+        for cmd, cenv, marker in ((ref_cmd, env, "ref-done"), (cand_cmd, cand_env, "done")):
+            with open(errlog, "w") as err_fh:
+                proc = subprocess.Popen(cmd, env=cenv, stderr=err_fh)
+                try:
+                    code = proc.wait(timeout=timeout)
+                    why = None if code >= 0 else f"killed by {signal.Signals(-code).name}"
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+                    code, why = -9, f"did not finish within {timeout:g} s and was stopped"
+            err_text = open(errlog, encoding="utf-8", errors="replace").read()
+            if not (code in (0, 1, 2) and os.path.exists(os.path.join(tmp, marker))):
+                break
         if sanitize and os.environ.get("DIFFKIT_SANITIZER_COPY") and os.path.exists(san_log):
             import shutil
 

@@ -42,7 +42,8 @@ def compare(ref_model: torch.nn.Module, cand_model: torch.nn.Module, inputs: Seq
             rtol: float | None = None, *, strict: bool = False, no_grad: bool = True,
             cand_inputs: Sequence[Any] | None = None, tolerance: str = "fixed", health: bool = True,
             rerun: bool = True, stream_dir: str | None = None, max_memory: int | None = None,
-            only: str | None = None, stop_at_first: bool = False, streaming: bool | None = None) -> Result:
+            only: str | None = None, stop_at_first: bool = False, streaming: bool | None = None,
+            ref_capture: str | None = None) -> Result:
     """Run both models on (clones of) `inputs` and say where the candidate first diverges.
 
     `atol`/`rtol` default to KernelBench's per-dtype tolerance (1e-4 float32, 1e-2 half/bfloat16).
@@ -52,6 +53,8 @@ def compare(ref_model: torch.nn.Module, cand_model: torch.nn.Module, inputs: Seq
 
     Streaming (`streaming=True`, implied by `max_memory`, `only` or `stop_at_first`) compares each
     candidate record as it is produced and keeps only what the report needs: see `compare_streaming`.
+    `ref_capture` takes the reference's forward from a capture directory (written by another
+    process from the same files) instead of running it here.
     """
     if tolerance not in ("fixed", "auto"):
         raise ValueError(f"tolerance must be 'fixed' or 'auto', not {tolerance!r}")
@@ -64,14 +67,22 @@ def compare(ref_model: torch.nn.Module, cand_model: torch.nn.Module, inputs: Seq
             raise ValueError("--tolerance auto needs every reference value twice; it does not combine with streaming")
         result = compare_streaming(ref_model, cand_model, ref_in, cand_in, atol, rtol, strict=strict, no_grad=no_grad,
                                    max_memory=max_memory, only=only, stop_at_first=stop_at_first,
-                                   stream_dir=stream_dir)
+                                   stream_dir=stream_dir, ref_capture=ref_capture)
         if rerun and result.first_divergence is not None and result.error is None and result.first_divergence.cand:
             names = set(result.first_divergence.cand.names())
             _check_nondeterminism(result, cand_model, cand_in, no_grad, only=lambda n: n in names)
         return result
 
-    ref_trace = run_captured(ref_model, _clone(ref_in), no_grad=no_grad,
-                             stream_to=os.path.join(stream_dir, "ref.dkt") if stream_dir else None)
+    if ref_capture:
+        from .store import load_trace
+
+        ref_trace = rebind_modules(load_trace(ref_capture), ref_model)
+        dev = _device_of(ref_model, ref_in)
+        for r in ref_trace.records:
+            r.value = r.value.to(dev) if r.value is not None else None
+    else:
+        ref_trace = run_captured(ref_model, _clone(ref_in), no_grad=no_grad,
+                                 stream_to=os.path.join(stream_dir, "ref.dkt") if stream_dir else None)
     cand_trace = run_captured(cand_model, _clone(cand_in), no_grad=no_grad,
                               stream_to=os.path.join(stream_dir, "cand.dkt") if stream_dir else None)
     ref64 = None
@@ -92,7 +103,7 @@ def compare_streaming(ref_model: torch.nn.Module, cand_model: torch.nn.Module, r
                       atol: float | None = None, rtol: float | None = None, *, strict: bool = False,
                       no_grad: bool = True, max_memory: int | None = None, only: str | None = None,
                       stop_at_first: bool = False, stream_dir: str | None = None,
-                      host_memory: int | None = None) -> Result:
+                      host_memory: int | None = None, ref_capture: str | None = None) -> Result:
     """The two-pass diff in bounded memory (see diffkit.stream).
 
     `max_memory` bounds the bytes of captured values held on the device (for a CPU model: in host
@@ -113,14 +124,25 @@ def compare_streaming(ref_model: torch.nn.Module, cand_model: torch.nn.Module, r
     if stream_dir:
         from .store import CaptureWriter
 
-        meta_ref = CaptureWriter(os.path.join(stream_dir, "ref.dkt"), shard_bytes=0, values=False)
+        if not ref_capture:
+            meta_ref = CaptureWriter(os.path.join(stream_dir, "ref.dkt"), shard_bytes=0, values=False)
         meta_cand = CaptureWriter(os.path.join(stream_dir, "cand.dkt"), shard_bytes=0, values=False)
         journal = open(os.path.join(stream_dir, "stats.jsonl"), "w", encoding="utf-8")
     keep_filter = name_filter(only)
-    ref_store = TieredStore(ref_dev, ref_host, meta=meta_ref)
     keep = TieredStore(keep_dev, keep_host)
+    if ref_capture:
+        from .store import CaptureFile
+        from .stream import FileStore
+
+        cf = CaptureFile.open(ref_capture)
+        ref_store = FileStore(cf)
+    else:
+        ref_store = TieredStore(ref_dev, ref_host, meta=meta_ref)
     try:
-        ref_trace = run_captured(ref_model, _clone(ref_in), no_grad=no_grad, only=keep_filter, sink=ref_store)
+        if ref_capture:
+            ref_trace = rebind_modules(cf.load(values=False), ref_model)  # captured with the same --only filter
+        else:
+            ref_trace = run_captured(ref_model, _clone(ref_in), no_grad=no_grad, only=keep_filter, sink=ref_store)
         comparer = StreamComparer(ref_trace, ref_store, keep, atol, rtol, window=STREAM_WINDOW,
                                   stop_at_first=stop_at_first, journal=journal, meta=meta_cand)
         cand_trace = run_captured(cand_model, _clone(cand_in), no_grad=no_grad, only=keep_filter, sink=comparer)
@@ -199,6 +221,18 @@ def compare_streaming(ref_model: torch.nn.Module, cand_model: torch.nn.Module, r
         keep.clear()
         if journal is not None:
             journal.close()
+
+
+def rebind_modules(trace: Trace, model: torch.nn.Module) -> Trace:
+    """A trace read from a capture file knows its modules by path only; point module records back
+    at `model`'s modules (diagnosis reads their bias and weight)."""
+    mods = dict(model.named_modules())
+    for r in trace.records:
+        if r.kind == "module" and r.call is None:
+            m = next((mods[n.split("#")[0]] for n in r.names() if n.split("#")[0] in mods), None)
+            if m is not None:
+                r.call = (("module", m, None), ())
+    return trace
 
 
 def _numel(shape) -> int:
@@ -354,17 +388,30 @@ def _check_nondeterminism(result: Result, model, inputs, no_grad: bool, only=Non
         f"read or randomness in the kernel", 0.9))
 
 
+def capture_reference(ref_path: str, cand_path: str, out_dir: str, *, seed: int = 42, device: str | None = None,
+                      train: bool = False, reinit_zero: bool = False, only: str | None = None) -> Trace:
+    """The reference side of an isolated diff: build the pair exactly as `diff_files` does and stream
+    the reference's forward to `out_dir` (the candidate's process then reads it back)."""
+    pair: LoadedPair = load_pair(ref_path, cand_path, seed=seed, device=device, train=train)
+    if reinit_zero:
+        reinit_zero_parameters(pair.ref, pair.cand)
+    from .stream import name_filter
+
+    return run_captured(pair.ref, _clone(list(pair.ref_inputs)), stream_to=out_dir, only=name_filter(only))
+
+
 def diff_files(ref_path: str, cand_path: str, *, atol: float | None = None, rtol: float | None = None,
                seed: int = 42, device: str | None = None, strict: bool = False, train: bool = False,
                tolerance: str = "fixed", reinit_zero: bool = False, stream_dir: str | None = None,
                max_memory: int | None = None, only: str | None = None, stop_at_first: bool = False,
-               streaming: bool | None = None) -> Result:
+               streaming: bool | None = None, ref_capture: str | None = None) -> Result:
     """Load a KernelBench reference/candidate pair from files and compare them."""
     pair: LoadedPair = load_pair(ref_path, cand_path, seed=seed, device=device, train=train)
     reinit = reinit_zero_parameters(pair.ref, pair.cand) if reinit_zero else []
     result = compare(pair.ref, pair.cand, pair.ref_inputs, atol, rtol, strict=strict, no_grad=True,
                      cand_inputs=pair.cand_inputs, tolerance=tolerance, stream_dir=stream_dir,
-                     max_memory=max_memory, only=only, stop_at_first=stop_at_first, streaming=streaming)
+                     max_memory=max_memory, only=only, stop_at_first=stop_at_first, streaming=streaming,
+                     ref_capture=ref_capture)
     if reinit:
         result.warnings.append(f"re-initialised all-zero parameters randomly for this diff: {', '.join(reinit)}")
     result.weights = pair.weights

@@ -17,7 +17,7 @@ from typing import Iterator
 
 import torch
 
-from .capture import CaptureError, Record, Trace
+from .capture import CaptureError, Record, Ref, Trace
 from .errors import DiffkitError
 
 FORMAT = "diffkit-capture"
@@ -229,7 +229,8 @@ class CaptureFile:
                     label=str(m["label"]), function=str(m["function"]), file=str(m["file"]), line=int(m["line"]),
                     op=str(m["op"]), shape=tuple(int(s) for s in m["shape"]), dtype=_DTYPES[m["dtype"]],
                     device=str(m["device"]), value=None, aliases=[str(a) for a in m.get("aliases", [])],
-                    is_output=bool(m.get("is_output")), rebound=bool(m.get("rebound")))
+                    is_output=bool(m.get("is_output")), rebound=bool(m.get("rebound")),
+                    inputs=tuple(Ref(int(i)) for i in m.get("inputs", [])))
             except (KeyError, TypeError, ValueError) as e:
                 raise DiffkitError("", "read", f"record {i} of {self.path}/index.json is malformed ({type(e).__name__}: "
                                    f"{e})", self.path) from e
@@ -239,8 +240,8 @@ class CaptureFile:
                 rec.value = self._value(m)
             yield rec
 
-    def load(self) -> Trace:
-        trace = Trace(records=list(self.records()))
+    def load(self, values: bool = True) -> Trace:
+        trace = Trace(records=list(self.records(values)))
         trace.inputs = [r.value for r in trace.records if r.kind == "input"]
         err = self.index.get("error")
         if err:

@@ -275,6 +275,30 @@ class TieredStore:
             self._spill = None
 
 
+class FileStore:
+    """A reference capture directory read lazily, one value at a time, through the TieredStore
+    interface (the candidate's process of an isolated diff reads the reference's records this way)."""
+
+    def __init__(self, capture):
+        self.capture = capture  # store.CaptureFile
+        self.metas = {int(m["index"]): m for m in capture.index["records"]}
+        self.slots = {i: None for i, m in self.metas.items() if "key" in m}
+        self.tiers = collections.Counter({"file": len(self.slots)})
+        self.spilled_bytes = 0
+
+    def get(self, key: int, device: torch.device | str | None = None) -> torch.Tensor | None:
+        if key not in self.slots:
+            return None
+        v = self.capture._value(self.metas[key])
+        return v.to(device) if device is not None and v.device != torch.device(device) else v
+
+    def __contains__(self, key: int) -> bool:
+        return key in self.slots
+
+    def clear(self) -> None:
+        pass
+
+
 @dataclass
 class _Pending:
     cand: int
@@ -292,7 +316,7 @@ class StreamComparer:
     `keep` holds the candidate values the report and root cause need (see the module doc)."""
 
     ref: Trace
-    ref_store: TieredStore
+    ref_store: Any  # TieredStore or FileStore
     keep: TieredStore
     atol: float | None = None
     rtol: float | None = None
