@@ -310,7 +310,8 @@ def _is_capture(path: str) -> bool:
 
 
 def _isolated(argv, ref_path, cand_path, atol, rtol, strict, timeout, color, full, arts, sanitize=None) -> int:
-    """Run the diff in a child process; if the child crashes or hangs, compare what it captured."""
+    """Run each side in its own child process (reference, then candidate reading the reference's capture);
+    if a child crashes or hangs, compare what was captured before it."""
     import os
     import signal
     import subprocess
