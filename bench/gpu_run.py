@@ -30,13 +30,9 @@ def env_report():
 
 def build():
     t0 = time.perf_counter()
-    procs = [subprocess.Popen([sys.executable, "-c", f"import runpy; runpy.run_path({path!r})"], cwd=ROOT)
-             for path in (os.path.join(ROOT, "kernels", "axial_attention_cuda.py"),
-                          os.path.join(ROOT, "kernels", "cuda_ops.py"))]
-    # cuda_ops.py only defines load(): call it
-    procs[1].wait()
-    procs[1] = subprocess.Popen([sys.executable, "-c", "import runpy; runpy.run_path('kernels/cuda_ops.py')['load']()"],
-                                cwd=ROOT)
+    procs = [subprocess.Popen([sys.executable, "-c", code], cwd=ROOT) for code in (
+        "import runpy; runpy.run_path('kernels/axial_attention_cuda.py')",  # builds at import
+        "import runpy; runpy.run_path('kernels/cuda_ops.py')['load']()")]
     codes = [p.wait() for p in procs]
     print(f"extensions built in {time.perf_counter() - t0:.1f} s, exit codes {codes}")
 

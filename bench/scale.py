@@ -24,19 +24,9 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def peak_rss() -> int:
-    """This process's peak RSS (VmHWM).  Not getrusage's ru_maxrss: Linux carries that across
-    fork+exec, so a child started by a big parent (pytest) would report the parent's peak."""
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from stream_memory import peak_rss  # noqa: E402  (VmHWM, not ru_maxrss: see there)
 REF = os.path.join(ROOT, "references", "deep_transformer.py")
 CAND = os.path.join(ROOT, "kernels", "deep_transformer_fused.py")
 PRESETS = {"cpu": dict(DIFFKIT_DEPTH=24, DIFFKIT_BATCH=2, DIFFKIT_SEQ=256, DIFFKIT_DIM=256, DIFFKIT_HEADS=4),

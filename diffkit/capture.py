@@ -415,18 +415,23 @@ class _State:
         if out is not None:
             return
         # returned None: the kernel wrote into one or more of its tensor arguments
-        flat = [a for a in args if isinstance(a, torch.Tensor)]
+        self.on_writes(site, f"ext:{qualname}", args, before, call, tuple(refs))
+
+    def on_writes(self, site, op: str, args, before: list[tuple[int, torch.Tensor]] | None, call: Any,
+                  inputs: tuple[Ref, ...] = ()) -> None:
+        """A kernel that returns nothing: record the tensor arguments whose contents it changed (by
+        `before`, copies taken before the call), else its last tensor argument, each named by the
+        argument's source text at the call site."""
         written: list[int] = []
         if before is not None:
             written = [i for i, old in before if not _same(old, args[i])]
-        if not written and flat:
-            written = [max(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))]
+        if not written:
+            written = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)][-1:]
         for i in written:
-            arg_text = site.args[i] if i < len(site.args) else f"arg{i}"
-            label = arg_text
-            self.add(name=self.op_name(self.scope, site.function, label), rebound=label in site.rebound, kind="write", label=label,
-                     function=site.function, file=site.file, line=site.line, op=f"ext:{qualname}",
-                     tensor=args[i], call=(call, ("arg", i)), inputs=tuple(r for r in refs))
+            label = site.args[i] if i < len(site.args) else f"arg{i}"
+            self.add(name=self.op_name(self.scope, site.function, label), rebound=label in site.rebound, kind="write",
+                     label=label, function=site.function, file=site.file, line=site.line, op=op, tensor=args[i],
+                     call=(call, ("arg", i)), inputs=inputs)
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -558,18 +563,35 @@ def tap(name: str, tensor: torch.Tensor) -> torch.Tensor:
 _BREADCRUMB = os.environ.get("DIFFKIT_BREADCRUMB", "")
 
 
-def _leave_breadcrumb(qualname: str, st: "_State") -> None:
-    """In an isolated child, note which kernel call is starting, so a crash inside it can be named."""
+def _leave_breadcrumb(what: str, st: "_State") -> None:
+    """In an isolated child, note which kernel call (`ext:…`, `triton:…`) is starting, so a crash
+    inside it can be named."""
     text = ""
-    if qualname:
+    if what:
         f = naming.user_frame(sys._getframe(2))
         where = f"{f.f_code.co_filename}:{f.f_lineno}" if f is not None else "?"
-        text = f"inside ext:{qualname} (scope {st.scope or '<model>'}) called at {where}"
+        text = f"inside {what} (scope {st.scope or '<model>'}) called at {where}"
     try:
         with open(_BREADCRUMB, "w", encoding="utf-8") as fh:
             fh.write(text)
     except OSError:
         pass
+
+
+def _launch(st: "_State", what: str, fn: Callable, args, kwargs) -> Any:
+    """Call a kernel (`what`: ``ext:…`` / ``triton:…``), leaving a breadcrumb while it runs and
+    naming it as the failing call if it raises."""
+    if _BREADCRUMB:
+        _leave_breadcrumb(what, st)
+    try:
+        out = fn(*args, **kwargs)
+    except BaseException:
+        if st.failing_call is None:
+            st.failing_call = what
+        raise
+    if _BREADCRUMB:
+        _leave_breadcrumb("", st)  # it returned: a later crash is not inside it
+    return out
 
 
 class _ExtensionPatch:
@@ -596,16 +618,7 @@ class _ExtensionPatch:
                     before = [(i, a.detach().clone()) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
                 finally:
                     st.busy = False
-            if _BREADCRUMB:
-                _leave_breadcrumb(qualname, st)
-            try:
-                out = fn(*args, **kwargs)
-            except BaseException:
-                if st.failing_call is None:
-                    st.failing_call = f"ext:{qualname}"
-                raise
-            if _BREADCRUMB:
-                _leave_breadcrumb("", st)  # it returned: a later crash is not inside it
+            out = _launch(st, f"ext:{qualname}", fn, args, kwargs)
             st.returns_none[qualname] = out is None
             st.busy = True
             try:
@@ -705,27 +718,10 @@ class _TritonPatch:
                 try:
                     tensors = [(i, a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
                     before = [(i, a.detach().clone()) for i, a in tensors]
-                    if _BREADCRUMB:
-                        _leave_breadcrumb(f"triton:{name}", st)
-                    try:
-                        out = launch(*args, **kwargs)
-                    except BaseException:
-                        if st.failing_call is None:
-                            st.failing_call = f"triton:{name}"
-                        raise
-                    if _BREADCRUMB:
-                        _leave_breadcrumb("", st)
-                    written = [i for i, old in before if not _same(old, args[i])]
-                    if not written and tensors:
-                        written = [tensors[-1][0]]
+                    out = _launch(st, f"triton:{name}", launch, args, kwargs)
                     f = naming.user_frame(sys._getframe(1))
                     site = naming.site_of(f) if f is not None else naming.Site("", 0, "?", (), "?")
-                    for i in written:
-                        label = site.args[i] if i < len(site.args) else f"arg{i}"
-                        st.add(name=st.op_name(st.scope, site.function, label), kind="write", label=label,
-                               rebound=label in site.rebound, function=site.function, file=site.file,
-                               line=site.line, op=f"triton:{name}", tensor=args[i],
-                               call=(("triton", None, None), ("arg", i)))
+                    st.on_writes(site, f"triton:{name}", args, before, ("triton", None, None))
                     return out
                 finally:
                     st.busy = False

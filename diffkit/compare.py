@@ -9,7 +9,7 @@ from typing import Any, Sequence
 import torch
 
 from .align import align, to_ref_layout
-from .measure import default_tolerance, measure
+from .measure import measure, tolerances
 from .capture import StopCapture, Trace, capture
 from .diagnose import diagnose
 from .load import LoadedPair, _clone, load_pair
@@ -130,18 +130,17 @@ def compare_streaming(ref_model: torch.nn.Module, cand_model: torch.nn.Module, r
         journal = open(os.path.join(stream_dir, "stats.jsonl"), "w", encoding="utf-8")
     keep_filter = name_filter(only)
     keep = TieredStore(keep_dev, keep_host)
-    if ref_capture:
+    if ref_capture:  # the reference ran in another process (captured with the same --only filter)
         from .store import CaptureFile
         from .stream import FileStore
 
         cf = CaptureFile.open(ref_capture)
         ref_store = FileStore(cf)
+        ref_trace = rebind_modules(cf.load(values=False), ref_model)
     else:
         ref_store = TieredStore(ref_dev, ref_host, meta=meta_ref)
     try:
-        if ref_capture:
-            ref_trace = rebind_modules(cf.load(values=False), ref_model)  # captured with the same --only filter
-        else:
+        if not ref_capture:
             ref_trace = run_captured(ref_model, _clone(ref_in), no_grad=no_grad, only=keep_filter, sink=ref_store)
         comparer = StreamComparer(ref_trace, ref_store, keep, atol, rtol, window=STREAM_WINDOW,
                                   stop_at_first=stop_at_first, journal=journal, meta=meta_cand)
@@ -171,10 +170,8 @@ def compare_streaming(ref_model: torch.nn.Module, cand_model: torch.nn.Module, r
                 continue
             rv, cv = ref_store.get(p.ref, dev), keep.get(p.cand, dev)
             if rv is not None and cv is not None:
-                known[(p.ref, p.cand, p.transform)] = measure(
-                    rv, to_ref_layout(cv, tuple(r.shape), p.transform),
-                    atol if atol is not None else default_tolerance(r.dtype),
-                    rtol if rtol is not None else default_tolerance(r.dtype))
+                known[(p.ref, p.cand, p.transform)] = measure(rv, to_ref_layout(cv, tuple(r.shape), p.transform),
+                                                              *tolerances(atol, rtol, r.dtype))
         stages = build_stages(ref_trace, cand_trace, alignment, atol, rtol, known=known)
         result = locate(stages, ref_trace, cand_trace, atol, rtol, strict=strict)
         # values for the stages the report, diagnosis and root cause look at: the window before the
@@ -235,13 +232,6 @@ def rebind_modules(trace: Trace, model: torch.nn.Module) -> Trace:
     return trace
 
 
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
 def _device_of(model: torch.nn.Module, inputs: list) -> str:
     for p in model.parameters():
         return str(p.device)
@@ -263,16 +253,16 @@ def compare_traces(ref: Trace, cand: Trace, atol: float | None = None, rtol: flo
     fixed = {k[1]: (k[0], k[2]) for k in known} if known else None
     alignment = align(ref.records, cand.records, fixed=fixed)
     stages = build_stages(ref, cand, alignment, atol, rtol, known=known)
-    fixed = None
+    fixed_verdict = None
     if ref64 is not None:
-        fixed = locate([dataclasses.replace(s) for s in stages], ref, cand, atol, rtol, strict=strict).verdict
+        fixed_verdict = locate([dataclasses.replace(s) for s in stages], ref, cand, atol, rtol, strict=strict).verdict
         apply_auto_tolerance(stages, ref, ref64)
     result = locate(stages, ref, cand, atol, rtol, strict=strict)
     if ref64 is not None:
         result.tolerance_mode = "auto"
-        result.fixed_verdict = fixed
-        if fixed != result.verdict:
-            result.warnings.append(f"the fixed tolerance says {fixed}; against the float64 reference the verdict "
+        result.fixed_verdict = fixed_verdict
+        if fixed_verdict != result.verdict:
+            result.warnings.append(f"the fixed tolerance says {fixed_verdict}; against the float64 reference the verdict "
                                    f"is {result.verdict}")
     result.meta.update({"ref_records": len(ref.records), "cand_records": len(cand.records),
                         "paired": len(alignment.pairs)})

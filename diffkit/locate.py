@@ -11,7 +11,7 @@ import bisect
 
 from .align import Alignment, to_ref_layout
 from .capture import Record, Trace
-from .measure import PendingStats, default_tolerance, measure_async
+from .measure import PendingStats, measure_async, tolerances
 from .result import ErrorInfo, Result, Stage
 
 
@@ -65,8 +65,7 @@ def build_stages(ref: Trace, cand: Trace, alignment: Alignment, atol: float | No
 def _measured(r: Record, c: Record, how: str, transform: tuple, transform_text: str,
               atol: float | None, rtol: float | None, pending: list, known=None) -> Stage:
     stage = Stage(index=0, ref=r, cand=c, paired_by=how, transform=transform_text, pair_transform=transform)
-    a = atol if atol is not None else default_tolerance(r.dtype)
-    t = rtol if rtol is not None else default_tolerance(r.dtype)
+    a, t = tolerances(atol, rtol, r.dtype)
     if transform == ("shape-mismatch",):
         stage.status = "diverged"
         stage.note = f"shape mismatch: reference {list(r.shape)}, candidate {list(c.shape)}"

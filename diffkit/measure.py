@@ -19,6 +19,11 @@ def default_tolerance(dtype: torch.dtype) -> float:
     return DEFAULT_TOLERANCE.get(dtype, FLOAT32_TOLERANCE)
 
 
+def tolerances(atol: float | None, rtol: float | None, dtype: torch.dtype) -> tuple[float, float]:
+    """The (atol, rtol) a pair is judged by: as given, else the default for the reference's dtype."""
+    return (atol if atol is not None else default_tolerance(dtype), rtol if rtol is not None else default_tolerance(dtype))
+
+
 @dataclass
 class Worst:
     """The worst element: its full index and both values."""

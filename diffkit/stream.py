@@ -25,9 +25,9 @@ from typing import Any, Callable
 
 import torch
 
-from .align import NAME_MATCH_REL_ERR, best_layout, to_ref_layout
+from .align import NAME_MATCH_REL_ERR, _numel, best_layout, to_ref_layout
 from .capture import Record, StopCapture, Trace
-from .measure import PendingStats, Stats, default_tolerance, measure_async
+from .measure import PendingStats, Stats, measure_async, tolerances
 
 __all__ = ["Budget", "TieredStore", "StreamComparer", "default_budget", "name_filter", "parse_size"]
 
@@ -374,8 +374,7 @@ class StreamComparer:
         self.pairs[rec.index] = (ri, transform)
         if weak or self.first is None or len(self.diverged) < self.keep_diverged:
             self.keep.put(rec.index, tensor)  # provisional: dropped once its metrics say it is not needed
-        a = self.atol if self.atol is not None else default_tolerance(r.dtype)
-        t = self.rtol if self.rtol is not None else default_tolerance(r.dtype)
+        a, t = tolerances(self.atol, self.rtol, r.dtype)
         cv = to_ref_layout(tensor.detach(), tuple(r.shape), transform)
         self.queue.append(_Pending(rec.index, ri, transform, measure_async(refv, cv, a, t), weak))
         self.compared_bytes += 2 * _nbytes(tensor)
@@ -436,13 +435,6 @@ class StreamComparer:
 
     def finish(self) -> None:
         self.drain(block=True)
-
-
-def _numel(r: Record) -> int:
-    n = 1
-    for s in r.shape:
-        n *= s
-    return n
 
 
 def read_journal(path: str) -> dict:
