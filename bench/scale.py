@@ -127,8 +127,7 @@ def child(mode, dev, repeat, max_memory):
                 sys.stderr.write(buf.getvalue()[-3500:])
             fd = r.first_divergence
             info.update(verdict=r.verdict, stages=len(r.stages), first=fd.ref_name if fd else None,
-                        compared_bytes=sum(2 * s.stats.numel * s.ref.value.element_size() if s.ref.value is not None
-                                           else 2 * s.stats.numel * torch.empty((), dtype=s.ref.dtype).element_size()
+                        compared_bytes=sum(2 * s.stats.numel * torch.empty((), dtype=getattr(torch, s.ref.dtype)).element_size()
                                            for s in r.stages if s.stats is not None),
                         **{k: r.meta[k] for k in ("peak_device_bytes", "spilled_bytes", "max_memory") if k in r.meta})
             del r

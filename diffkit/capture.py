@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import torch
+import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
 from . import naming
@@ -220,21 +221,18 @@ def _looks_like_extension(mod: Any) -> bool:
     return any(isinstance(v, types.BuiltinFunctionType) for v in vars(mod).values())
 
 
-def _tensors(obj: Any, prefix: tuple = ()) -> list[tuple[tuple, torch.Tensor]]:
-    """Tensors inside (nested) tuples, lists and dicts, with their positions."""
-    if isinstance(obj, torch.Tensor):
-        return [(prefix, obj)]
-    if isinstance(obj, (tuple, list)):
-        out = []
-        for i, v in enumerate(obj):
-            out += _tensors(v, prefix + (i,))
-        return out
-    if isinstance(obj, dict):
-        out = []
-        for k, v in obj.items():
-            out += _tensors(v, prefix + (k,))
-        return out
-    return []
+def _tensors(obj: Any) -> list[tuple[tuple, torch.Tensor]]:
+    """Tensors inside (nested) tuples, lists and dicts, with their positions (indices and keys)."""
+    flat, _ = pytree.tree_flatten_with_path(obj)
+    return [(tuple(path_key(k) for k in path), v) for path, v in flat if isinstance(v, torch.Tensor)]
+
+
+def path_key(k: Any) -> Any:
+    """A pytree key-path entry as a plain index or key."""
+    for attr in ("idx", "key", "name"):
+        if hasattr(k, attr):
+            return getattr(k, attr)
+    return k
 
 
 def _snapshot(t: torch.Tensor) -> torch.Tensor:
@@ -308,20 +306,14 @@ class _State:
                 if r is not None:
                     refs.append(r)
                     return r
-                return o
-            if isinstance(o, tuple):
-                return tuple(sub(v) for v in o)
-            if isinstance(o, list):
-                return [sub(v) for v in o]
-            if isinstance(o, dict):
-                return {k: sub(v) for k, v in o.items()}
             return o
 
-        return sub(obj), refs
+        return pytree.tree_map(sub, obj), refs
 
     def add(self, *, name: str, kind: str, label: str, function: str, file: str, line: int, op: str,
             tensor: torch.Tensor, scope: str | None = None, is_output: bool = False,
-            call: Any = None, inputs: tuple[Ref, ...] = (), rebound: bool = False) -> Record | None:
+            call: Any = None, inputs: tuple[Ref, ...] = (), rebound: bool = False,
+            aliases: list[str] | None = None) -> Record | None:
         if self.only is not None and not self.only(name):
             return None
         # the same tensor, unchanged since it was recorded: give the record another name instead
@@ -336,6 +328,7 @@ class _State:
                     rec.kind = kind
                 else:
                     rec.aliases.append(new)
+                rec.aliases += [a for a in aliases or () if a not in rec.aliases and a != rec.name]
                 rec.is_output = rec.is_output or is_output
                 rec.rebound = rec.rebound or rebound
                 if self.sink is not None:
@@ -352,6 +345,7 @@ class _State:
             value=_snapshot(tensor) if self.snapshot and not owns else None, is_output=is_output,
             call=call, inputs=inputs, rebound=rebound,
         )
+        rec.aliases += [a for a in aliases or () if a != rec.name]
         self.trace.records.append(rec)
         self.track(tensor, rec.index)
         if self.sink is not None:
@@ -526,19 +520,17 @@ def _post_hook(module, args, *rest):
             label = top_path.rsplit(".", 1)[-1] if top_path else "output"
             if site is not None and site.labels:
                 label = site.label(i, len(found))
-            rec = st.add(name=name, kind="module", rebound=bool(site and label in site.rebound), label=label, function=site.function if site else "",
-                         file=site.file if site else "", line=site.line if site else 0,
-                         op=f"{type(module).__module__.replace('torch.nn.modules.', 'nn.').split('.')[0]}.{type(module).__name__}"
-                         if type(module).__module__.startswith("torch.nn") else type(module).__name__,
-                         tensor=t, scope=parent, is_output=is_root and len(found) == 1,
-                         call=(call, pos), inputs=tuple(refs))
-            if rec is not None and is_root and len(found) > 1:
-                rec.is_output = True
-            if rec is not None and site is not None and site.labels and not is_root:
-                # also known by the variable it was assigned to, like any other tensor made there
-                alias = st.unique(st.op_name(parent, site.function, label))
-                if alias not in rec.aliases and alias != rec.name:
-                    rec.aliases.append(alias)
+            aliases = []
+            if site is not None and site.labels and not is_root:
+                # also known by the variable it was assigned to, like any other tensor made there; set
+                # before the record reaches a sink (a capture file writes what it is given)
+                aliases.append(st.unique(st.op_name(parent, site.function, label)))
+            st.add(name=name, kind="module", rebound=bool(site and label in site.rebound), label=label,
+                   function=site.function if site else "", file=site.file if site else "",
+                   line=site.line if site else 0,
+                   op=f"{type(module).__module__.replace('torch.nn.modules.', 'nn.').split('.')[0]}.{type(module).__name__}"
+                   if type(module).__module__.startswith("torch.nn") else type(module).__name__,
+                   tensor=t, scope=parent, is_output=is_root, call=(call, pos), inputs=tuple(refs), aliases=aliases)
     finally:
         st.busy = False
     return None

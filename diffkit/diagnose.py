@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -32,6 +32,8 @@ class Context:
     cand_native: torch.Tensor  # float64, the candidate's own layout
     ref_records: list[Record]
     cand_records: list[Record]
+    ref_params: dict[str, torch.Tensor] = field(default_factory=dict)  # the reference model's, by name
+    cand_params: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def err(self) -> torch.Tensor:
@@ -42,7 +44,7 @@ class Context:
         rec = self.stage.ref
         if rec is None or not rec.inputs or i >= len(rec.inputs):
             return None
-        src = self.ref_records[rec.inputs[i].index]
+        src = self.ref_records[rec.inputs[i]]
         return None if src.value is None else src.value.to(torch.float64)
 
 
@@ -132,19 +134,26 @@ def _native_ref(ctx: Context) -> torch.Tensor:
     return from_ref_layout(ctx.ref, tuple(st.cand.shape), st.pair_transform)
 
 
+def params_of(rec, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The parameters and buffers a record's producing call read, by qualified name: those the
+    capture saw it read (`rec.params`), else, for a module's output, the module's own."""
+    names = list(getattr(rec, "params", ()) or ())
+    if not names and rec is not None and rec.kind == "module":
+        prefix = rec.name.split("#")[0].split("[")[0] + "."
+        names = [n for n in params if n.startswith(prefix) and "." not in n[len(prefix):]]
+    return {n: params[n] for n in names if n in params}
+
+
 def _bias_of(ctx: Context) -> list[tuple[str, torch.Tensor]]:
-    """1-D parameters of the producing module or call whose length is the last dim."""
+    """1-D parameters read by the producing calls (either side) whose length is the last dim."""
     out = []
     n = ctx.ref.shape[-1] if ctx.ref.dim() else 0
-    for rec, side in ((ctx.stage.ref, "reference"), (ctx.stage.cand, "candidate")):
-        call = getattr(rec, "call", None)
-        if not call:
-            continue
-        (kind, fn, tmpl), _pos = call
-        if kind == "module":
-            for pname, p in fn.named_parameters(recurse=False):
-                if p.dim() == 1 and p.shape[0] == n:
-                    out.append((f"{rec.name}.{pname}", p.detach().to(torch.float64)))
+    seen = set()
+    for rec, params in ((ctx.stage.ref, ctx.ref_params), (ctx.stage.cand, ctx.cand_params)):
+        for pname, p in params_of(rec, params).items():
+            if p.dim() == 1 and p.shape[0] == n and pname not in seen:
+                seen.add(pname)
+                out.append((pname, p.detach().to(torch.float64)))
     return out
 
 
@@ -228,18 +237,16 @@ def check_permutation(ctx: Context) -> list[Finding]:
     return []
 
 
-def _weight_of(rec: Record | None) -> torch.Tensor | None:
-    call = getattr(rec, "call", None)
-    if not call:
-        return None
-    (kind, fn, tmpl), _ = call
-    if kind == "module" and isinstance(getattr(fn, "weight", None), torch.Tensor) and fn.weight.dim() == 2:
-        return fn.weight.detach()
-    return None
+def _weight_of(ctx: Context) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The 2-D weight (and 1-D bias, if any) the reference call read."""
+    read = params_of(ctx.stage.ref, ctx.ref_params)
+    w = next((p for n, p in read.items() if n.endswith("weight") and p.dim() == 2), None)
+    b = next((p for n, p in read.items() if n.endswith("bias") and p.dim() == 1), None)
+    return (w.detach() if w is not None else None), (b.detach() if b is not None else None)
 
 
 def check_transposed_weight(ctx: Context) -> list[Finding]:
-    w = _weight_of(ctx.stage.ref)
+    w, b = _weight_of(ctx)
     x = ctx.ref_input(0)
     if w is None or x is None or x.shape[-1] != w.shape[1]:
         return []
@@ -247,8 +254,7 @@ def check_transposed_weight(ctx: Context) -> list[Finding]:
     wd = w.to(torch.float64)
     # the [N, K] weight's memory read as a [K, N] matrix (what a kernel indexing w[k*N + n] computes)
     y = x @ wd.reshape(k, n_out)
-    b = getattr(ctx.stage.ref.call[0][1], "bias", None)
-    if isinstance(b, torch.Tensor):
+    if b is not None and b.shape[0] == n_out:
         y = y + b.detach().to(torch.float64)
     y = y.reshape(ctx.ref.shape)
     if _norm(y - ctx.cand) <= EXPLAINED * max(_norm(ctx.err), 1e-30):
@@ -330,21 +336,25 @@ CHECKS: list[Callable[[Context], list[Finding]]] = [
 ]
 
 
-def diagnose(stage: Stage, ref_records: list[Record], cand_records: list[Record]) -> list[Finding]:
+def diagnose(stage: Stage, ref: Any, cand: Any, ref_params: dict[str, torch.Tensor] | None = None,
+             cand_params: dict[str, torch.Tensor] | None = None) -> list[Finding]:
     """Ranked findings for a stage with an error (empty when nothing explains it).  A root cause
-    may be within tolerance itself (its error crosses tolerance only later): it is diagnosed too."""
+    may be within tolerance itself (its error crosses tolerance only later): it is diagnosed too.
+    `ref`/`cand` are the two traces; `*_params` the models' parameters and buffers by name."""
     if stage.stats is None or stage.ref is None or stage.cand is None:
         return []
     if stage.stats.ok and (stage.local is None or stage.local.max_abs == 0):
         return []
-    if stage.ref.value is None or stage.cand.value is None:
+    rv, cv = ref.records[stage.ref.index].value, cand.records[stage.cand.index].value
+    if rv is None or cv is None:
         return []
     from .align import to_ref_layout
 
-    ref = stage.ref.value.detach().to(torch.float64)
-    cand_native = stage.cand.value.detach().to(torch.float64)
-    cand = to_ref_layout(cand_native, tuple(stage.ref.shape), stage.pair_transform)
-    ctx = Context(stage, ref, cand, cand_native, ref_records, cand_records)
+    ref_v = rv.detach().to(torch.float64)
+    cand_native = cv.detach().to(torch.float64)
+    cand_v = to_ref_layout(cand_native, tuple(stage.ref.shape), stage.pair_transform)
+    ctx = Context(stage, ref_v, cand_v, cand_native, ref.records, cand.records, dict(ref_params or {}),
+                  dict(cand_params or {}))
     findings: list[Finding] = []
     for check in CHECKS:
         try:

@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
-from .capture import _install_extension_import_hook
+from .capture import _install_extension_import_hook, path_key
 from .errors import DiffkitError
 
 KERNELBENCH_SEED = 42
@@ -52,6 +53,12 @@ class WeightReport:
                          + (" …" if len(self.cand_only) > 6 else ""))
         return "; ".join(parts)
 
+    @classmethod
+    def from_dict(cls, d: dict) -> "WeightReport":
+        return cls(copied=list(d.get("copied", [])), identical=list(d.get("identical", [])),
+                   shape_mismatch=[(n, tuple(a), tuple(b)) for n, a, b in d.get("shape_mismatch", [])],
+                   ref_only=list(d.get("ref_only", [])), cand_only=list(d.get("cand_only", [])))
+
     def to_dict(self) -> dict:
         return {"copied": self.copied, "identical": self.identical,
                 "shape_mismatch": [[n, list(a), list(b)] for n, a, b in self.shape_mismatch],
@@ -80,23 +87,11 @@ class LoadedPair:
 
 
 def _clone(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().clone()
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_clone(v) for v in obj)
-    if isinstance(obj, dict):
-        return {k: _clone(v) for k, v in obj.items()}
-    return obj
+    return pytree.tree_map(lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v, obj)
 
 
 def _move(obj: Any, device: str | torch.device) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_move(v, device) for v in obj)
-    if isinstance(obj, dict):
-        return {k: _move(v, device) for k, v in obj.items()}
-    return obj
+    return pytree.tree_map(lambda v: v.to(device) if isinstance(v, torch.Tensor) else v, obj)
 
 
 _BUILD_ERROR = re.compile(r"Error building extension '([^']+)'")
@@ -179,11 +174,15 @@ def _call(side: str, phase: str, path: str, fn, *args) -> Any:
                            traceback.format_exc()[-6000:]) from e
 
 
-def sync_weights(ref: torch.nn.Module, cand: torch.nn.Module) -> WeightReport:
-    """Copy each reference parameter/buffer into the candidate one of the same name and shape."""
+def sync_weights(ref: torch.nn.Module | dict[str, torch.Tensor], cand: torch.nn.Module) -> WeightReport:
+    """Copy each reference parameter/buffer (a model, or tensors by qualified name as a capture keeps
+    them) into the candidate one of the same name and shape."""
     report = WeightReport()
-    rstate = dict(ref.named_parameters())
-    rstate.update(dict(ref.named_buffers()))
+    if isinstance(ref, torch.nn.Module):
+        rstate = dict(ref.named_parameters())
+        rstate.update(dict(ref.named_buffers()))
+    else:
+        rstate = dict(ref)
     cstate = dict(cand.named_parameters())
     cstate.update(dict(cand.named_buffers()))
     with torch.no_grad():
@@ -196,12 +195,166 @@ def sync_weights(ref: torch.nn.Module, cand: torch.nn.Module) -> WeightReport:
             else:
                 same = r.dtype == c.dtype and r.device == c.device and torch.equal(r, c)
                 if not same:
-                    c.copy_(r)
+                    c.copy_(r.to(device=c.device, dtype=c.dtype))
                     report.copied.append(name)
                 else:
                     report.identical.append(name)
     report.ref_only = [n for n in rstate if n not in cstate]
     return report
+
+
+@dataclass
+class ModelSide:
+    """One side built from its file: the model, its forward's inputs, and how it was made."""
+
+    model: torch.nn.Module
+    inputs: list[Any]
+    init_inputs: list[Any]
+    path: str
+    class_name: str
+    seed: int
+    module: types.ModuleType | None = None
+    inputs_source: str = ""  # the file get_inputs()/get_init_inputs() came from
+
+    def device(self) -> str:
+        for p in self.model.parameters():
+            return str(p.device)
+        for t in pytree.tree_leaves(self.inputs):
+            if isinstance(t, torch.Tensor):
+                return str(t.device)
+        return "cpu"
+
+    def info(self) -> dict:
+        """What a capture of this side keeps so a candidate can later run against it."""
+        return {"source": os.path.abspath(self.path), "class": self.class_name, "seed": self.seed,
+                "inputs_source": os.path.abspath(self.inputs_source or self.path),
+                "init_inputs": encode_values(self.init_inputs), "inputs": encode_values(self.inputs, tensors=True),
+                "device": self.device(), "training": self.model.training}
+
+
+def encode_values(values: list[Any], tensors: bool = False) -> dict | None:
+    """A JSON description of a nested list of call arguments: its structure (pytree spec) and its
+    leaves; tensors (when `tensors`) refer to the capture's input records by name.  None when a
+    leaf cannot be written as JSON."""
+    import json
+
+    flat, spec = pytree.tree_flatten_with_path(list(values))
+    leaves = []
+    for path, v in flat:
+        if isinstance(v, torch.Tensor):
+            if not tensors:
+                return None
+            leaves.append({"tensor": "input[" + "][".join(str(path_key(k)) for k in path) + "]"})
+            continue
+        try:
+            json.dumps(v, allow_nan=False)
+        except (TypeError, ValueError):
+            return None
+        leaves.append({"value": v})
+    try:
+        return {"spec": pytree.treespec_dumps(spec), "leaves": leaves}
+    except Exception:
+        return None
+
+
+def decode_values(enc: dict, tensors: dict[str, torch.Tensor] | None = None) -> list[Any]:
+    """The inverse of `encode_values`; `tensors` maps input record names to their values."""
+    leaves = []
+    for leaf in enc["leaves"]:
+        if "tensor" in leaf:
+            t = (tensors or {}).get(leaf["tensor"])
+            if t is None:
+                raise KeyError(f"the capture holds no value for {leaf['tensor']}")
+            leaves.append(t)
+        else:
+            leaves.append(leaf["value"])
+    return pytree.tree_unflatten(leaves, pytree.treespec_loads(enc["spec"]))
+
+
+def _init_inputs(module: types.ModuleType, path: str, side: str) -> list[Any]:
+    get_init = getattr(module, "get_init_inputs", None) or (lambda: [])
+    torch.manual_seed(KERNELBENCH_SEED)
+    init = _call(side, "init", path, get_init)
+    return list(init) if isinstance(init, (list, tuple)) else [init]
+
+
+def _construct(cls, init: list[Any], side: str, path: str, name: str) -> torch.nn.Module:
+    torch.manual_seed(KERNELBENCH_SEED)
+    model = _call(side, "init", path, cls, *init)
+    if not isinstance(model, torch.nn.Module):
+        raise DiffkitError(side, "init", f"{name}(...) returned {type(model).__name__}, not an nn.Module", path)
+    return model
+
+
+def _inputs(module: types.ModuleType, path: str, seed: int, side: str) -> list[Any]:
+    get_inputs = _need(module, "get_inputs", side, path)
+    torch.manual_seed(seed)
+    inputs = _call(side, "inputs", path, get_inputs)
+    return list(inputs) if isinstance(inputs, (list, tuple)) else [inputs]
+
+
+def _candidate_class(module: types.ModuleType, path: str, name: str = "ModelNew"):
+    cls = getattr(module, name, None)
+    if cls is None and name == "ModelNew":
+        cls = getattr(module, "Model", None)
+    if cls is None:
+        raise DiffkitError("candidate", "import", f"{path} defines no `{name}`", path)
+    return cls
+
+
+def load_reference(path: str, *, seed: int = KERNELBENCH_SEED, device: str | None = None, train: bool = False,
+                   class_name: str | None = "Model", inputs_from: str | None = None,
+                   side: str = "reference") -> ModelSide:
+    """Build one model from its file as KernelBench does (seed 42 before get_init_inputs() and before
+    construction; `seed` before get_inputs()).  `inputs_from`: take get_inputs()/get_init_inputs()
+    from that file instead (a candidate file captured on its own)."""
+    module = exec_file(path, side)
+    if class_name is None:  # whichever the file defines
+        class_name = "ModelNew" if hasattr(module, "ModelNew") else "Model"
+    src = exec_file(inputs_from, "reference") if inputs_from else module
+    cls = _need(module, class_name, side, path) if class_name != "ModelNew" else _candidate_class(module, path)
+    init = _init_inputs(src, inputs_from or path, side)
+    model = _construct(cls, init, side, path, class_name)
+    inputs = _inputs(src, inputs_from or path, seed, side)
+    if device:
+        model = model.to(device)
+        inputs = _move(inputs, device)
+    model.train(train)
+    return ModelSide(model, inputs, init, path, class_name, seed, module, inputs_from or path)
+
+
+def load_candidate_for_capture(cand_path: str, capture: Any, *, seed: int = KERNELBENCH_SEED,
+                               device: str | None = None, train: bool = False,
+                               sync: bool = True) -> tuple[ModelSide, WeightReport]:
+    """Build the candidate against a captured reference: its init inputs and forward inputs are the
+    capture's, and (with `sync`) the reference's parameters are copied into it by name."""
+    info = getattr(capture, "info", None) or {}
+    module = exec_file(cand_path, "candidate")
+    cls = _candidate_class(module, cand_path)
+    if info.get("init_inputs") is not None:
+        init = decode_values(info["init_inputs"])
+    elif info.get("inputs_source") and os.path.exists(info["inputs_source"]):
+        init = _init_inputs(exec_file(info["inputs_source"], "reference"), info["inputs_source"], "reference")
+    else:
+        raise DiffkitError("reference", "read", "the capture does not say how the model was constructed (no init "
+                           "inputs, and its source file is not here): capture it again with this diffkit",
+                           getattr(capture, "path", ""))
+    model = _construct(cls, init, "candidate", cand_path, "ModelNew")
+    records = {r.name: r.value for r in capture.records() if r.kind == "input"}
+    try:
+        inputs = decode_values(info["inputs"], records) if info.get("inputs") else             [records[n] for n in sorted(records, key=lambda n: int(re.findall(r"\d+", n)[0]))]
+    except (KeyError, ValueError, IndexError) as e:
+        raise DiffkitError("reference", "read", f"the capture's inputs cannot be rebuilt: {e}",
+                           getattr(capture, "path", "")) from e
+    dev = device or info.get("device") or "cpu"
+    if dev != "cpu" or device:
+        model = model.to(dev)
+        inputs = _move(inputs, dev)
+    params = capture.parameters() if hasattr(capture, "parameters") else {}
+    weights = sync_weights(params, model) if sync and params else WeightReport()
+    model.train(train)
+    return ModelSide(model, _clone(inputs), init, cand_path, "ModelNew", seed, module,
+                     info.get("inputs_source", "")), weights
 
 
 def load_pair(ref_path: str, cand_path: str, *, seed: int = KERNELBENCH_SEED, device: str | None = None,
@@ -214,29 +367,12 @@ def load_pair(ref_path: str, cand_path: str, *, seed: int = KERNELBENCH_SEED, de
     ref_mod = exec_file(ref_path, "reference")
     cand_mod = exec_file(cand_path, "candidate")
     Model = _need(ref_mod, "Model", "reference", ref_path)
-    get_inputs = _need(ref_mod, "get_inputs", "reference", ref_path)
-    get_init = getattr(ref_mod, "get_init_inputs", None) or (lambda: [])
-    ModelNew = getattr(cand_mod, cand_class, None)
-    if ModelNew is None and cand_class == "ModelNew":
-        ModelNew = getattr(cand_mod, "Model", None)
-    if ModelNew is None:
-        raise DiffkitError("candidate", "import", f"{cand_path} defines no `{cand_class}`", cand_path)
-
-    torch.manual_seed(KERNELBENCH_SEED)
-    init = _call("reference", "init", ref_path, get_init)
-    init = list(init) if isinstance(init, (list, tuple)) else [init]
-    torch.manual_seed(KERNELBENCH_SEED)
-    ref = _call("reference", "init", ref_path, Model, *init)
-    torch.manual_seed(KERNELBENCH_SEED)
-    cand = _call("candidate", "init", cand_path, ModelNew, *init)
-    if not isinstance(ref, torch.nn.Module):
-        raise DiffkitError("reference", "init", f"Model(...) returned {type(ref).__name__}, not an nn.Module", ref_path)
-    if not isinstance(cand, torch.nn.Module):
-        raise DiffkitError("candidate", "init", f"ModelNew(...) returned {type(cand).__name__}, not an nn.Module", cand_path)
-
-    torch.manual_seed(seed)
-    inputs = _call("reference", "inputs", ref_path, get_inputs)
-    inputs = list(inputs) if isinstance(inputs, (list, tuple)) else [inputs]
+    _need(ref_mod, "get_inputs", "reference", ref_path)
+    ModelNew = _candidate_class(cand_mod, cand_path, cand_class)
+    init = _init_inputs(ref_mod, ref_path, "reference")
+    ref = _construct(Model, init, "reference", ref_path, "Model")
+    cand = _construct(ModelNew, init, "candidate", cand_path, "ModelNew")
+    inputs = _inputs(ref_mod, ref_path, seed, "reference")
     if device:
         ref = ref.to(device)
         cand = cand.to(device)

@@ -1,7 +1,8 @@
 """Figures from a Result: the error through the network, and per-stage heatmaps.
 
 Nothing here measures anything new: the per-stage metrics come from the Result, and the images
-are drawn from the values the stages already hold.  Large maps are block-max-pooled with torch,
+are drawn from the values the stages already hold (`Stage.ref_value`, `Stage.cand_value`; a stage
+whose values were not kept, or whose shapes differ, has nothing to draw).  Large maps are block-max-pooled with torch,
 on the tensors' own device, before they reach matplotlib, so plotting cost does not grow with
 the activation size.
 """
@@ -35,8 +36,18 @@ def to_png(fig, dpi: int = 80) -> bytes:
     return buf.getvalue()
 
 
+# result.json stores Inf as the largest double; anything this large is drawn as "not finite" (log
+# axes overflow computing margins around it)
+DRAWN_AS_INF = 1e300
+
+
+def _finite_or_nan(x) -> float:
+    return x if x is not None and math.isfinite(x) and abs(x) < DRAWN_AS_INF else float("nan")
+
+
 def error_profile(result, ax=None):
-    """Max and mean |error| per compared stage in execution order, log scale, tolerance drawn."""
+    """Max and mean |error| per compared stage in execution order, log scale, tolerance drawn.
+    Stages whose error is NaN or Inf are marked with a cross at the top of the axis."""
     plt = _plt()
     fig = None
     if ax is None:
@@ -44,14 +55,21 @@ def error_profile(result, ax=None):
     stages = result.compared
     xs = [s.index for s in stages]
     tiny = 1e-12
-    ax.semilogy(xs, [max(s.stats.max_abs, tiny) for s in stages], ".-", label="max |error|", color="#c0392b")
-    ax.semilogy(xs, [max(s.stats.mean_abs, tiny) for s in stages], ".-", label="mean |error|", color="#2980b9", alpha=0.8)
+    maxes = [_finite_or_nan(s.stats.max_abs) for s in stages]
+    means = [_finite_or_nan(s.stats.mean_abs) for s in stages]
+    ax.semilogy(xs, [m if m != m else max(m, tiny) for m in maxes], ".-", label="max |error|", color="#c0392b")
+    ax.semilogy(xs, [m if m != m else max(m, tiny) for m in means], ".-", label="mean |error|", color="#2980b9",
+                alpha=0.8)
     tol = result.tolerance()
     ax.axhline(tol["atol"], color="#7f8c8d", ls="--", lw=1, label=f"atol {tol['atol']:g}")
+    bad = [x for x, m in zip(xs, maxes) if m != m]
+    if bad:
+        top = max([m for m in maxes if m == m] + [tol["atol"], 1.0]) * 10
+        ax.semilogy(bad, [top] * len(bad), "x", color="#7d3c98", label="NaN/Inf error")
     fd = result.first_divergence
     if fd is not None:
         ax.axvline(fd.index, color="#c0392b", ls=":", lw=1.5)
-        ax.annotate(f"first divergence\n{(fd.ref_name or fd.cand_name)[:40]}", xy=(fd.index, tol["atol"]),
+        ax.annotate(f"first divergence\n{(fd.ref_name or fd.cand_name or '?')[:40]}", xy=(fd.index, tol["atol"]),
                     xytext=(6, 12), textcoords="offset points", fontsize=8, color="#c0392b")
     rc = result.root_cause
     if rc is not None and rc is not fd:
@@ -65,6 +83,41 @@ def error_profile(result, ax=None):
     if fig is not None:
         fig.tight_layout()
     return fig if fig is not None else ax.figure
+
+
+def values(stage) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(reference, candidate brought into the reference's layout) of a stage, on the reference's
+    device; None when either value was not kept or the two cannot be put side by side."""
+    from .align import to_ref_layout
+
+    ref, cand = stage.ref_value, stage.cand_value
+    if ref is None or cand is None:
+        return None
+    ref = ref.detach()
+    try:
+        cand = to_ref_layout(cand.detach(), tuple(ref.shape), stage.pair_transform).to(ref.device)
+    except (ValueError, RuntimeError):
+        return None
+    if tuple(cand.shape) != tuple(ref.shape):
+        return None
+    return ref, cand
+
+
+def _no_values(stage) -> ValueError:
+    return ValueError(f"stage {stage.index} {stage.name}: values not kept (or shapes that cannot be aligned), "
+                      f"nothing to draw")
+
+
+def _abs_diff(ref: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
+    """|candidate − reference| in float64; NaN (a NaN on either side) shown as Inf."""
+    return torch.nan_to_num((cand.to(torch.float64) - ref.to(torch.float64)).abs(), nan=float("inf"))
+
+
+def _displayable(t: torch.Tensor) -> torch.Tensor:
+    """A map matplotlib can colour: NaN and ±Inf clamped to the finite range (Inf = the brightest)."""
+    finite = t[torch.isfinite(t)]
+    lo, hi = (float(finite.min()), float(finite.max())) if finite.numel() else (0.0, 1.0)
+    return torch.nan_to_num(t, nan=hi, posinf=hi, neginf=lo)
 
 
 def _as_2d(t: torch.Tensor) -> tuple[torch.Tensor, str]:
@@ -96,12 +149,11 @@ def pool(t: torch.Tensor, max_side: int = MAX_PIXELS) -> torch.Tensor:
 
 def stage_maps(stage) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]:
     """(reference, candidate, |difference|) 2-D maps of a stage, pooled, as float32 on the CPU."""
-    from .align import to_ref_layout
-
-    ref = stage.ref.value.detach()
-    cand = to_ref_layout(stage.cand.value.detach(), tuple(stage.ref.shape), stage.pair_transform).to(ref.device)
-    diff = (cand.to(torch.float64) - ref.to(torch.float64)).abs()
-    diff = torch.nan_to_num(diff, nan=float("inf"))
+    pair = values(stage)
+    if pair is None:
+        raise _no_values(stage)
+    ref, cand = pair
+    diff = _abs_diff(ref, cand)
     r2, note = _as_2d(ref.to(torch.float32))
     c2, _ = _as_2d(cand.to(torch.float32))
     d2, _ = _as_2d(diff.to(torch.float32))
@@ -111,10 +163,9 @@ def stage_maps(stage) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]:
 def heatmap(stage, worst_slices: int = 4):
     """reference | candidate | |difference| over the last two axes, plus a grid of the worst slices."""
     plt = _plt()
-    if stage.ref is None or stage.cand is None or stage.ref.value is None or stage.cand.value is None:
-        raise ValueError(f"stage {stage.name} has no pair of values to draw")
     r, c, d, note = stage_maps(stage)
-    shape = list(stage.ref.shape)
+    r, c, d = _displayable(r), _displayable(c), _displayable(d)
+    shape = list(stage.ref_value.shape)
     rows_label = f"axis {len(shape) - 2} ({shape[-2]})" if len(shape) >= 2 else ""
     cols_label = f"axis {len(shape) - 1} ({shape[-1]})" if shape else ""
     slices = _worst_slices(stage, worst_slices)
@@ -146,13 +197,10 @@ def heatmap(stage, worst_slices: int = 4):
 
 def _worst_slices(stage, k: int) -> list[tuple[tuple, torch.Tensor]]:
     """The k leading-axis slices with the largest error (only for tensors with leading axes)."""
-    from .align import to_ref_layout
-
-    ref = stage.ref.value.detach()
-    if ref.dim() < 3:
+    pair = values(stage)
+    if pair is None or pair[0].dim() < 3:
         return []
-    cand = to_ref_layout(stage.cand.value.detach(), tuple(stage.ref.shape), stage.pair_transform).to(ref.device)
-    diff = torch.nan_to_num((cand.to(torch.float64) - ref.to(torch.float64)).abs(), nan=float("inf"))
+    diff = _abs_diff(*pair)
     lead = diff.shape[:-2]
     flat = diff.reshape(-1, *diff.shape[-2:])
     score = flat.amax(dim=(1, 2))
@@ -163,20 +211,27 @@ def _worst_slices(stage, k: int) -> list[tuple[tuple, torch.Tensor]]:
         for size in reversed(lead):
             idx.append(rem % size)
             rem //= size
-        out.append((tuple(reversed(idx)), flat[i].to(torch.float32).cpu()))
+        out.append((tuple(reversed(idx)), _displayable(flat[i].to(torch.float32).cpu())))
     return out
 
 
+def _say_no_values(ax, title: str) -> None:
+    ax.text(0.5, 0.5, "values not kept", ha="center", va="center", transform=ax.transAxes, color="#777")
+    ax.set_title(title, fontsize=9)
+
+
 def error_histogram(stage, ax=None):
+    """Histogram of candidate − reference over the finite elements, log counts."""
     plt = _plt()
     fig = None
     if ax is None:
         fig, ax = plt.subplots(figsize=(4.5, 3))
-    from .align import to_ref_layout
-
-    ref = stage.ref.value.detach().to(torch.float64)
-    cand = to_ref_layout(stage.cand.value.detach(), tuple(stage.ref.shape), stage.pair_transform).to(ref.device)
-    d = (cand.to(torch.float64) - ref).flatten()
+    pair = values(stage)
+    if pair is None:
+        _say_no_values(ax, "error histogram")
+        return fig if fig is not None else ax.figure
+    ref, cand = pair
+    d = (cand.to(torch.float64) - ref.to(torch.float64)).flatten()
     d = d[torch.isfinite(d)]
     if d.numel() > 200_000:
         d = d[torch.randperm(d.numel(), device=d.device)[:200_000]]
@@ -193,11 +248,14 @@ def error_vs_magnitude(stage, ax=None):
     fig = None
     if ax is None:
         fig, ax = plt.subplots(figsize=(4.5, 3))
-    from .align import to_ref_layout
-
-    ref = stage.ref.value.detach().to(torch.float64).flatten()
-    cand = to_ref_layout(stage.cand.value.detach(), tuple(stage.ref.shape), stage.pair_transform)
-    d = cand.to(ref.device).to(torch.float64).flatten() - ref
+    pair = values(stage)
+    if pair is None:
+        _say_no_values(ax, "error vs reference value")
+        return fig if fig is not None else ax.figure
+    ref = pair[0].to(torch.float64).flatten()
+    d = pair[1].to(torch.float64).flatten() - ref
+    keep = torch.isfinite(ref) & torch.isfinite(d)
+    ref, d = ref[keep], d[keep]
     if ref.numel() > 20_000:
         pick = torch.randperm(ref.numel(), device=ref.device)[:20_000]
         ref, d = ref[pick], d[pick]
@@ -209,22 +267,21 @@ def error_vs_magnitude(stage, ax=None):
     return fig if fig is not None else ax.figure
 
 
-def worst_elements(stage, k: int = 10) -> list[dict]:
-    """The k elements with the largest |error|: full index, both values."""
-    from .align import to_ref_layout
+def error_distribution(stage):
+    """The error histogram and the error against the reference value, side by side (a Figure)."""
+    fig, axes = _plt().subplots(1, 2, figsize=(9, 3))
+    error_histogram(stage, axes[0])
+    error_vs_magnitude(stage, axes[1])
+    fig.tight_layout()
+    return fig
 
-    ref = stage.ref.value.detach()
-    cand = to_ref_layout(stage.cand.value.detach(), tuple(stage.ref.shape), stage.pair_transform).to(ref.device)
-    d = torch.nan_to_num((cand.to(torch.float64) - ref.to(torch.float64)).abs(), nan=float("inf")).flatten()
-    top = torch.topk(d, min(k, d.numel())).indices.tolist()
-    shape = tuple(ref.shape)
-    rows = []
-    for flat in top:
-        idx, rem = [], flat
-        for size in reversed(shape):
-            idx.append(rem % size)
-            rem //= size
-        idx = tuple(reversed(idx))
-        rows.append({"index": list(idx), "ref": float(ref.flatten()[flat]), "cand": float(cand.flatten()[flat]),
-                     "abs_err": float(d[flat])})
-    return rows
+
+def worst_elements(stage, k: int = 10) -> list[dict]:
+    """The stage's k worst elements, worst first, ranked as `Stats.worst` is (see
+    `measure.worst_elements`); [] when the stage has no metrics or its values were not kept."""
+    from .measure import worst_elements as ranked
+
+    pair = values(stage)
+    if pair is None or stage.stats is None:
+        return []
+    return ranked(*pair, stage.stats.atol, stage.stats.rtol, k)

@@ -1,223 +1,367 @@
-"""HTML, Markdown and JUnit renderings of a Result (the report, notebooks and CI read these).
+"""Renderings of a Result: terminal text, HTML (report page and notebook), Markdown, JUnit and CSV.
 
-Every name, path and message is HTML/XML-escaped.  Images are PNGs inlined as data URIs, so an
-HTML file is self-contained: no network, no scripts.
+The sentences come from `describe`; this module only lays them out for each surface, escaping
+for that surface: HTML through Jinja2 templates with autoescape on (diffkit/templates/), JUnit
+through ElementTree, Markdown with its own escaper, CSV with cells a spreadsheet cannot take for
+a formula.  Every renderer copes with a partial Result: stages without metrics (shapes that
+differ), without a reference or candidate record, without a re-run, NaN/Inf numbers, no stages.
 """
 from __future__ import annotations
 
-import base64
-import html
-from xml.sax.saxutils import quoteattr
+import csv
+import io
+import os
+import re
+import xml.etree.ElementTree as ET
 
-from .result import Result, Stage
+import jinja2
+
+from . import describe
+from .describe import fmt, shape_text
 
 STATUS_COLOUR = {"ok": "#e8f6ec", "diverged": "#f9d6d5", "after-divergence": "#fcefd9", "unmatched": "#eeeeee"}
 VERDICT_COLOUR = {"match": "#1e8449", "diverged": "#c0392b", "error": "#7d3c98"}
-
-CSS = """
-body{font:14px/1.45 -apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:24px;color:#222;max-width:1250px}
-h1{font-size:20px;margin:0 0 8px} h2{font-size:16px;margin:26px 0 8px;border-bottom:1px solid #ddd}
-.banner{border-radius:6px;padding:14px 18px;color:#fff;margin-bottom:14px}
-.banner .verdict{font-size:22px;font-weight:700;letter-spacing:.5px}
-.banner code{background:rgba(255,255,255,.18);padding:1px 4px;border-radius:3px;color:#fff}
-table{border-collapse:collapse;font-size:12.5px;margin:6px 0} td,th{border:1px solid #ddd;padding:3px 7px;text-align:left}
-th{background:#f4f4f4} td.num{text-align:right;font-family:ui-monospace,Menlo,monospace}
-code,.mono{font-family:ui-monospace,Menlo,monospace;font-size:12px}
-.finding{margin:4px 0;padding:6px 10px;background:#fff8e1;border-left:4px solid #f39c12}
-.muted{color:#777} img{max-width:100%} details{margin:4px 0} summary{cursor:pointer;font-weight:600}
-.warn{background:#fdf2e9;border-left:4px solid #e67e22;padding:6px 10px;margin:4px 0}
-"""
+TERMINAL_COLOUR = {"ok": "green", "diverged": "red", "after-divergence": "yellow", "unmatched": None}
+DASH = "–"  # an empty HTML cell
+TABLE_PAGE = 100  # rows per collapsible page of the HTML stage table
 
 
-def esc(x) -> str:
-    return html.escape("" if x is None else str(x), quote=True)
-
-
-def _num(x) -> str:
-    return "–" if x is None else f"{x:.3g}"
-
-
-def _shape(s) -> str:
-    return "×".join(map(str, s)) if s else "–"
-
-
-def img_tag(png: bytes, alt: str) -> str:
-    return f'<img alt="{esc(alt)}" src="data:image/png;base64,{base64.b64encode(png).decode()}">'
-
-
-def findings_html(stage: Stage) -> str:
-    return "".join(f'<div class="finding"><b>{esc(f.kind)}</b> <span class="muted">(confidence {f.confidence:.2f})'
-                   f'</span><br>{esc(f.detail)}</div>' for f in stage.diagnosis)
-
-
-def banner_html(result: Result) -> str:
-    colour = VERDICT_COLOUR.get(result.verdict, "#555")
-    tol = result.tolerance()
-    parts = [f'<div class="banner" style="background:{colour}"><div class="verdict">{esc(result.verdict.upper())}</div>']
+# ----------------------------------------------------------------------------- terminal text
+def fold_rows(result, around: int = 6, head: int = 4, tail: int = 3, limit: int = 40) -> list[int | None]:
+    """Row indices to print: everything for short models, else head, the first divergence's
+    neighbourhood and the tail, with `None` marking a fold."""
+    n = len(result.stages)
+    if n <= limit:
+        return list(range(n))
+    keep = set(range(min(head, n))) | set(range(max(0, n - tail), n))
     fd = result.first_divergence
-    if fd is not None and fd.stats is not None:
-        s = fd.stats
-        parts.append(
-            f"<div>first divergence: stage {fd.index} — reference <code>{esc(fd.ref_name)}</code> "
-            f"({esc(fd.ref.where if fd.ref else '')}), candidate <code>{esc(fd.cand_name)}</code> "
-            f"({esc(fd.cand.where if fd.cand else '')})</div>"
-            f"<div>max |error| {s.max_abs:.4g}, mean {s.mean_abs:.4g}, {100 * s.mismatch_fraction:.1f}% of "
-            f"{s.numel} elements out of atol={s.atol:g} rtol={s.rtol:g}</div>")
-        if fd.diagnosis:
-            parts.append(f"<div>diagnosis: <b>{esc(fd.diagnosis[0].kind)}</b> — {esc(fd.diagnosis[0].detail)}</div>")
-    rc = result.root_cause
-    if rc is not None and rc is not fd:
-        parts.append(f"<div>root cause: stage {rc.index} <code>{esc(rc.ref_name)}</code> introduces the error "
-                     f"(re-run on the reference's inputs: max |error| {rc.local.max_abs:.3g})"
-                     + (f" — {esc(rc.diagnosis[0].kind)}: {esc(rc.diagnosis[0].detail)}" if rc.diagnosis else "")
-                     + "</div>")
-    if result.error is not None:
-        e = result.error
-        parts.append(f"<div>{esc(e.side)} failed ({esc(e.phase)}) at <code>{esc(e.stage)}</code>: {esc(e.message)}</div>")
-    if fd is None and result.error is None:
-        parts.append(f"<div>{len(result.compared)} stages compared, all within atol={tol['atol']:g} "
-                     f"rtol={tol['rtol']:g}</div>")
-    parts.append(f'<div class="mono" style="opacity:.85;margin-top:6px">{esc(result.summary_line())}</div></div>')
-    return "".join(parts)
+    if fd is not None:
+        keep |= set(range(max(0, fd.index - around), min(n, fd.index + around + 1)))
+    rows: list[int | None] = []
+    last = -1
+    for i in sorted(keep):
+        if i != last + 1:
+            rows.append(None)
+        rows.append(i)
+        last = i
+    return rows
 
 
-STAGE_HEAD = ("<tr><th>#</th><th>reference</th><th>candidate</th><th>shape (ref / cand)</th><th>paired by</th>"
-              "<th>max |err|</th><th>mean |err|</th><th>max rel</th><th>out of tol</th><th>cosine</th>"
-              "<th>local</th><th>status</th></tr>")
+def format_table(result, color: bool = False, full: bool = False) -> str:
+    """The stage table for a terminal (folded around the first divergence unless `full`)."""
+    def style(text, **kw):
+        if not color:
+            return text
+        import click
 
+        return click.style(text, **kw)
 
-def stage_row(s: Stage, mark: str = "") -> str:
-    st = s.stats
-    shape = _shape(s.ref_shape)
-    if s.cand_shape is not None and s.cand_shape != s.ref_shape:
-        shape += f" / {_shape(s.cand_shape)}"
-    by = s.paired_by + (f" ({s.transform})" if s.transform else "")
-    return (f'<tr style="background:{STATUS_COLOUR.get(s.status, "#fff")}"><td class="num">{s.index}</td>'
-            f'<td class="mono">{esc(s.ref_name or "–")}</td><td class="mono">{esc(s.cand_name or "–")}</td>'
-            f"<td>{esc(shape)}</td><td>{esc(by or '–')}</td>"
-            f'<td class="num">{_num(st.max_abs if st else None)}</td><td class="num">{_num(st.mean_abs if st else None)}</td>'
-            f'<td class="num">{_num(st.max_rel if st else None)}</td>'
-            f'<td class="num">{"–" if not st else f"{100 * st.mismatch_fraction:.1f}%"}</td>'
-            f'<td class="num">{"–" if not st else f"{st.cosine:.5f}"}</td>'
-            f'<td class="num">{_num(s.local.max_abs if s.local else None)}</td>'
-            f"<td>{esc(s.status)}{esc(mark)}</td></tr>")
-
-
-def stage_table_html(result: Result, page: int = 100) -> str:
-    """Paired stages in pages of `page` rows (the page holding the first divergence open);
-    unmatched stages in their own collapsed section."""
-    paired = [s for s in result.stages if s.status != "unmatched"]
-    unmatched = [s for s in result.stages if s.status == "unmatched"]
+    lines = [f"{'#':>4}  {'stage (reference | candidate)':<56} {'shape':<16} {'by':<6} {'max_abs':>9} "
+             f"{'mean_abs':>9}  status"]
+    rows = list(range(len(result.stages))) if full else fold_rows(result)
     fd = result.first_divergence
+    for i in rows:
+        if i is None:
+            lines.append(style(f"{'…':>4}  {'(rows folded; --full shows all)':<56}", dim=True))
+            continue
+        s = result.stages[i]
+        if s.ref_name and s.cand_name and s.ref_name != s.cand_name:
+            name = f"{s.ref_name} | {s.cand_name}"
+        else:
+            name = s.ref_name or f"- | {s.cand_name}"
+        name = name if len(name) <= 56 else name[:55] + "…"
+        shape = shape_text(s.ref_shape if s.ref_shape is not None else s.cand_shape)
+        st = s.stats
+        line = (f"{s.index:>4}  {name:<56} {shape:<16} {s.paired_by or '-':<6} "
+                f"{fmt(st.max_abs if st else None):>9} {fmt(st.mean_abs if st else None):>9}  {s.status}")
+        if fd is not None and s is fd:
+            line = style(line + "   <-- first divergence", fg="red", bold=True)
+        elif TERMINAL_COLOUR.get(s.status):
+            line = style(line, fg=TERMINAL_COLOUR[s.status])
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def text_report(result, color: bool = False, full: bool = False) -> str:
+    """What `diffkit diff` prints: weights, the stage table, the divergence details, warnings,
+    reference health and, last, the headline."""
     out = []
+    if result.weights is not None:
+        out.append("weights: " + result.weights.summary())
+    out.append(format_table(result, color=color, full=full))
+    out += describe.divergence_lines(result)
+    out += [f"warning: {w}" for w in result.warnings]
+    out += [f"reference health: {h}" for h in result.health]
+    out += ["", describe.headline(result)]
+    return "\n".join(out)
+
+
+# ----------------------------------------------------------------------------- HTML
+def _stage_shapes(stage) -> str:
+    text = shape_text(stage.ref_shape) if stage.ref_shape is not None else DASH
+    if stage.cand_shape is not None and stage.cand_shape != stage.ref_shape:
+        text += f" / {shape_text(stage.cand_shape)}"
+    return text
+
+
+def _paired(stage) -> str:
+    transform = describe.transform_text(stage)
+    return (stage.paired_by or "") + (f" ({transform})" if transform else "")
+
+
+def _environment() -> jinja2.Environment:
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(os.path.join(os.path.dirname(os.path.abspath(__file__)), "templates")),
+        autoescape=True, trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=False)
+    env.filters.update(
+        num=lambda x: fmt(x, ".3g", DASH), fmt=lambda x, spec: fmt(x, spec, DASH),
+        pct=lambda x: describe.pct(x, DASH), shapes=_stage_shapes, paired=_paired,
+        where=describe.where, op=describe.op, transform=describe.transform_text)
+    env.globals.update(status_colour=STATUS_COLOUR, stats_summary=describe.stats_summary,
+                       not_compared_reason=describe.not_compared_reason)
+    return env
+
+
+_ENV: jinja2.Environment | None = None
+
+
+def template(name: str) -> jinja2.Template:
+    """One of diffkit/templates/, from an environment built once."""
+    global _ENV
+    if _ENV is None:
+        _ENV = _environment()
+    return _ENV.get_template(name)
+
+
+def banner(result) -> dict:
+    """What the HTML banner shows: verdict, first divergence, root cause, error, headline."""
+    fd, rc = result.first_divergence, result.root_cause
+    tol = result.tolerance()
+    all_within = ""
+    if fd is None and result.error is None and result.verdict == "match":
+        all_within = (f"{len(result.compared)} stages compared, all within "
+                      f"{describe.tolerance_text(tol['atol'], tol['rtol'])}")
+    return {"verdict": result.verdict, "colour": VERDICT_COLOUR.get(result.verdict, "#555"), "fd": fd,
+            "rc": rc if rc is not None and rc is not fd else None, "error": result.error,
+            "all_within": all_within, "headline": describe.headline(result)}
+
+
+def stage_table(result, page: int = TABLE_PAGE) -> dict:
+    """The stage table's pages: paired stages `page` rows at a time (the page holding the first
+    divergence open, else the first), unmatched stages apart."""
+    paired = [s for s in result.stages if s.status != "unmatched"]
+    fd = result.first_divergence
+    pages = []
     for start in range(0, len(paired), page):
         chunk = paired[start:start + page]
         has_fd = fd is not None and any(s is fd for s in chunk)
-        open_ = " open" if has_fd or (start == 0 and fd is None) else ""
         label = f"stages {chunk[0].index}–{chunk[-1].index}" + (" (first divergence)" if has_fd else "")
-        rows = "".join(stage_row(s, "  ◀ first divergence" if s is fd else "") for s in chunk)
-        out.append(f"<details{open_}><summary>{esc(label)}</summary><table>{STAGE_HEAD}{rows}</table></details>")
-    if unmatched:
-        rows = "".join(stage_row(s) for s in unmatched)
-        out.append(f"<details><summary>{len(unmatched)} unmatched stages (fused away or with no counterpart; "
-                   f"not failures)</summary><table>{STAGE_HEAD}{rows}</table></details>")
+        pages.append({"open": has_fd or (start == 0 and fd is None), "label": label,
+                      "rows": [(s, "  ◀ first divergence" if s is fd else "") for s in chunk]})
+    return {"pages": pages, "unmatched": [s for s in result.stages if s.status == "unmatched"]}
+
+
+def stage_rows(stage) -> list[tuple[str, str]]:
+    """A stage's facts as (label, text) rows, for the notebook view."""
+    st = stage.stats
+
+    def side(name, shape, record):
+        return f"{name or '-'} {shape_text(shape)} {describe.op(record)} {describe.where(record)}".rstrip()
+
+    rows = [("reference", side(stage.ref_name, stage.ref_shape, stage.ref)),
+            ("candidate", side(stage.cand_name, stage.cand_shape, stage.cand)),
+            ("paired by", _paired(stage) or "-"), ("status", stage.status)]
+    if st is not None:
+        rows += [("max |error|", fmt(st.max_abs, ".6g")), ("mean |error|", fmt(st.mean_abs, ".6g")),
+                 ("max relative", fmt(st.max_rel, ".6g")), ("out of tolerance", f"{st.mismatches}/{st.numel}"),
+                 ("cosine", fmt(st.cosine, ".6f")), ("tolerance", describe.tolerance_text(st.atol, st.rtol))]
+        if st.worst:
+            rows.append(("worst element", describe.worst_summary(st.worst)))
+    else:
+        rows.append(("not compared", describe.not_compared_reason(stage)))
+    if stage.local is not None:
+        rows.append(("re-run on reference inputs", f"max |error| {fmt(stage.local.max_abs, '.4g')}"))
+    if stage.replay_note:
+        rows.append(("replay", stage.replay_note))
+    return rows
+
+
+def stage_html(stage) -> str:
+    """A stage in a notebook: its metrics and findings."""
+    return template("stage.html").render(stage=stage, rows=stage_rows(stage))
+
+
+def result_html(result) -> str:
+    """The result in a notebook: banner, warnings and the stage table (no images)."""
+    return template("result.html").render(banner=banner(result), warnings=list(result.warnings) + list(result.health),
+                                          table=stage_table(result))
+
+
+# ----------------------------------------------------------------------------- Markdown
+_MD_ENTITIES = {"&": "&amp;", "<": "&lt;", ">": "&gt;"}
+_MD_BACKSLASHED = set("\\`*[]|")
+
+
+def md_escape(text) -> str:
+    """Text safe in Markdown prose, list items and table cells: HTML's `& < >` become entities;
+    backslash, backtick, `*`, brackets and `|` are backslash-escaped (a GFM table splits on a bare
+    `|`, even inside a code span); line breaks become spaces so a cell stays one row."""
+    out = []
+    for ch in "" if text is None else str(text):
+        if ch in _MD_ENTITIES:
+            out.append(_MD_ENTITIES[ch])
+        elif ch in _MD_BACKSLASHED:
+            out.append("\\" + ch)
+        elif ch in "\r\n":
+            out.append(" ")
+        else:
+            out.append(ch)
     return "".join(out)
 
 
-def stage_html(stage: Stage) -> str:
-    """A stage in a notebook: its metrics and findings."""
-    st = stage.stats
-    rows = [("reference", f"{stage.ref_name} {_shape(stage.ref_shape)} {stage.ref.op if stage.ref else ''} "
-                          f"{stage.ref.where if stage.ref else ''}"),
-            ("candidate", f"{stage.cand_name} {_shape(stage.cand_shape)} {stage.cand.op if stage.cand else ''} "
-                          f"{stage.cand.where if stage.cand else ''}"),
-            ("paired by", stage.paired_by + (f" ({stage.transform})" if stage.transform else "")),
-            ("status", stage.status)]
-    if st is not None:
-        rows += [("max |error|", f"{st.max_abs:.6g}"), ("mean |error|", f"{st.mean_abs:.6g}"),
-                 ("max relative", f"{st.max_rel:.6g}"), ("out of tolerance", f"{st.mismatches}/{st.numel}"),
-                 ("cosine", f"{st.cosine:.6f}"), ("tolerance", f"atol={st.atol:g} rtol={st.rtol:g}")]
-        if st.worst:
-            rows.append(("worst element", f"{list(st.worst.index)}: ref {st.worst.ref:.6g}, cand {st.worst.cand:.6g}"))
-    if stage.local is not None:
-        rows.append(("re-run on reference inputs", f"max |error| {stage.local.max_abs:.4g}"))
-    if stage.replay_note:
-        rows.append(("replay", stage.replay_note))
-    body = "".join(f"<tr><th>{esc(k)}</th><td class='mono'>{esc(v)}</td></tr>" for k, v in rows)
-    return f"<table>{body}</table>{findings_html(stage)}"
+def md_code(text) -> str:
+    """A name or path in code type.  An HTML ``<code>`` element holding escaped text, not a
+    backtick code span: a span can be broken by a backtick in the name, and entities (the only
+    way to write `<` safely) are shown literally inside one."""
+    return f"<code>{md_escape(text if text is not None else '-')}</code>"
 
 
-def result_html(result: Result) -> str:
-    """The result in a notebook: banner, warnings and the stage table (no images)."""
-    warn = "".join(f'<div class="warn">{esc(w)}</div>' for w in result.warnings + result.health)
-    return f"<style>{CSS}</style>{banner_html(result)}{warn}{stage_table_html(result)}"
-
-
-# ----------------------------------------------------------------------------- markdown
-def summary_markdown(result: Result, limit: int = 15) -> str:
+def summary_markdown(result, limit: int = 15) -> str:
+    """summary.md: verdict, headline, paths, first divergence, root cause, error, the stages out
+    of tolerance (at most `limit`) and warnings, for a CI job summary or a pull-request comment."""
     icon = {"match": "✅", "diverged": "❌", "error": "💥"}.get(result.verdict, "")
-    lines = [f"## diffkit: {icon} {result.verdict}", "", f"`{result.summary_line()}`", ""]
+    lines = [f"## diffkit: {icon} {md_escape(result.verdict)}", "", md_code(describe.headline(result)), ""]
     if result.ref_path or result.cand_path:
-        lines += [f"- reference: `{result.ref_path}`", f"- candidate: `{result.cand_path}`", ""]
+        lines += [f"- reference: {md_code(result.ref_path)}", f"- candidate: {md_code(result.cand_path)}", ""]
+
+    def findings(stage):
+        return [f"- **{md_escape(f.kind)}** ({fmt(f.confidence, '.2f')}): {md_escape(f.detail)}"
+                for f in stage.diagnosis]
+
     fd = result.first_divergence
-    if fd is not None and fd.stats is not None:
-        s = fd.stats
+    if fd is not None:
+        numbers = describe.stats_summary(fd.stats) if fd.stats is not None else describe.not_compared_reason(fd)
         lines += ["### First divergence", "",
-                  f"- stage {fd.index}: reference `{fd.ref_name}` ({fd.ref.where if fd.ref else ''}), "
-                  f"candidate `{fd.cand_name}` ({fd.cand.where if fd.cand else ''})",
-                  f"- max abs error {s.max_abs:.4g}, mean {s.mean_abs:.4g}, {100 * s.mismatch_fraction:.1f}% of "
-                  f"{s.numel} elements out of atol={s.atol:g} rtol={s.rtol:g}"]
-        lines += [f"- **{f.kind}** ({f.confidence:.2f}): {f.detail}" for f in fd.diagnosis]
+                  f"- stage {fd.index}: reference {md_code(fd.ref_name)} ({md_escape(describe.where(fd.ref))}), "
+                  f"candidate {md_code(fd.cand_name)} ({md_escape(describe.where(fd.cand))})",
+                  f"- {md_escape(numbers)}"]
+        lines += findings(fd)
         lines.append("")
     rc = result.root_cause
     if rc is not None and rc is not fd:
-        lines += ["### Root cause", "", f"- stage {rc.index} `{rc.ref_name}` introduces the error "
-                  f"(re-run on the reference's inputs: max abs error {rc.local.max_abs:.3g})"]
-        lines += [f"- **{f.kind}** ({f.confidence:.2f}): {f.detail}" for f in rc.diagnosis]
+        lines += ["### Root cause", "",
+                  f"- stage {rc.index} {md_code(rc.ref_name or rc.cand_name)} introduces the error"
+                  + (f" (re-run on the reference's inputs: max abs error {md_escape(fmt(rc.local.max_abs))})"
+                     if rc.local is not None else "")]
+        lines += findings(rc)
         lines.append("")
-    if result.error is not None:
-        e = result.error
-        lines += ["### Error", "", f"{e.side} failed ({e.phase}) at `{e.stage}`: {e.message}", ""]
+    e = result.error
+    if e is not None:
+        lines += ["### Error", "", f"{md_escape(e.side)} failed ({md_escape(e.phase)}) at {md_code(e.stage or '?')}: "
+                  f"{md_escape(e.message)}", ""]
     failed = result.diverged_stages
     if failed:
         lines += ["| # | reference | candidate | max abs | mean abs | status |", "|---|---|---|---|---|---|"]
         for s in failed[:limit]:
-            lines.append(f"| {s.index} | `{s.ref_name}` | `{s.cand_name}` | {s.stats.max_abs:.3g} | "
-                         f"{s.stats.mean_abs:.3g} | {s.status} |")
+            st = s.stats
+            lines.append(f"| {s.index} | {md_code(s.ref_name)} | {md_code(s.cand_name)} | "
+                         f"{md_escape(fmt(st.max_abs if st else None))} | "
+                         f"{md_escape(fmt(st.mean_abs if st else None))} | "
+                         f"{md_escape(s.status)} |")
         if len(failed) > limit:
             lines.append(f"\n… and {len(failed) - limit} more stages out of tolerance")
         lines.append("")
-    for w in result.warnings + result.health:
-        lines.append(f"> ⚠️ {w}")
+    lines += [f"> ⚠️ {md_escape(w)}" for w in list(result.warnings) + list(result.health)]
     return "\n".join(lines).rstrip() + "\n"
 
 
-# ----------------------------------------------------------------------------- junit
-def junit_xml(result: Result, suite: str = "diffkit") -> str:
-    """One test case per compared stage; failures carry the numbers; an error is an <error>."""
-    cases = []
-    compared = result.compared
-    failures = 0
-    for s in compared:
-        name = f"{s.index:04d} {s.ref_name}" + (f" <- {s.cand_name}" if s.cand_name != s.ref_name else "")
-        body = ""
-        if s.failed:
-            failures += 1
-            st = s.stats
-            msg = (f"{s.status}: max_abs={st.max_abs:.4g} mean_abs={st.mean_abs:.4g} "
-                   f"mismatch={100 * st.mismatch_fraction:.1f}% atol={st.atol:g} rtol={st.rtol:g}")
-            detail = msg + (f"\nworst {list(st.worst.index)}: ref {st.worst.ref:.6g} cand {st.worst.cand:.6g}"
-                            if st.worst else "")
-            detail += "".join(f"\n{f.kind}: {f.detail}" for f in s.diagnosis)
-            body = f"<failure message={quoteattr(msg)} type={quoteattr(s.status)}>{esc(detail)}</failure>"
-        cases.append(f"<testcase classname={quoteattr(suite)} name={quoteattr(name)}>{body}</testcase>")
-    errors = 0
-    if result.error is not None:
+# ----------------------------------------------------------------------------- JUnit
+# characters XML 1.0 cannot hold at all (C0 controls but tab/LF/CR, lone surrogates, U+FFFE/U+FFFF)
+_NOT_XML = re.compile("[^\t\n\r\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
+
+
+def xml_text(value) -> str:
+    """`value` as text XML 1.0 can hold: the characters it cannot are dropped."""
+    return _NOT_XML.sub("", "" if value is None else str(value))
+
+
+def _element(parent, tag: str, text: str | None = None, **attrs) -> ET.Element:
+    el = ET.SubElement(parent, tag, {k: xml_text(v) for k, v in attrs.items()})
+    if text is not None:
+        el.text = xml_text(text)
+    return el
+
+
+def junit_xml(result, suite: str = "diffkit") -> str:
+    """junit.xml: one test case per compared stage (and per stage that failed without metrics,
+    e.g. shapes that differ); failures carry the numbers; a side's error is an <error> case."""
+    root = ET.Element("testsuites")
+    ts = _element(root, "testsuite", name=suite)
+    tests = failures = errors = 0
+    for s in result.stages:
+        if s.stats is None and not s.failed:
+            continue
+        tests += 1
+        name = f"{s.index:04d} {s.ref_name or '-'}" + (f" <- {s.cand_name}" if s.cand_name != s.ref_name else "")
+        case = _element(ts, "testcase", classname=suite, name=name)
+        if not s.failed:
+            continue
+        failures += 1
+        st = s.stats
+        if st is not None:
+            msg = (f"{s.status}: max_abs={fmt(st.max_abs, '.4g')} mean_abs={fmt(st.mean_abs, '.4g')} "
+                   f"mismatch={describe.pct(st.mismatch_fraction)} {describe.tolerance_text(st.atol, st.rtol)}")
+            detail = msg + (f"\nworst {describe.worst_summary(st.worst)}" if st.worst else "")
+        else:
+            msg = f"{s.status}: {describe.not_compared_reason(s)}"
+            detail = msg
+        detail += "".join(f"\n{f.kind}: {f.detail}" for f in s.diagnosis)
+        _element(case, "failure", detail, message=msg, type=s.status)
+    e = result.error
+    if e is not None:
+        tests += 1
         errors = 1
-        e = result.error
-        cases.append(f"<testcase classname={quoteattr(suite)} name={quoteattr(f'{e.side} {e.phase}')}>"
-                     f"<error message={quoteattr(e.message)} type={quoteattr(e.phase)}>{esc(e.stage)}\n"
-                     f"{esc(e.traceback[-4000:])}</error></testcase>")
-    return ('<?xml version="1.0" encoding="UTF-8"?>\n'
-            f"<testsuites><testsuite name={quoteattr(suite)} tests=\"{len(cases)}\" failures=\"{failures}\" "
-            f"errors=\"{errors}\" skipped=\"0\">" + "".join(cases) + "</testsuite></testsuites>\n")
+        case = _element(ts, "testcase", classname=suite, name=f"{e.side} {e.phase}")
+        _element(case, "error", f"{e.stage}\n{(e.traceback or '')[-4000:]}", message=e.message, type=e.phase)
+    ts.set("tests", str(tests))
+    ts.set("failures", str(failures))
+    ts.set("errors", str(errors))
+    ts.set("skipped", "0")
+    return ET.tostring(root, encoding="UTF-8", xml_declaration=True).decode("utf-8") + "\n"
+
+
+# ----------------------------------------------------------------------------- CSV
+# a text cell starting with one of these is read as a formula by spreadsheets (OWASP "CSV injection")
+FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+CSV_COLUMNS = ["index", "ref_name", "cand_name", "paired_by", "ref_shape", "cand_shape", "dtype", "max_abs",
+               "mean_abs", "max_rel", "mismatch_fraction", "cosine", "status", "local_max_abs", "transform", "note"]
+
+
+def csv_safe(value):
+    """A CSV cell: text that a spreadsheet would take for a formula gets a leading `'`; numbers
+    (and None, written empty) pass unchanged, so the numeric columns stay numeric."""
+    if isinstance(value, str) and value.startswith(FORMULA_START):
+        return "'" + value
+    return value
+
+
+def _shape_cell(shape) -> str | None:
+    return None if shape is None else str(list(shape))  # "[4, 16]": text, but never formula-like
+
+
+def _stage_cells(s) -> list:
+    st = s.stats
+    return [s.index, s.ref_name, s.cand_name, s.paired_by, _shape_cell(s.ref_shape), _shape_cell(s.cand_shape), s.dtype,
+            st.max_abs if st else None, st.mean_abs if st else None, st.max_rel if st else None,
+            st.mismatch_fraction if st else None, st.cosine if st else None, s.status,
+            s.local.max_abs if s.local is not None else None, describe.transform_text(s), s.note]
+
+
+def stages_csv(result) -> str:
+    """stages.csv: one row per stage; text cells made safe for spreadsheets (see `csv_safe`)."""
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerow(CSV_COLUMNS)
+    for s in result.stages:
+        writer.writerow([csv_safe(v) for v in _stage_cells(s)])
+    return buf.getvalue()

@@ -1,29 +1,67 @@
-"""The result object every surface reads: CLI table, JSON, CSV, reports and notebooks.
+"""The result every surface reads: CLI text, JSON, CSV, HTML/Markdown/JUnit reports, notebooks, pytest.
 
-A `Result` holds one `Stage` per row in execution order (candidate order, with reference-only
-stages placed after the stage they followed), the verdict, the first divergence and, if a side
-failed, the error.  Nothing here computes metrics; it only arranges and serialises them.
+A `Result` is plain data: one `Stage` per row in execution order (candidate order, with
+reference-only stages placed after the stage they followed), the verdict, the first divergence, the
+root cause and, if a side failed, the error.  Stages name their records by `RecordInfo` (metadata
+only); tensor values are reached through a `Values` store that the pipeline attaches and that is
+never serialised, so ``Result.from_dict(result.to_dict())`` gives the same result back.  Nothing here
+computes metrics or sets the verdict (pipeline.judge does); it only arranges and serialises them.
 """
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable
 
 import torch
 
-from .capture import Record
-from .measure import Stats
+from .measure import Stats, Worst
 
 STATUSES = ("ok", "diverged", "after-divergence", "unmatched")
+VERDICTS = ("match", "diverged", "error")
 STAGE_COLUMNS = ["index", "ref_name", "cand_name", "paired_by", "ref_shape", "cand_shape", "dtype", "max_abs",
                  "mean_abs", "max_rel", "mismatch_fraction", "cosine", "status", "local_max_abs"]
 
 
+def _num(x: float | None) -> float | None:
+    """A float for strict JSON: NaN becomes None, ±Inf the largest double."""
+    if x is None:
+        return None
+    if isinstance(x, float) and (math.isnan(x) or math.isinf(x)):
+        return None if math.isnan(x) else (1e308 if x > 0 else -1e308)
+    return x
+
+
+def _unnum(x: Any) -> float:
+    return float("nan") if x is None else float(x)
+
+
+def stats_to_dict(s: Stats | None) -> dict | None:
+    """Every field of a Stats, JSON-safe."""
+    if s is None:
+        return None
+    return {"numel": s.numel, "max_abs": _num(s.max_abs), "mean_abs": _num(s.mean_abs), "max_rel": _num(s.max_rel),
+            "mismatches": s.mismatches, "cosine": _num(s.cosine), "ref_nan": s.ref_nan, "ref_inf": s.ref_inf,
+            "cand_nan": s.cand_nan, "cand_inf": s.cand_inf, "atol": s.atol, "rtol": s.rtol,
+            "worst": None if s.worst is None else {"index": list(s.worst.index), "ref": _num(s.worst.ref),
+                                                   "cand": _num(s.worst.cand), "abs_err": _num(s.worst.abs_err)}}
+
+
+def stats_from_dict(d: dict | None) -> Stats | None:
+    if d is None:
+        return None
+    w = d.get("worst")
+    worst = None if w is None else Worst(tuple(int(i) for i in w["index"]), _unnum(w["ref"]), _unnum(w["cand"]),
+                                         _unnum(w["abs_err"]))
+    return Stats(int(d["numel"]), _unnum(d["max_abs"]), _unnum(d["mean_abs"]), _unnum(d["max_rel"]),
+                 int(d["mismatches"]), _unnum(d["cosine"]), int(d["ref_nan"]), int(d["ref_inf"]),
+                 int(d["cand_nan"]), int(d["cand_inf"]), worst, float(d["atol"]), float(d["rtol"]))
+
+
 @dataclass
 class Finding:
-    """One diagnosis of what is wrong with a stage."""
+    """One diagnosis of what is wrong with a stage: its kind, a sentence of numbers, a confidence in (0, 1]."""
 
     kind: str
     detail: str
@@ -32,25 +70,125 @@ class Finding:
     def to_dict(self) -> dict:
         return {"kind": self.kind, "detail": self.detail, "confidence": round(self.confidence, 3)}
 
+    @classmethod
+    def from_dict(cls, d: dict) -> "Finding":
+        return cls(str(d["kind"]), str(d["detail"]), float(d["confidence"]))
+
+
+@dataclass(frozen=True)
+class RecordInfo:
+    """What a stage shows of a captured record: its identity and where it was made, no value.
+
+    index:     position in its side's trace (the key of its value in `Values`)
+    name:      unique in the trace (``module.path``, ``scope.function:label``, ``tap:NAME``, ``output``)
+    kind:      "input" | "module" | "op" | "ext" | "write" | "tap"
+    op:        what produced it (``nn.Linear``, ``F.softmax``, ``ext:mod.fn``, ``triton:kernel``)
+    inputs:    indices of the records its producing call consumed
+    params:    qualified names of the module parameters and buffers that call read
+    """
+
+    index: int
+    name: str
+    kind: str
+    op: str
+    shape: tuple[int, ...]
+    dtype: str
+    scope: str = ""
+    label: str = ""
+    function: str = ""
+    file: str = ""
+    line: int = 0
+    device: str = "cpu"
+    aliases: tuple[str, ...] = ()
+    is_output: bool = False
+    inputs: tuple[int, ...] = ()
+    params: tuple[str, ...] = ()
+
+    @property
+    def where(self) -> str:
+        return f"{self.file}:{self.line}" if self.file else ""
+
+    def names(self) -> list[str]:
+        return [self.name, *self.aliases]
+
+    @classmethod
+    def of(cls, rec: Any) -> "RecordInfo":
+        """From a capture.Record."""
+        return cls(index=rec.index, name=rec.name, kind=rec.kind, op=rec.op, shape=tuple(rec.shape),
+                   dtype=str(rec.dtype).replace("torch.", ""), scope=rec.scope, label=rec.label,
+                   function=rec.function, file=rec.file, line=rec.line, device=rec.device,
+                   aliases=tuple(rec.aliases), is_output=rec.is_output,
+                   inputs=tuple(getattr(r, "index", r) for r in rec.inputs),
+                   params=tuple(getattr(rec, "params", ()) or ()))
+
+    def to_dict(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        for k in ("shape", "aliases", "inputs", "params"):
+            d[k] = list(d[k])
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "RecordInfo":
+        kw = {f.name: d[f.name] for f in fields(cls) if f.name in d}
+        for k in ("shape", "aliases", "inputs", "params"):
+            if k in kw:
+                kw[k] = tuple(kw[k])
+        return cls(**kw)
+
+
+class Values:
+    """Where a result's tensor values are kept (the run's traces, a capture file …), by record index.
+
+    Not part of the result's data: a result read back from JSON has none, and its stages say so."""
+
+    def __init__(self, ref: Callable[[int], torch.Tensor | None], cand: Callable[[int], torch.Tensor | None]):
+        self._ref, self._cand = ref, cand
+
+    @classmethod
+    def of_traces(cls, ref_trace: Any, cand_trace: Any) -> "Values":
+        def getter(trace):
+            return lambda i: trace.records[i].value if 0 <= i < len(trace.records) else None
+        return cls(getter(ref_trace), getter(cand_trace))
+
+    def ref(self, index: int) -> torch.Tensor | None:
+        return self._ref(index)
+
+    def cand(self, index: int) -> torch.Tensor | None:
+        return self._cand(index)
+
 
 @dataclass
 class Stage:
-    """One row: a candidate record, its reference counterpart (either may be missing), the metrics."""
+    """One row: a candidate record, its reference counterpart (either may be missing), the metrics.
+
+    paired_by:        the alignment pass that made the pair ("name", "order", "value", …)
+    confidence:       how sure that pass was, in (0, 1]
+    transform:        the candidate → reference layout change, in words ("reshape", "permute(…)+reshape")
+    pair_transform:   the same, as align.to_ref_layout takes it
+    stats:            the pair's metrics against the tolerance (None: not compared)
+    status:           "ok" | "diverged" | "after-divergence" | "unmatched"
+    local:            the stage re-run alone on the reference's inputs (rootcause.py), or None
+    inherited_max_abs: the largest error among the stage's inputs in the full run
+    replay_note:      why it could not be re-run, when it could not
+    auto:             --tolerance auto: {"ref_rmse", "cand_rmse", "bound", "ok"} against float64
+    """
 
     index: int
-    ref: Record | None
-    cand: Record | None
+    ref: RecordInfo | None
+    cand: RecordInfo | None
     paired_by: str = ""
+    confidence: float = 0.0
     transform: str = ""
+    pair_transform: tuple = ()
     stats: Stats | None = None
     status: str = "unmatched"
     note: str = ""
     diagnosis: list[Finding] = field(default_factory=list)
-    pair_transform: tuple = ()  # the alignment's raw transform (candidate -> reference layout)
-    local: Stats | None = None  # the stage re-run alone on the reference's inputs
-    inherited_max_abs: float | None = None  # largest error among the stage's inputs in the full run
-    replay_note: str = ""  # why the stage could not be re-run, when it could not
-    auto: dict | None = None  # --tolerance auto: {"ref_rmse", "cand_rmse", "bound", "ok"} against float64
+    local: Stats | None = None
+    inherited_max_abs: float | None = None
+    replay_note: str = ""
+    auto: dict | None = None
+    values: Values | None = field(default=None, repr=False, compare=False)
 
     @property
     def ref_name(self) -> str | None:
@@ -75,11 +213,28 @@ class Stage:
     @property
     def dtype(self) -> str | None:
         rec = self.ref or self.cand
-        return str(rec.dtype).replace("torch.", "") if rec else None
+        return rec.dtype if rec else None
 
     @property
     def failed(self) -> bool:
         return self.status in ("diverged", "after-divergence")
+
+    @property
+    def passed(self) -> bool | None:
+        """Whether the rule in force accepts this stage (the float64 rule under --tolerance auto)."""
+        if self.auto is not None:
+            return bool(self.auto["ok"])
+        return None if self.stats is None else self.stats.ok
+
+    @property
+    def ref_value(self) -> torch.Tensor | None:
+        """The reference value, when the run's values are still reachable."""
+        return self.values.ref(self.ref.index) if self.values is not None and self.ref is not None else None
+
+    @property
+    def cand_value(self) -> torch.Tensor | None:
+        """The candidate value in the candidate's own layout, when reachable."""
+        return self.values.cand(self.cand.index) if self.values is not None and self.cand is not None else None
 
     def matches(self, name: str) -> bool:
         return any(r is not None and (name == r.name or name in r.aliases) for r in (self.ref, self.cand))
@@ -88,16 +243,17 @@ class Stage:
         s = self.stats
         return {
             "index": self.index, "ref_name": self.ref_name, "cand_name": self.cand_name,
-            "paired_by": self.paired_by, "transform": self.transform,
+            "paired_by": self.paired_by, "confidence": round(self.confidence, 3), "transform": self.transform,
+            "pair_transform": _jsonable(self.pair_transform),
             "ref_shape": self.ref_shape, "cand_shape": self.cand_shape, "dtype": self.dtype,
             "max_abs": _num(s.max_abs) if s else None, "mean_abs": _num(s.mean_abs) if s else None,
             "max_rel": _num(s.max_rel) if s else None,
             "mismatch_fraction": _num(s.mismatch_fraction) if s else None,
-            "cosine": _num(s.cosine) if s else None, "status": self.status,
+            "cosine": _num(s.cosine) if s else None, "status": self.status, "passed": self.passed,
             "atol": s.atol if s else None, "rtol": s.rtol if s else None,
             "nan_inf": {"ref_nan": s.ref_nan, "ref_inf": s.ref_inf, "cand_nan": s.cand_nan, "cand_inf": s.cand_inf}
             if s else None,
-            "worst": s.worst.to_dict() if s and s.worst else None,
+            "worst": stats_to_dict(s)["worst"] if s else None,
             "ref_where": self.ref.where if self.ref else None, "cand_where": self.cand.where if self.cand else None,
             "ref_op": self.ref.op if self.ref else None, "cand_op": self.cand.op if self.cand else None,
             "note": self.note,
@@ -106,7 +262,23 @@ class Stage:
             "replay": self.replay_note or None,
             "auto": self.auto,
             "diagnosis": [f.to_dict() for f in self.diagnosis],
+            "ref": self.ref.to_dict() if self.ref else None,
+            "cand": self.cand.to_dict() if self.cand else None,
+            "stats": stats_to_dict(s),
+            "local": stats_to_dict(self.local),
         }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Stage":
+        return cls(index=int(d["index"]), ref=RecordInfo.from_dict(d["ref"]) if d.get("ref") else None,
+                   cand=RecordInfo.from_dict(d["cand"]) if d.get("cand") else None,
+                   paired_by=d.get("paired_by") or "", confidence=float(d.get("confidence") or 0.0),
+                   transform=d.get("transform") or "", pair_transform=_untuple(d.get("pair_transform") or []),
+                   stats=stats_from_dict(d.get("stats")), status=d["status"], note=d.get("note") or "",
+                   diagnosis=[Finding.from_dict(f) for f in d.get("diagnosis") or []],
+                   local=stats_from_dict(d.get("local")),
+                   inherited_max_abs=None if d.get("inherited_max_abs") is None else float(d["inherited_max_abs"]),
+                   replay_note=d.get("replay") or "", auto=d.get("auto"))
 
     def divergence_dict(self) -> dict:
         s = self.stats
@@ -115,7 +287,7 @@ class Stage:
             "shape": self.ref_shape or self.cand_shape, "cand_shape": self.cand_shape,
             "max_abs": _num(s.max_abs) if s else None, "mean_abs": _num(s.mean_abs) if s else None,
             "mismatch_fraction": _num(s.mismatch_fraction) if s else None,
-            "worst": s.worst.to_dict() if s and s.worst else None,
+            "worst": stats_to_dict(s)["worst"] if s else None,
             "ref_where": self.ref.where if self.ref else None, "cand_where": self.cand.where if self.cand else None,
             "note": self.note,
             "diagnosis": [f.to_dict() for f in self.diagnosis],
@@ -136,16 +308,22 @@ class Stage:
         return heatmap(self)
 
 
-def _num(x: float | None) -> float | None:
-    if x is None:
-        return None
-    if isinstance(x, float) and (math.isnan(x) or math.isinf(x)):
-        return None if math.isnan(x) else (1e308 if x > 0 else -1e308)
-    return x
+def _jsonable(t: Any) -> Any:
+    if isinstance(t, (tuple, list)):
+        return [_jsonable(v) for v in t]
+    return t
+
+
+def _untuple(t: Any) -> Any:
+    if isinstance(t, list):
+        return tuple(_untuple(v) for v in t)
+    return t
 
 
 @dataclass
 class ErrorInfo:
+    """A side that failed: which, in which phase, the message, where, and the traceback."""
+
     side: str
     phase: str
     message: str
@@ -156,10 +334,29 @@ class ErrorInfo:
         return {"side": self.side, "phase": self.phase, "message": self.message, "stage": self.stage,
                 "traceback": self.traceback}
 
+    @classmethod
+    def from_dict(cls, d: dict) -> "ErrorInfo":
+        return cls(str(d.get("side", "")), str(d.get("phase", "")), str(d.get("message", "")),
+                   str(d.get("stage") or ""), str(d.get("traceback") or ""))
+
 
 @dataclass
 class Result:
-    """What diffkit found.  `verdict` is "match", "diverged" or "error"."""
+    """What diffkit found.  `verdict` is "match", "diverged" or "error" (set by pipeline.judge only).
+
+    stages:               every row, in execution order
+    first_divergence:     the earliest stage out of tolerance (one of `stages`), or None
+    root_cause:           the earliest stage that introduces the error (see rootcause.py), or None
+    error:                the side that failed to build, run or return an output, or None
+    output:               the final output's metrics (None when it could not be compared)
+    atol, rtol:           the tolerance asked for (None: KernelBench's per-dtype default)
+    warnings:             things the user should know that did not decide the verdict
+    health:               warnings about the reference itself (random, constant, zero weights)
+    weights:              load.WeightReport: what the weight step found by qualified name
+    meta:                 how the diff ran (mode, record counts, memory, seed …)
+    output_shape_mismatch: (reference shape, candidate shape) when the outputs' shapes differ
+    tolerance_mode:       "fixed" | "auto"; fixed_verdict: with auto, what the fixed rule said
+    """
 
     verdict: str
     stages: list[Stage]
@@ -170,15 +367,15 @@ class Result:
     rtol: float | None
     strict: bool = False
     warnings: list[str] = field(default_factory=list)
-    weights: Any = None  # load.WeightReport when the models came from files
+    weights: Any = None
     ref_path: str = ""
     cand_path: str = ""
     meta: dict = field(default_factory=dict)
     output_shape_mismatch: tuple | None = None
-    root_cause: Stage | None = None  # the earliest stage that introduces the error (see rootcause.py)
-    health: list[str] = field(default_factory=list)  # warnings about the reference itself
-    tolerance_mode: str = "fixed"  # "fixed" | "auto"
-    fixed_verdict: str | None = None  # with --tolerance auto: what the fixed tolerance said
+    root_cause: Stage | None = None
+    health: list[str] = field(default_factory=list)
+    tolerance_mode: str = "fixed"
+    fixed_verdict: str | None = None
 
     # ----------------------------------------------------------------- access
     def stage(self, name: str) -> Stage:
@@ -195,6 +392,12 @@ class Result:
     def diverged_stages(self) -> list[Stage]:
         return [s for s in self.stages if s.failed]
 
+    @property
+    def output_stage(self) -> Stage | None:
+        """The stage pairing the two models' outputs."""
+        return next((s for s in self.stages if s.cand is not None and s.cand.is_output and s.ref is not None
+                     and s.ref.is_output), None)
+
     def tolerance(self) -> dict:
         if self.atol is not None and self.rtol is not None:
             return {"atol": self.atol, "rtol": self.rtol, "by_dtype": False}
@@ -204,46 +407,19 @@ class Result:
 
     # ----------------------------------------------------------------- text
     def summary_line(self) -> str:
-        tol = self.tolerance()
-        tol_s = f"atol={tol['atol']:g} rtol={tol['rtol']:g}"
-        n = len(self.compared)
-        if self.verdict == "error" and self.error:
-            e = self.error
-            head = f"diffkit: ERROR in {e.side} ({e.phase}) at {e.stage or '?'}: {e.message}"
-            fd = self.first_divergence
-            tail = (f"; earlier, first divergence at stage {fd.index} {fd.ref_name or fd.cand_name}"
-                    if fd else f"; {n} stages compared before it, all within tolerance" if n else "")
-            return head + tail
-        fd = self.first_divergence
-        if self.verdict == "diverged" and self.output_shape_mismatch and (fd is None or fd.cand and fd.cand.is_output):
-            r, c = self.output_shape_mismatch
-            return f"diffkit: DIVERGED: output shape mismatch: expected {list(r)}, got {list(c)}"
-        if fd is not None and self.verdict == "diverged":
-            s = fd.stats
-            names = fd.ref_name if fd.ref_name == fd.cand_name else f"{fd.ref_name} (candidate: {fd.cand_name})"
-            worst = f" worst at {list(s.worst.index)}: ref {s.worst.ref:.6g} vs cand {s.worst.cand:.6g}" if s and s.worst else ""
-            before = sum(1 for x in self.stages[: fd.index] if x.status == "ok")
-            rc = self.root_cause
-            kind = f"; looks like {fd.diagnosis[0].kind}" if fd.diagnosis else ""
-            if rc is not None and rc is not fd:
-                kind += (f"; root cause: stage {rc.index} {rc.ref_name} introduces the error "
-                         f"(local max_abs={rc.local.max_abs:.3g})" + (f", {rc.diagnosis[0].kind}" if rc.diagnosis else ""))
-            elif rc is fd and fd.local is not None:
-                kind += "; this stage introduces the error (wrong on the reference's own inputs)"
-            return (f"diffkit: DIVERGED at stage {fd.index} {names}: max_abs={s.max_abs:.3g} mean_abs={s.mean_abs:.3g} "
-                    f"({100 * s.mismatch_fraction:.1f}% of {s.numel} elements out of {tol_s});{worst}; "
-                    f"{before} earlier stages match{kind}")
-        warn = f" ({len(self.diverged_stages)} intermediate stages out of tolerance: see warnings)" if self.diverged_stages else ""
-        out = self.output
-        o = f" output max_abs={out.max_abs:.3g}" if out else ""
-        return f"diffkit: MATCH: {n} stages compared within {tol_s};{o}{warn}"
+        from .describe import headline
+
+        return headline(self)
 
     # ----------------------------------------------------------------- data
     def to_dict(self) -> dict:
         out = self.output
+        ostage = self.output_stage
+        shape_mm = [list(x) for x in self.output_shape_mismatch] if self.output_shape_mismatch else None
         return {
             "verdict": self.verdict,
             "tolerance": self.tolerance(),
+            "atol": self.atol, "rtol": self.rtol,
             "first_divergence": self.first_divergence.divergence_dict() if self.first_divergence else None,
             "root_cause": self.root_cause.divergence_dict() if self.root_cause else None,
             "tolerance_mode": self.tolerance_mode,
@@ -252,10 +428,10 @@ class Result:
             "error": self.error.to_dict() if self.error else None,
             "stages": [s.to_dict() for s in self.stages],
             "output": {"max_abs": _num(out.max_abs), "mean_abs": _num(out.mean_abs), "allclose": out.ok,
-                       "shape_mismatch": [list(x) for x in self.output_shape_mismatch] if self.output_shape_mismatch else None}
-            if out else ({"max_abs": None, "mean_abs": None, "allclose": False,
-                          "shape_mismatch": [list(x) for x in self.output_shape_mismatch]}
-                         if self.output_shape_mismatch else None),
+                       "passed": ostage.passed if ostage is not None else out.ok, "shape_mismatch": shape_mm,
+                       "stats": stats_to_dict(out)}
+            if out else ({"max_abs": None, "mean_abs": None, "allclose": False, "passed": False,
+                          "shape_mismatch": shape_mm, "stats": None} if shape_mm else None),
             "warnings": self.warnings,
             "strict": self.strict,
             "weights": self.weights.to_dict() if self.weights is not None else None,
@@ -264,8 +440,34 @@ class Result:
             "meta": self.meta,
         }
 
+    @classmethod
+    def from_dict(cls, d: dict) -> "Result":
+        """A result read back from `to_dict` / result.json (without tensor values)."""
+        from .load import WeightReport
+
+        stages = [Stage.from_dict(s) for s in d.get("stages") or []]
+        by_index = {s.index: s for s in stages}
+
+        def stage_at(x):
+            return None if not x else by_index.get(int(x["index"]))
+        out = d.get("output") or {}
+        return cls(verdict=d["verdict"], stages=stages, first_divergence=stage_at(d.get("first_divergence")),
+                   error=ErrorInfo.from_dict(d["error"]) if d.get("error") else None,
+                   output=stats_from_dict(out.get("stats")), atol=d.get("atol"), rtol=d.get("rtol"),
+                   strict=bool(d.get("strict")), warnings=list(d.get("warnings") or []),
+                   weights=WeightReport.from_dict(d["weights"]) if d.get("weights") else None,
+                   ref_path=d.get("reference") or "", cand_path=d.get("candidate") or "", meta=dict(d.get("meta") or {}),
+                   output_shape_mismatch=tuple(tuple(x) for x in out["shape_mismatch"])
+                   if out.get("shape_mismatch") else None,
+                   root_cause=stage_at(d.get("root_cause")), health=list(d.get("reference_health") or []),
+                   tolerance_mode=d.get("tolerance_mode") or "fixed", fixed_verdict=d.get("fixed_verdict"))
+
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent, allow_nan=False, default=str)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Result":
+        return cls.from_dict(json.loads(text))
 
     def to_frame(self):
         import pandas as pd
@@ -277,9 +479,11 @@ class Result:
         return pd.DataFrame(rows, columns=STAGE_COLUMNS + ["transform"])
 
     def to_csv(self, path: str | None = None) -> str:
-        text = self.to_frame().to_csv(index=False)
+        from .render import stages_csv
+
+        text = stages_csv(self)
         if path:
-            with open(path, "w", encoding="utf-8") as fh:
+            with open(path, "w", encoding="utf-8", newline="") as fh:
                 fh.write(text)
         return text
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
 from .align import Alignment, from_ref_layout, to_ref_layout
 from .capture import Record, Ref, Trace
@@ -28,17 +29,8 @@ class NotReplayable(Exception):
 
 
 def _substitute(obj: Any, values: dict[int, torch.Tensor]) -> Any:
-    if isinstance(obj, Ref):
-        return values[obj.index]
-    if isinstance(obj, torch.Tensor):
-        return obj
-    if isinstance(obj, tuple):
-        return tuple(_substitute(v, values) for v in obj)
-    if isinstance(obj, list):
-        return [_substitute(v, values) for v in obj]
-    if isinstance(obj, dict):
-        return {k: _substitute(v, values) for k, v in obj.items()}
-    return obj
+    """The call's argument template with every `Ref` replaced by its value."""
+    return pytree.tree_map(lambda v: values[v.index] if isinstance(v, Ref) else v, obj)
 
 
 def _pick(out: Any, pos: tuple) -> Any:
@@ -49,8 +41,10 @@ def _pick(out: Any, pos: tuple) -> Any:
 
 def replay(stage: Stage, ref: Trace, cand: Trace, ref_of_cand: dict[int, tuple[int, tuple]]) -> torch.Tensor:
     """Re-run the candidate call behind `stage` on the reference's inputs; its output, reference layout."""
-    rec = stage.cand
-    if rec is None or rec.call is None:
+    if stage.cand is None:
+        raise NotReplayable("no candidate record")
+    rec = cand.records[stage.cand.index]
+    if rec.call is None:
         raise NotReplayable("the producing call was not captured")
     if rec.kind == "write":
         raise NotReplayable("the call writes into an argument (it mutates state); not re-run")
@@ -87,7 +81,9 @@ def analyse(result: Result, ref: Trace, cand: Trace, alignment: Alignment, windo
     """Fill `local`, `inherited_max_abs` and `replay_note` per stage, and `result.root_cause`.
 
     `window` limits the replays to that many measured stages before the first divergence (a
-    streaming diff keeps the reference values of those only)."""
+    streaming diff keeps the reference values of those only).  A stage that cannot be re-run (a
+    capture file holds no calls) still counts as introducing its error when its own error is above
+    float32 noise while every input it read, by dataflow, matches the reference to that noise."""
     ref_of_cand = {p.cand: (p.ref, p.transform) for p in alignment.pairs}
     stage_of_cand = {s.cand.index: s for s in result.stages if s.cand is not None}
     fd = result.first_divergence
@@ -99,20 +95,23 @@ def analyse(result: Result, ref: Trace, cand: Trace, alignment: Alignment, windo
     for s in todo[:MAX_REPLAYS]:
         if s.cand.kind == "input":
             continue
-        ins = [stage_of_cand.get(r.index) for r in s.cand.inputs]
+        ins = [stage_of_cand.get(i) for i in s.cand.inputs]
         errs = [x.stats.max_abs for x in ins if x is not None and x.stats is not None]
         s.inherited_max_abs = max(errs) if errs else 0.0
+        ref_value = ref.records[s.ref.index].value
         try:
             out = replay(s, ref, cand, ref_of_cand)
         except NotReplayable as e:
             s.replay_note = f"not re-run: {e}"
+            if ref_value is not None and _inputs_clean(s, ins, ref) and _above_noise(s.stats.max_abs, ref_value):
+                s.replay_note += "; its inputs match the reference, so the error is its own"
+                introduced.append(s)
             continue
-        if s.ref.value is None:
+        if ref_value is None:
             s.replay_note = "not re-run: the reference value was not kept"
             continue
-        s.local = measure(s.ref.value, out, s.stats.atol, s.stats.rtol)
-        scale = float(s.ref.value.detach().abs().max()) if s.ref.value.numel() else 0.0
-        if not s.local.ok or s.local.max_abs > INTRODUCED_REL * max(scale, 1e-30):
+        s.local = measure(ref_value, out, s.stats.atol, s.stats.rtol)
+        if not s.local.ok or _above_noise(s.local.max_abs, ref_value):
             introduced.append(s)
     if fd is None:
         return
@@ -125,3 +124,19 @@ def analyse(result: Result, ref: Trace, cand: Trace, alignment: Alignment, windo
         fd.replay_note = (fd.replay_note or "not re-run") + "; taken as the root cause because no earlier stage " \
             "introduces error"
         result.root_cause = fd
+
+
+def _above_noise(err: float, ref_value: torch.Tensor) -> bool:
+    scale = float(ref_value.detach().abs().max()) if ref_value.numel() else 0.0
+    return err > INTRODUCED_REL * max(scale, 1e-30)
+
+
+def _inputs_clean(stage: Stage, inputs: list, ref: Trace) -> bool:
+    """Every input the stage read is paired and matches the reference within float32 noise."""
+    if not inputs or any(x is None or x.stats is None or x.ref is None for x in inputs):
+        return False
+    for x in inputs:
+        v = ref.records[x.ref.index].value
+        if v is None or _above_noise(x.stats.max_abs, v) or not x.stats.ok:
+            return False
+    return True

@@ -192,8 +192,6 @@ def attach(result: Result, reports: list[SanitizerReport], launchers: dict[str, 
             result.error.message += f"; {text} (in the call that failed)"
         else:
             result.warnings.append(text + " (its launching call was not captured)")
-    if reports and result.verdict == "match":
-        result.verdict = "diverged"
-        result.warnings.insert(0, f"compute-sanitizer reported {len(reports)} error(s): the output matched, the "
-                                  f"kernels are still wrong")
+    if reports:
+        result.meta["sanitizer_errors"] = len(reports)  # pipeline.judge: a match with sanitizer errors diverges
     return attached

@@ -7,13 +7,37 @@ the forward raised.  It is written incrementally: a shard whenever the buffer pa
 ``index.json`` rewritten atomically at most once a second and at the end.  A process that dies
 mid-forward thus leaves every record flushed before it, at a cost linear in the records.  Reading is lazy: one tensor at a time.
 Nothing in it is executable: no pickle anywhere.
+
+Version 2 adds ``info`` (JSON metadata about how the capture was made: source, class, seed,
+init inputs, device, dtype, options), ``parameters`` (the name of ``params.safetensors``, the
+model's parameters and buffers by qualified name, or null) and a per-record ``params`` list (the
+qualified names of the parameters/buffers the producing call read).  Version 1 files still load.
+
+Safety (a capture may come from a stranger): every member is opened relative to the capture
+directory with ``O_NOFOLLOW`` and must be a regular file directly inside it (member names are
+plain file names, never paths); a link, a FIFO, a directory or a name with a separator is
+refused.  Writes never go through an existing file: each one creates a fresh file
+(``O_CREAT|O_EXCL``) after unlinking whatever stood at the name (a planted link is removed, its
+target untouched), and whole files are written to a temporary name and renamed into place.
+Safetensors shards are parsed here (header, then one tensor's bytes with ``pread``), so no
+library opens a path by name.  ``index.json`` and ``records.jsonl`` are size-limited, parsed
+with the recursion guard turned into an error, and every field is checked for type and range:
+every problem is a `DiffkitError` naming the file, the record and the field.
 """
 from __future__ import annotations
 
+import collections
+import dataclasses
+import errno
 import json
 import os
-from dataclasses import dataclass
-from typing import Iterator
+import re
+import stat
+import struct
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator
 
 import torch
 
@@ -21,20 +45,360 @@ from .capture import CaptureError, Record, Ref, Trace
 from .errors import DiffkitError
 
 FORMAT = "diffkit-capture"
-VERSION = 1
+VERSION = 2
+READABLE_VERSIONS = (1, 2)
+PARAMS_FILE = "params.safetensors"
+
 _DTYPES = {str(d).replace("torch.", ""): d for d in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
     torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)}
+# safetensors dtype codes ("C128" is ours: safetensors has none for complex128)
+_ST_CODES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+             torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+             torch.bool: "BOOL", torch.complex64: "C64", torch.complex128: "C128"}
+for _name, _code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"), ("float8_e4m3fnuz", "F8_E4M3FNUZ"),
+                     ("float8_e5m2fnuz", "F8_E5M2FNUZ"), ("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64")):
+    if isinstance(getattr(torch, _name, None), torch.dtype):
+        _ST_CODES[getattr(torch, _name)] = _code
+        _DTYPES[_name] = getattr(torch, _name)
+_ST_DTYPES = {c: d for d, c in _ST_CODES.items()}
+
 _FIELDS = ("index", "name", "kind", "scope", "label", "function", "file", "line", "op", "aliases", "is_output",
            "rebound")
+_ERROR_FIELDS = ("type", "message", "scope", "function", "file", "line", "traceback", "call")
+_RECORD_HAS_PARAMS = "params" in {f.name for f in dataclasses.fields(Record)}
+
+# limits on what a capture may hold (a stranger's file must not exhaust memory or the stack)
+MAX_INDEX_BYTES = 256 << 20
+MAX_JOURNAL_BYTES = 1 << 30
+MAX_RECORDS = 4_000_000
+MAX_STR = 64 << 10  # names, labels, file paths …
+MAX_TEXT = 4 << 20  # an error's message and traceback
+MAX_LIST = 1 << 20  # aliases, inputs, params of one record
+MAX_DIMS = 64
+MAX_DIM = 1 << 62
+MAX_LINE = 1 << 31
+MAX_DEPTH = 64  # nesting of `info`
+MAX_ST_HEADER = 100 << 20  # a safetensors header
+MAX_PARAMS = 1 << 20
+
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)  # opening a planted FIFO must not hang
+_O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+_O_BINARY = getattr(os, "O_BINARY", 0)
+# relative opens (openat) make a member's name the whole story: no component but the last is looked up
+_DIR_FD = bool(_O_NOFOLLOW and _O_DIRECTORY and os.open in os.supports_dir_fd and os.unlink in os.supports_dir_fd)
+_LITTLE = sys.byteorder == "little"
+_MEMBER = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]{0,254}")
+
+
+def _show(v: Any) -> str:
+    """A short, safe description of a bad value (never a deep repr)."""
+    if isinstance(v, str):
+        return repr(v[:60] + ("…" if len(v) > 60 else ""))
+    if v is None or isinstance(v, (bool, int, float)):
+        s = repr(v)
+        return s if len(s) <= 40 else s[:40] + "…"
+    if isinstance(v, list):
+        return f"a list of {len(v)}"
+    if isinstance(v, dict):
+        return f"an object with {len(v)} keys"
+    return type(v).__name__
+
+
+def _depth_ok(obj: Any, limit: int = MAX_DEPTH) -> bool:
+    """Whether JSON-like `obj` nests at most `limit` deep (iterative: no recursion to exhaust)."""
+    stack = [(obj, 1)]
+    while stack:
+        o, d = stack.pop()
+        if isinstance(o, (list, tuple)):
+            if d > limit:
+                return False
+            stack.extend((x, d + 1) for x in o)
+        elif isinstance(o, dict):
+            if d > limit:
+                return False
+            stack.extend((x, d + 1) for x in o.values())
+    return True
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+# ---------------------------------------------------------------- the capture directory
+
+
+class _Root:
+    """A capture directory: members opened relative to it, never through a link, never outside it."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.fd = os.open(path, os.O_RDONLY | _O_DIRECTORY | _O_CLOEXEC) if _DIR_FD else None
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def __enter__(self) -> "_Root":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _at(self, name: str) -> tuple[str, dict]:
+        return (name, {"dir_fd": self.fd}) if self.fd is not None else (os.path.join(self.path, name), {})
+
+    def where(self, name: str) -> str:
+        return os.path.join(self.path, name)
+
+    def open_read(self, name: str, label: str, phase: str = "read") -> int:
+        """A read-only fd on member `name`, which must be a regular file directly in the directory.
+        `label` names it in errors ("shard 'x' listed for record 3")."""
+        if not _plain_name(name):
+            raise DiffkitError("", phase, f"{label} points outside the capture: {_show(name)} is not a plain file "
+                               f"name", self.path)
+        p, kw = self._at(name)
+        flags = os.O_RDONLY | _O_NOFOLLOW | _O_NONBLOCK | _O_CLOEXEC | _O_BINARY
+        try:
+            if self.fd is None:  # no openat: check the name, open it, check it is the same file
+                st = os.lstat(p)
+                if stat.S_ISLNK(st.st_mode):
+                    raise OSError(errno.ELOOP, "is a symbolic link")
+                real, root = os.path.realpath(p), os.path.realpath(self.path)
+                if os.path.dirname(real) != root:
+                    raise DiffkitError("", phase, f"{label} points outside the capture ({real})", self.path)
+            fd = os.open(p, flags, **kw)
+        except FileNotFoundError:
+            raise DiffkitError("", phase, f"{label} is missing", self.where(name)) from None
+        except OSError as e:
+            if self._is_link(name) or e.errno in (errno.ELOOP, errno.EMLINK):
+                raise DiffkitError("", phase, f"{label} is a symbolic link; a capture's files must be regular "
+                                   f"files inside it, so it is not followed", self.where(name)) from None
+            raise DiffkitError("", phase, f"{label} cannot be opened ({e.strerror or e})", self.where(name)) from None
+        try:
+            fst = os.fstat(fd)
+            if self.fd is None and (fst.st_ino, fst.st_dev) != (st.st_ino, st.st_dev):
+                raise DiffkitError("", phase, f"{label} changed while it was opened (replaced by a link?)",
+                                   self.where(name))
+            if not stat.S_ISREG(fst.st_mode):
+                raise DiffkitError("", phase, f"{label} is not a regular file", self.where(name))
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _is_link(self, name: str) -> bool:
+        p, kw = self._at(name)
+        try:
+            return stat.S_ISLNK(os.stat(p, follow_symlinks=False, **kw).st_mode)
+        except OSError:
+            return False
+
+    def exists(self, name: str) -> bool:
+        p, kw = self._at(name)
+        try:
+            os.stat(p, follow_symlinks=False, **kw)
+            return True
+        except OSError:
+            return False
+
+    def create(self, name: str) -> int:
+        """A write fd on a fresh, empty file `name`: whatever stood there (a planted link, a stale
+        file, perhaps hard-linked elsewhere) is unlinked first, never written through."""
+        p, kw = self._at(name)
+        try:
+            os.unlink(p, **kw)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise DiffkitError("", "capture", f"cannot write {name}: something that is not a file is in the way "
+                               f"({e.strerror or e})", self.where(name)) from None
+        try:
+            return os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC | _O_BINARY, 0o644,
+                           **kw)
+        except FileExistsError:
+            raise DiffkitError("", "capture", f"refusing to write {name}: it reappeared while being replaced "
+                               f"(is something else writing into the capture?)", self.where(name)) from None
+
+    def write_atomic(self, name: str, write) -> None:
+        """`write(fileobj)` into ``name.tmp``, then rename it over `name`."""
+        tmp = name + ".tmp"
+        fd = self.create(tmp)
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                write(fh)
+        except BaseException:
+            try:
+                p, kw = self._at(tmp)
+                os.unlink(p, **kw)
+            except OSError:
+                pass
+            raise
+        src, kw = self._at(tmp)
+        dst, _ = self._at(name)
+        if self.fd is not None:
+            os.replace(src, dst, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+        else:
+            os.replace(src, dst)
+
+
+def _plain_name(name: Any) -> bool:
+    return isinstance(name, str) and bool(_MEMBER.fullmatch(name)) and name not in (".", "..")
+
+
+def _pread(fd: int, n: int, offset: int) -> bytes:
+    chunks, got = [], 0
+    while got < n:
+        if hasattr(os, "pread"):
+            b = os.pread(fd, min(n - got, 1 << 30), offset + got)
+        else:
+            os.lseek(fd, offset + got, os.SEEK_SET)
+            b = os.read(fd, min(n - got, 1 << 30))
+        if not b:
+            break
+        chunks.append(b)
+        got += len(b)
+    return b"".join(chunks)
+
+
+def _read_limited(fd: int, limit: int, label: str, where: str) -> bytes:
+    size = os.fstat(fd).st_size
+    if size > limit:
+        raise DiffkitError("", "read", f"{label} is {size} bytes; more than the {limit >> 20} MiB a capture's "
+                           f"metadata may be", where)
+    data = _pread(fd, limit + 1, 0)
+    if len(data) > limit:
+        raise DiffkitError("", "read", f"{label} is more than the {limit >> 20} MiB a capture's metadata may be",
+                           where)
+    return data
+
+
+def _parse_json(data: bytes | str, label: str, where: str) -> Any:
+    try:
+        text = data.decode("utf-8") if isinstance(data, bytes) else data
+        return json.loads(text)
+    except UnicodeDecodeError as e:
+        raise DiffkitError("", "read", f"{label} is not valid UTF-8 (byte {e.start}): truncated or edited",
+                           where) from None
+    except RecursionError:
+        raise DiffkitError("", "read", f"{label} nests its JSON deeper than can be read (not a diffkit capture, "
+                           f"or a hostile one)", where) from None
+    except MemoryError:
+        raise DiffkitError("", "read", f"{label} needs more memory to parse than there is", where) from None
+    except json.JSONDecodeError as e:
+        raise DiffkitError("", "read", f"{label} is not valid JSON (line {e.lineno}, column {e.colno}): truncated "
+                           f"or edited", where) from None
+    except ValueError as e:  # e.g. an integer with too many digits
+        raise DiffkitError("", "read", f"{label} is not valid JSON ({str(e)[:200]}): truncated or edited",
+                           where) from None
+
+
+# ---------------------------------------------------------------- safetensors, read and written here
+
+
+def _st_header(fd: int, size: int) -> tuple[dict, int]:
+    """A safetensors file's header (validated to be an object) and where its data starts.
+    Raises ValueError with the reason."""
+    if size < 8:
+        raise ValueError(f"{size} bytes, shorter than a header")
+    (n,) = struct.unpack("<Q", _pread(fd, 8, 0))
+    if n > size - 8:
+        raise ValueError(f"the header claims {n} bytes, the file has {size - 8} after the length")
+    if n > MAX_ST_HEADER:
+        raise ValueError(f"a {n}-byte header, more than {MAX_ST_HEADER >> 20} MiB")
+    raw = _pread(fd, n, 8)
+    if len(raw) != n:
+        raise ValueError("the header is cut short")
+    try:
+        hdr = json.loads(raw.decode("utf-8"))
+    except RecursionError:
+        raise ValueError("the header nests too deep") from None
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"the header is not valid JSON ({str(e)[:120]})") from None
+    if not isinstance(hdr, dict):
+        raise ValueError(f"the header is {_show(hdr)}, not an object")
+    return hdr, 8 + n
+
+
+def _st_tensor(fd: int, size: int, start: int, key: str, entry: Any) -> torch.Tensor:
+    """One tensor of a safetensors file, read with pread after checking its header entry.
+    Raises ValueError with the reason."""
+    if not isinstance(entry, dict):
+        raise ValueError(f"entry {key!r} is {_show(entry)}, not an object")
+    code, shape, offs = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if not isinstance(code, str) or code not in _ST_DTYPES:
+        raise ValueError(f"entry {key!r} has unknown dtype {_show(code)}")
+    if (not isinstance(shape, list) or len(shape) > MAX_DIMS
+            or not all(_is_int(s) and 0 <= s <= MAX_DIM for s in shape)):
+        raise ValueError(f"entry {key!r} has a bad shape ({_show(shape)})")
+    if not (isinstance(offs, list) and len(offs) == 2 and all(_is_int(o) for o in offs) and 0 <= offs[0] <= offs[1]):
+        raise ValueError(f"entry {key!r} has bad data_offsets ({_show(offs)})")
+    dtype = _ST_DTYPES[code]
+    numel = 1
+    for s in shape:
+        numel *= s
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if offs[1] - offs[0] != nbytes:
+        raise ValueError(f"entry {key!r}: {code} {shape} needs {nbytes} bytes, its offsets span {offs[1] - offs[0]}")
+    if start + offs[1] > size:
+        raise ValueError(f"the data of {key!r} ends at byte {start + offs[1]}, the file has {size}")
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    data = _pread(fd, nbytes, start + offs[0])
+    if len(data) != nbytes:
+        raise ValueError(f"the data of {key!r} is cut short ({len(data)} of {nbytes} bytes)")
+    if not _LITTLE:  # safetensors is little-endian: let the library convert
+        from safetensors.torch import load
+
+        raw = json.dumps({key: {"dtype": code, "shape": shape, "data_offsets": [0, nbytes]}}).encode()
+        return load(struct.pack("<Q", len(raw)) + raw + data)[key]
+    if dtype == torch.bool:  # bytes other than 0/1 are not valid booleans
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8).ne(0).reshape(shape)
+    return torch.frombuffer(bytearray(data), dtype=dtype).reshape(shape)
+
+
+def _st_write(fh, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Write `tensors` (name, tensor) as a safetensors file, one contiguous CPU copy at a time."""
+    items = list(tensors)
+    if not _LITTLE:
+        from safetensors.torch import save
+
+        fh.write(save({k: t.detach().to("cpu").contiguous() for k, t in items}))
+        return
+    header, off = {}, 0
+    for name, t in items:
+        nb = t.numel() * t.element_size()
+        header[name] = {"dtype": _ST_CODES[t.dtype], "shape": list(t.shape), "data_offsets": [off, off + nb]}
+        off += nb
+    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)
+    fh.write(struct.pack("<Q", len(raw)) + raw)
+    for _, t in items:
+        if t.numel():
+            c = t.detach().to("cpu").contiguous()
+            fh.write(memoryview(c.reshape(-1).view(torch.uint8).numpy()))
+
+
+# ---------------------------------------------------------------- writing
+
+
+def _text(v: Any) -> str:
+    return "" if v is None else str(v)
 
 
 def _meta(rec: Record) -> dict:
     d = {k: getattr(rec, k) for k in _FIELDS}
+    for k in ("name", "kind", "scope", "label", "function", "file", "op"):
+        d[k] = _text(d[k])
+    d["aliases"] = [_text(a) for a in d["aliases"]]
     d["shape"] = list(rec.shape)
     d["dtype"] = str(rec.dtype).replace("torch.", "")
-    d["device"] = rec.device
+    d["device"] = _text(rec.device)
     d["inputs"] = [r.index for r in rec.inputs]
+    d["params"] = [_text(p) for p in (getattr(rec, "params", None) or ())]
     return d
 
 
@@ -48,15 +412,53 @@ class CaptureWriter:
         self.side, self.source = side, source
         self.shard_bytes = shard_bytes
         os.makedirs(path, exist_ok=True)
+        self._root = _Root(path)
         self.entries: list[dict] = []
         self.pending: dict[str, torch.Tensor] = {}
         self.pending_meta: list[dict] = []
         self.pending_bytes = 0
         self.shards = 0
         self.error: dict | None = None
+        self.info: dict = {}
+        self.params_file: str | None = None
         self.complete = False
         self._last_index = 0.0
-        self._journal = open(os.path.join(path, "records.jsonl"), "w", encoding="utf-8")
+        self._journal = os.fdopen(self._root.create("records.jsonl"), "w", encoding="utf-8")
+        self._write_index()
+
+    def set_info(self, info: dict) -> None:
+        """JSON metadata saved under ``info`` in index.json (how the capture was made).
+        Raises ValueError if it is not a dict of JSON-able values, nested at most MAX_DEPTH deep."""
+        if not isinstance(info, dict):
+            raise ValueError(f"capture info must be a dict, not {type(info).__name__}")
+        if not all(isinstance(k, str) for k in info):
+            raise ValueError("capture info's keys must be strings")
+        if not _depth_ok(info):
+            raise ValueError(f"capture info nests deeper than {MAX_DEPTH} levels")
+        try:
+            text = json.dumps(info)
+        except (TypeError, ValueError, RecursionError) as e:
+            raise ValueError(f"capture info is not JSON-serialisable: {e}") from None
+        self.info = json.loads(text)  # a copy, as it will read back (tuples become lists)
+        self._write_index()
+
+    def add_parameters(self, named: dict[str, torch.Tensor]) -> None:
+        """The model's parameters and buffers by qualified name, written now (atomically, as
+        contiguous CPU copies) to params.safetensors.  Calling it again replaces them."""
+        if not hasattr(named, "items"):
+            raise ValueError(f"parameters must be a dict of name to tensor, not {type(named).__name__}")
+        items = list(named.items())
+        if len(items) > MAX_PARAMS:
+            raise ValueError(f"{len(items)} parameters; at most {MAX_PARAMS} can be saved")
+        for k, t in items:
+            if not isinstance(k, str) or not k or len(k) > MAX_STR or k == "__metadata__":
+                raise ValueError(f"parameter name {_show(k)} is not a usable name")
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"parameter {k!r} is a {type(t).__name__}, not a tensor")
+            if t.layout != torch.strided or t.is_quantized or t.device.type == "meta" or t.dtype not in _ST_CODES:
+                raise ValueError(f"parameter {k!r} ({t.dtype}, {t.layout}, on {t.device}) cannot be saved")
+        self._root.write_atomic(PARAMS_FILE, lambda fh: _st_write(fh, items))
+        self.params_file = PARAMS_FILE
         self._write_index()
 
     def add(self, rec: Record) -> None:
@@ -75,24 +477,26 @@ class CaptureWriter:
         """A record already written got another name (aliases, renames): keep the index in step."""
         for m in reversed(self.pending_meta):
             if m["index"] == rec.index:
-                m.update({k: getattr(rec, k) for k in ("name", "kind", "aliases", "is_output", "rebound")})
+                m.update(self._renamed(rec))
                 return
         if 0 <= rec.index < len(self.entries) and self.entries[rec.index]["index"] == rec.index:
             m = self.entries[rec.index]
-            m.update({k: getattr(rec, k) for k in ("name", "kind", "aliases", "is_output", "rebound")})
+            m.update(self._renamed(rec))
             self._journal.write(json.dumps(m) + "\n")  # a later line for an index replaces the earlier
             self._journal.flush()
+
+    @staticmethod
+    def _renamed(rec: Record) -> dict:
+        return {"name": _text(rec.name), "kind": _text(rec.kind), "aliases": [_text(a) for a in rec.aliases],
+                "is_output": bool(rec.is_output), "rebound": bool(rec.rebound)}
 
     def flush(self) -> None:
         if not self.pending_meta:
             return
-        from safetensors.torch import save_file
-
         shard = f"shard-{self.shards:05d}.safetensors"
         if self.pending:
-            tmp = os.path.join(self.path, shard + ".tmp")
-            save_file(self.pending, tmp)
-            os.replace(tmp, os.path.join(self.path, shard))
+            pending = list(self.pending.items())
+            self._root.write_atomic(shard, lambda fh: _st_write(fh, pending))
             self.shards += 1
         for m in self.pending_meta:
             if "key" in m:
@@ -101,50 +505,38 @@ class CaptureWriter:
         self._journal.write("".join(json.dumps(m) + "\n" for m in self.pending_meta))
         self._journal.flush()
         self.pending, self.pending_meta, self.pending_bytes = {}, [], 0
-        import time
-
         if time.monotonic() - self._last_index > 1.0:
             self._write_index()
 
     def set_error(self, err: CaptureError | None) -> None:
-        self.error = None if err is None else {k: getattr(err, k) for k in (
-            "type", "message", "scope", "function", "file", "line", "traceback", "call")}
+        if err is None:
+            self.error = None
+            return
+        self.error = {k: _text(getattr(err, k, "")) for k in _ERROR_FIELDS if k != "line"}
+        self.error["line"] = err.line if _is_int(err.line) and err.line >= 0 else 0
 
     def close(self) -> None:
         self.flush()
         self.complete = True
         self._write_index()
         self._journal.close()
+        self._root.close()
+
+    def __del__(self):
+        root = getattr(self, "_root", None)
+        if root is not None:
+            try:
+                root.close()
+            except OSError:
+                pass
 
     def _write_index(self) -> None:
-        import time
-
         self._last_index = time.monotonic()
         data = {"format": FORMAT, "version": VERSION, "side": self.side, "source": self.source,
-                "complete": self.complete, "error": self.error, "records": self.entries}
-        tmp = os.path.join(self.path, "index.json.tmp")
-        with open(tmp, "w", encoding="utf-8") as fh:
-            json.dump(data, fh)
-        os.replace(tmp, os.path.join(self.path, "index.json"))
-
-
-def _recover(path: str, records: list) -> list:
-    """An unfinished capture: the journal may hold records flushed after the index was last written.
-    A torn last line (the writer died mid-write) ends the journal."""
-    journal = os.path.join(path, "records.jsonl")
-    if not os.path.exists(journal):
-        return records
-    by_index: dict[int, dict] = {}
-    with open(journal, encoding="utf-8", errors="replace") as fh:
-        for line in fh:
-            try:
-                m = json.loads(line)
-                by_index[int(m["index"])] = m
-            except (ValueError, KeyError, TypeError):
-                break
-    if len(by_index) < len(records):
-        return records
-    return [by_index[i] for i in range(len(by_index)) if i in by_index]
+                "complete": self.complete, "error": self.error, "info": self.info, "parameters": self.params_file,
+                "records": self.entries}
+        text = json.dumps(data).encode("utf-8")
+        self._root.write_atomic("index.json", lambda fh: fh.write(text))
 
 
 def save_trace(trace: Trace, path: str, side: str = "", source: str = "", shard_bytes: int = 64 << 20) -> str:
@@ -156,86 +548,390 @@ def save_trace(trace: Trace, path: str, side: str = "", source: str = "", shard_
     return path
 
 
+# ---------------------------------------------------------------- validating what was read
+
+
+class _Bad(Exception):
+    """A field failed its check: (field, what is wrong)."""
+
+    def __init__(self, fld: str, why: str):
+        super().__init__(fld, why)
+        self.field, self.why = fld, why
+
+
+def _str_field(m: dict, k: str, required: bool = True, nullable: bool = True, limit: int = MAX_STR) -> str:
+    if k not in m:
+        if required:
+            raise _Bad(k, "is missing")
+        return ""
+    v = m[k]
+    if v is None and nullable:
+        return ""
+    if not isinstance(v, str):
+        raise _Bad(k, f"must be a string, not {_show(v)}")
+    if len(v) > limit:
+        raise _Bad(k, f"is {len(v)} characters long, more than {limit}")
+    return v
+
+
+def _int_field(m: dict, k: str, lo: int, hi: int, required: bool = True, default: int = 0) -> int:
+    if k not in m:
+        if required:
+            raise _Bad(k, "is missing")
+        return default
+    v = m[k]
+    if not _is_int(v):
+        raise _Bad(k, f"must be an integer, not {_show(v)}")
+    if not lo <= v <= hi:
+        raise _Bad(k, f"is {_show(v)}, outside {lo}…{hi}")
+    return v
+
+
+def _bool_field(m: dict, k: str) -> bool:
+    v = m.get(k, False)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise _Bad(k, f"must be true or false, not {_show(v)}")
+    return v
+
+
+def _list_field(m: dict, k: str) -> list:
+    v = m.get(k, [])
+    if v is None:
+        return []
+    if not isinstance(v, list):
+        raise _Bad(k, f"must be a list, not {_show(v)}")
+    if len(v) > MAX_LIST:
+        raise _Bad(k, f"has {len(v)} entries, more than {MAX_LIST}")
+    return v
+
+
+def _check_record(m: Any, i: int, n: int) -> dict:
+    """Record `i` of `n`, every field checked; the normalised metadata (known fields only)."""
+    if not isinstance(m, dict):
+        raise _Bad("", f"is {_show(m)}, not an object")
+    out: dict = {}
+    idx = m.get("index")
+    if "index" not in m:
+        raise _Bad("index", "is missing")
+    if not _is_int(idx):
+        raise _Bad("index", f"must be an integer, not {_show(idx)}")
+    if idx != i:
+        raise _Bad("index", f"claims index {_show(idx)}; records must be numbered in order")
+    out["index"] = idx
+    for k in ("name", "kind"):
+        out[k] = _str_field(m, k, nullable=False)
+    for k in ("scope", "label", "function", "file", "op", "device"):
+        out[k] = _str_field(m, k)
+    out["line"] = _int_field(m, "line", 0, MAX_LINE)
+    shape = m.get("shape")
+    if "shape" not in m:
+        raise _Bad("shape", "is missing")
+    if not isinstance(shape, list) or len(shape) > MAX_DIMS:
+        raise _Bad("shape", f"must be a list of at most {MAX_DIMS} sizes, not {_show(shape)}")
+    for s in shape:
+        if not _is_int(s) or not 0 <= s <= MAX_DIM:
+            raise _Bad("shape", f"has a size {_show(s)}; sizes are integers from 0 to {MAX_DIM}")
+    out["shape"] = shape
+    dt = m.get("dtype")
+    if "dtype" not in m:
+        raise _Bad("dtype", "is missing")
+    if not isinstance(dt, str) or dt not in _DTYPES:
+        raise _Bad("dtype", f"is {_show(dt)}, not a dtype a capture holds ({', '.join(_DTYPES)})")
+    out["dtype"] = dt
+    aliases = _list_field(m, "aliases")
+    for a in aliases:
+        if not isinstance(a, str) or len(a) > MAX_STR:
+            raise _Bad("aliases", f"must hold strings, not {_show(a)}")
+    out["aliases"] = aliases
+    out["is_output"] = _bool_field(m, "is_output")
+    out["rebound"] = _bool_field(m, "rebound")
+    inputs = _list_field(m, "inputs")
+    for j in inputs:
+        if not _is_int(j) or not 0 <= j < n:
+            raise _Bad("inputs", f"holds {_show(j)}, not the index of a record (0…{n - 1})")
+    out["inputs"] = inputs
+    params = _list_field(m, "params")
+    for p in params:
+        if not isinstance(p, str) or len(p) > MAX_STR:
+            raise _Bad("params", f"must hold parameter names (strings), not {_show(p)}")
+    out["params"] = params
+    if "key" in m or "shard" in m:
+        key, shard = m.get("key"), m.get("shard")
+        if not isinstance(key, str) or not key or len(key) > 1024 or key == "__metadata__":
+            raise _Bad("key", f"must name a tensor in the shard, not {_show(key)}")
+        if not isinstance(shard, str):
+            raise _Bad("shard", f"must be a file name, not {_show(shard)}")
+        if not _plain_name(shard) or not shard.endswith(".safetensors"):
+            raise _Bad("shard", f"points outside the capture: {_show(shard)} is not a shard file name in it")
+        out["key"], out["shard"] = key, shard
+    return out
+
+
+def _check_error(err: Any) -> dict | None:
+    if err is None or err == {}:
+        return None
+    if not isinstance(err, dict):
+        raise _Bad("error", f"must be an object or null, not {_show(err)}")
+    out = {}
+    for k in _ERROR_FIELDS:
+        if k == "line":
+            v = err.get("line", 0)
+            if v is None:
+                v = 0
+            if not _is_int(v) or not 0 <= v <= MAX_LINE:
+                raise _Bad("error.line", f"must be a line number, not {_show(v)}")
+            out[k] = v
+        else:
+            try:
+                out[k] = _str_field(err, k, required=False, limit=MAX_TEXT)
+            except _Bad as e:
+                raise _Bad(f"error.{k}", e.why) from None
+    return out
+
+
+def _check_info(info: Any) -> dict:
+    if info is None:
+        return {}
+    if not isinstance(info, dict):
+        raise _Bad("info", f"must be an object, not {_show(info)}")
+    if not _depth_ok(info):
+        raise _Bad("info", f"nests deeper than {MAX_DEPTH} levels")
+    return info
+
+
+def _recover(path: str, records: list) -> list:
+    """An unfinished capture: the journal may hold records flushed after the index was last written.
+    A torn last line (the writer died mid-write) ends the journal.  (Records are not checked here:
+    `CaptureFile.open` checks whatever this returns.)"""
+    return _recover_journal(path, records)[0]
+
+
+def _recover_journal(path: str, records: list, root: _Root | None = None) -> tuple[list, dict[int, int]]:
+    """An unfinished capture: the journal may hold records flushed after the index was last written.
+    A torn last line (the writer died mid-write) ends the journal.  Returns the records and, for
+    those taken from the journal, their line numbers there (for error messages); the records are
+    checked afterwards like the index's."""
+    own = root is None
+    root = root or _Root(path)
+    try:
+        if not root.exists("records.jsonl"):
+            return records, {}
+        where = root.where("records.jsonl")
+        fd = root.open_read("records.jsonl", f"{where} (the journal of an unfinished capture)")
+        try:
+            data = _read_limited(fd, MAX_JOURNAL_BYTES, where, where)
+        finally:
+            os.close(fd)
+    finally:
+        if own:
+            root.close()
+    by_index: dict[int, tuple[int, dict]] = {}
+    for lineno, raw in enumerate(data.split(b"\n"), 1):
+        if not raw.strip():
+            continue
+        try:
+            m = json.loads(raw.decode("utf-8", errors="replace"))
+        except (ValueError, RecursionError):
+            break  # torn (or garbage): the journal ends here
+        if not isinstance(m, dict):
+            raise DiffkitError("", "read", f"{where} line {lineno} is {_show(m)}, not a record object", where)
+        idx = m.get("index")
+        if not _is_int(idx) or not 0 <= idx < MAX_RECORDS:
+            raise DiffkitError("", "read", f"{where} line {lineno}: field 'index' must be a record number "
+                               f"(0…{MAX_RECORDS - 1}), not {_show(idx)}", where)
+        by_index[idx] = (lineno, m)
+    n = 0
+    while n in by_index:
+        n += 1
+    if n < len(records):
+        return records, {}
+    return [by_index[i][1] for i in range(n)], {i: by_index[i][0] for i in range(n)}
+
+
+# ---------------------------------------------------------------- reading
+
+
 @dataclass
 class CaptureFile:
-    """A capture on disk, read lazily.  `load()` gives a Trace with every value."""
+    """A capture on disk, read lazily.  `load()` gives a Trace with every value.
+
+    `index` is the validated index: every record's metadata normalised (known fields only)."""
 
     path: str
     index: dict
+    _headers: collections.OrderedDict = field(default_factory=collections.OrderedDict, init=False, repr=False,
+                                              compare=False)
 
     @classmethod
     def open(cls, path: str) -> "CaptureFile":
         idx_path = os.path.join(path, "index.json")
         if not os.path.isdir(path):
             raise DiffkitError("", "read", f"{path} is not a capture directory (expected index.json and shards)", path)
-        if not os.path.exists(idx_path):
-            raise DiffkitError("", "read", f"{idx_path} is missing: not a diffkit capture, or it was never written",
-                               path)
         try:
-            with open(idx_path, encoding="utf-8") as fh:
-                index = json.load(fh)
-        except json.JSONDecodeError as e:
-            raise DiffkitError("", "read", f"{idx_path} is not valid JSON (line {e.lineno}, column {e.colno}): "
-                               f"truncated or edited", idx_path) from e
-        if not isinstance(index, dict) or index.get("format") != FORMAT:
-            raise DiffkitError("", "read", f"{idx_path} is not a diffkit capture index (format field is "
-                               f"{index.get('format') if isinstance(index, dict) else type(index).__name__!r})", idx_path)
-        if index.get("version") != VERSION:
-            raise DiffkitError("", "read", f"{idx_path} has format version {index.get('version')!r}; this diffkit reads "
-                               f"version {VERSION}", idx_path)
-        if not isinstance(index.get("records"), list):
-            raise DiffkitError("", "read", f"{idx_path} has no record list", idx_path)
-        if not index.get("complete"):
-            index["records"] = _recover(path, index["records"])
-        return cls(path, index)
+            root = _Root(path)
+        except OSError as e:
+            raise DiffkitError("", "read", f"{path} cannot be opened ({e.strerror or e})", path) from None
+        with root:
+            if not root.exists("index.json"):
+                raise DiffkitError("", "read", f"{idx_path} is missing: not a diffkit capture, or it was never "
+                                   f"written", path)
+            fd = root.open_read("index.json", idx_path)
+            try:
+                data = _read_limited(fd, MAX_INDEX_BYTES, idx_path, idx_path)
+            finally:
+                os.close(fd)
+            index = _parse_json(data, idx_path, idx_path)
+            del data
+            if not isinstance(index, dict) or index.get("format") != FORMAT:
+                fmt = _show(index.get("format")) if isinstance(index, dict) else _show(index)
+                raise DiffkitError("", "read", f"{idx_path} is not a diffkit capture index (format field is {fmt})",
+                                   idx_path)
+            version = index.get("version")
+            if not _is_int(version) or version not in READABLE_VERSIONS:
+                raise DiffkitError("", "read", f"{idx_path} has format version {_show(version)}; this diffkit reads "
+                                   f"versions {', '.join(map(str, READABLE_VERSIONS))}", idx_path)
+            records = index.get("records")
+            if not isinstance(records, list):
+                raise DiffkitError("", "read", f"{idx_path}: field 'records' must be the list of records, not "
+                                   f"{_show(records)}", idx_path)
+            clean: dict = {"format": FORMAT, "version": version}
+            try:
+                for k in ("side", "source"):
+                    clean[k] = _str_field(index, k, required=False)
+                complete = index.get("complete", False)
+                if not isinstance(complete, bool):
+                    raise _Bad("complete", f"must be true or false, not {_show(complete)}")
+                clean["complete"] = complete
+                clean["error"] = _check_error(index.get("error"))
+                clean["info"] = _check_info(index.get("info"))
+                pf = index.get("parameters")
+                if pf is not None and (not _plain_name(pf) or not pf.endswith(".safetensors")):
+                    raise _Bad("parameters", f"must name a .safetensors file in the capture, not {_show(pf)}")
+                clean["parameters"] = pf
+            except _Bad as e:
+                raise DiffkitError("", "read", f"{idx_path}: field {e.field!r} {e.why}", idx_path) from None
+            lines: dict[int, int] = {}
+            if not complete:
+                records, lines = _recover_journal(path, records, root)
+            if len(records) > MAX_RECORDS:
+                raise DiffkitError("", "read", f"{idx_path} lists {len(records)} records, more than {MAX_RECORDS}",
+                                   idx_path)
+        n = len(records)
+        checked = []
+        for i, m in enumerate(records):
+            try:
+                checked.append(_check_record(m, i, n))
+            except _Bad as e:
+                if i in lines:
+                    where = os.path.join(path, "records.jsonl")
+                    head = f"{where} line {lines[i]} (record {i})"
+                else:
+                    where, head = idx_path, f"{idx_path} record {i}"
+                what = f"field {e.field!r} " if e.field else ""
+                raise DiffkitError("", "read", f"{head}: {what}{e.why}", where) from None
+        clean["records"] = checked
+        return cls(path, clean)
 
     @property
     def complete(self) -> bool:
         return bool(self.index.get("complete"))
 
+    @property
+    def info(self) -> dict:
+        """The capture's ``info`` metadata (empty for version 1 files and captures without it)."""
+        return self.index.get("info") or {}
+
     def __len__(self) -> int:
         return len(self.index["records"])
+
+    def _header(self, root: _Root, name: str, fd: int, label: str) -> tuple[dict, int, int]:
+        """The shard's parsed header (cached for the last two shards, keyed by the file's identity)."""
+        st = os.fstat(fd)
+        ident = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        hit = self._headers.get(name)
+        if hit is not None and hit[0] == ident:
+            self._headers.move_to_end(name)
+            return hit[1], hit[2], st.st_size
+        try:
+            hdr, start = _st_header(fd, st.st_size)
+        except ValueError as e:
+            raise DiffkitError("", "read", f"{label} is truncated or corrupt ({e})", root.where(name)) from None
+        self._headers[name] = (ident, hdr, start)
+        while len(self._headers) > 2:
+            self._headers.popitem(last=False)
+        return hdr, start, st.st_size
 
     def _value(self, meta: dict) -> torch.Tensor | None:
         if "key" not in meta:
             return None
-        from safetensors import safe_open
-
-        shard = os.path.join(self.path, str(meta.get("shard", "")))
-        if not os.path.basename(shard) or os.path.dirname(os.path.abspath(shard)) != os.path.abspath(self.path):
-            raise DiffkitError("", "read", f"record {meta.get('name')!r} points outside the capture: {meta.get('shard')!r}",
-                               self.path)
-        if not os.path.exists(shard):
-            raise DiffkitError("", "read", f"shard {meta.get('shard')} listed for record {meta.get('name')!r} is missing",
-                               self.path)
-        try:
-            with safe_open(shard, framework="pt") as fh:
-                value = fh.get_tensor(meta["key"])
-        except Exception as e:
-            raise DiffkitError("", "read", f"shard {meta.get('shard')} is truncated or corrupt ({type(e).__name__}: "
-                               f"{str(e)[:200]}) while reading record {meta.get('name')!r}", shard) from e
-        if list(value.shape) != list(meta.get("shape", [])) or str(value.dtype).replace("torch.", "") != meta.get("dtype"):
-            raise DiffkitError("", "read", f"record {meta.get('name')!r}: the index says {meta.get('dtype')} "
-                               f"{meta.get('shape')}, the shard holds {value.dtype} {list(value.shape)}: the files "
-                               f"do not belong together", shard)
+        shard, key, name = meta.get("shard"), meta.get("key"), meta.get("name")
+        rec = f"record {meta.get('index')} ({_show(name)})"
+        if not _plain_name(shard):
+            raise DiffkitError("", "read", f"{rec} points outside the capture: {_show(shard)}", self.path)
+        label = f"shard {shard} listed for {rec}"
+        with _Root(self.path) as root:
+            fd = root.open_read(shard, label)
+            try:
+                hdr, start, size = self._header(root, shard, fd, f"shard {shard}")
+                if not isinstance(key, str) or key not in hdr or key == "__metadata__":
+                    raise DiffkitError("", "read", f"shard {shard} holds no tensor {_show(key)} for {rec}: the files "
+                                       f"do not belong together", root.where(shard))
+                try:
+                    value = _st_tensor(fd, size, start, key, hdr[key])
+                except ValueError as e:
+                    raise DiffkitError("", "read", f"shard {shard} is truncated or corrupt ({e}) while reading {rec}",
+                                       root.where(shard)) from None
+            finally:
+                os.close(fd)
+        got = str(value.dtype).replace("torch.", "")
+        if list(value.shape) != list(meta.get("shape", [])) or got != meta.get("dtype"):
+            raise DiffkitError("", "read", f"{rec}: the index says {meta.get('dtype')} {meta.get('shape')}, the shard "
+                               f"holds {got} {list(value.shape)}: the files do "
+                               f"not belong together", os.path.join(self.path, shard))
         return value
+
+    def parameters(self) -> dict[str, torch.Tensor]:
+        """The model's parameters and buffers by qualified name (empty when the capture has none)."""
+        name = self.index.get("parameters")
+        if not name:
+            return {}
+        label = f"parameter file {name}"
+        out: dict[str, torch.Tensor] = {}
+        with _Root(self.path) as root:
+            fd = root.open_read(name, label)
+            try:
+                size = os.fstat(fd).st_size
+                try:
+                    hdr, start = _st_header(fd, size)
+                except ValueError as e:
+                    raise DiffkitError("", "read", f"{label} is truncated or corrupt ({e})", root.where(name)) from None
+                keys = [k for k in hdr if k != "__metadata__"]
+                if len(keys) > MAX_PARAMS:
+                    raise DiffkitError("", "read", f"{label} holds {len(keys)} tensors, more than {MAX_PARAMS}",
+                                       root.where(name))
+                for k in keys:
+                    if not isinstance(k, str) or not k or len(k) > MAX_STR:
+                        raise DiffkitError("", "read", f"{label} has a bad parameter name {_show(k)}", root.where(name))
+                    try:
+                        out[k] = _st_tensor(fd, size, start, k, hdr[k])
+                    except ValueError as e:
+                        raise DiffkitError("", "read", f"{label} is truncated or corrupt ({e}) at parameter {k!r}",
+                                           root.where(name)) from None
+            finally:
+                os.close(fd)
+        return out
 
     def records(self, values: bool = True) -> Iterator[Record]:
         """Records one at a time (each value read from its shard when `values`)."""
-        for i, m in enumerate(self.index["records"]):
-            try:
-                rec = Record(
-                    index=int(m["index"]), name=str(m["name"]), kind=str(m["kind"]), scope=str(m["scope"]),
-                    label=str(m["label"]), function=str(m["function"]), file=str(m["file"]), line=int(m["line"]),
-                    op=str(m["op"]), shape=tuple(int(s) for s in m["shape"]), dtype=_DTYPES[m["dtype"]],
-                    device=str(m["device"]), value=None, aliases=[str(a) for a in m.get("aliases", [])],
-                    is_output=bool(m.get("is_output")), rebound=bool(m.get("rebound")),
-                    inputs=tuple(Ref(int(i)) for i in m.get("inputs", [])))
-            except (KeyError, TypeError, ValueError) as e:
-                raise DiffkitError("", "read", f"record {i} of {self.path}/index.json is malformed ({type(e).__name__}: "
-                                   f"{e})", self.path) from e
-            if rec.index != i:
-                raise DiffkitError("", "read", f"record {i} of {self.path}/index.json claims index {rec.index}", self.path)
+        for m in self.index["records"]:
+            kw = {"params": list(m["params"])} if _RECORD_HAS_PARAMS else {}
+            rec = Record(
+                index=m["index"], name=m["name"], kind=m["kind"], scope=m["scope"], label=m["label"],
+                function=m["function"], file=m["file"], line=m["line"], op=m["op"], shape=tuple(m["shape"]),
+                dtype=_DTYPES[m["dtype"]], device=m["device"], value=None, aliases=list(m["aliases"]),
+                is_output=m["is_output"], rebound=m["rebound"], inputs=tuple(Ref(j) for j in m["inputs"]), **kw)
             if values:
                 rec.value = self._value(m)
             yield rec
@@ -245,8 +941,7 @@ class CaptureFile:
         trace.inputs = [r.value for r in trace.records if r.kind == "input"]
         err = self.index.get("error")
         if err:
-            trace.error = CaptureError(**{k: err.get(k, "" if k != "line" else 0) for k in (
-                "type", "message", "scope", "function", "file", "line", "traceback", "call")})
+            trace.error = CaptureError(**err)
         return trace
 
 

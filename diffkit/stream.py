@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import torch
 
-from .align import NAME_MATCH_REL_ERR, _numel, best_layout, to_ref_layout
+from .align import NAME_MATCH_REL_ERR, best_layout, name_partner, names_index, reused_name, to_ref_layout
 from .capture import Record, StopCapture, Trace
 from .measure import PendingStats, Stats, measure_async, tolerances
 
@@ -331,10 +331,7 @@ class StreamComparer:
     owns_values = True
 
     def __post_init__(self):
-        self.names: dict[str, list[int]] = {}
-        for r in self.ref.records:
-            for n in r.names():
-                self.names.setdefault(n, []).append(r.index)
+        self.names = names_index(self.ref.records)
         self.paired: set[int] = set()
         self.pairs: dict[int, tuple[int, tuple]] = {}  # candidate index -> (reference index, transform)
         self.queue: collections.deque[_Pending] = collections.deque()
@@ -348,9 +345,7 @@ class StreamComparer:
         self.records.append(rec)
         if self.meta is not None:
             self.meta.add(rec)
-        numel = tensor.numel()
-        ri = next((i for n in rec.names() for i in self.names.get(n, ())
-                   if i not in self.paired and _numel(self.ref.records[i]) == numel), None)
+        ri = name_partner(rec, self.ref.records, self.names, self.paired)  # as align's name pass pairs
         if ri is None:
             if rec.kind != "input":
                 self.keep.put(rec.index, tensor)  # align by order/value afterwards
@@ -361,11 +356,12 @@ class StreamComparer:
         if refv is None:
             return
         transform: tuple = ()
-        weak = rec.rebound or r.rebound  # a reused variable name: the pair must also agree in value
+        weak = reused_name(rec, r)  # the pair must also agree in value
         if tuple(r.shape) != tuple(tensor.shape):
             # as align does: the layout closest in value
-            transform, err = best_layout(tensor.detach(), refv)
-            if weak and err > NAME_MATCH_REL_ERR:
+            layout = best_layout(tensor.detach(), refv)
+            transform = layout.transform
+            if weak and layout.rel_err > NAME_MATCH_REL_ERR:
                 self.keep.put(rec.index, tensor)  # align by value afterwards
                 self.unmatched.append(rec.index)
                 return

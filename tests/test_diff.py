@@ -135,7 +135,7 @@ def test_output_shape_mismatch_is_diverged():
     cand.load_state_dict(ref.state_dict())
     result = diffkit.compare(ref, cand, [torch.randn(3, 6)])
     assert result.verdict == "diverged"
-    assert "output shape mismatch: expected [3, 6], got [3, 5]" in result.summary_line()
+    assert "Output shape mismatch: Expected [3, 6], got [3, 5]" in result.summary_line()
 
 
 def test_match_with_failing_intermediate_is_a_warning_unless_strict():

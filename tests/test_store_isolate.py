@@ -162,21 +162,3 @@ def test_streaming_flags_on_the_command_line(tmp_path):
     assert bad.returncode == 2 and "--max-memory" in bad.stderr + bad.stdout
 
 
-from conftest import candidates  # noqa: E402
-
-_BROKEN = [c for c in candidates("cpu") if c[3] is not None and c[3].get("stage")]
-
-
-@pytest.mark.parametrize("name,ref,cand,exp", _BROKEN, ids=[c[0] for c in _BROKEN])
-def test_reference_read_from_its_capture_gives_the_same_answer(tmp_path, name, ref, cand, exp):
-    """An isolated diff runs the reference in its own process and the candidate's process reads the
-    reference's records from that capture: the answer must not change."""
-    from diffkit.compare import capture_reference, diff_files
-
-    here = diff_files(ref, cand)
-    capture_reference(ref, cand, str(tmp_path / "ref.dkt"))
-    there = diff_files(ref, cand, ref_capture=str(tmp_path / "ref.dkt"))
-    key = lambda r: (r.verdict, r.first_divergence and r.first_divergence.ref_name,  # noqa: E731
-                     r.root_cause and r.root_cause.ref_name,
-                     [f.kind for f in (r.root_cause or r.first_divergence).diagnosis][:1] if r.first_divergence else [])
-    assert key(there) == key(here)

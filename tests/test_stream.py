@@ -40,7 +40,7 @@ def test_streaming_same_answer_as_in_memory(monkeypatch, bug):
         assert s.first_divergence.ref_name == f"blocks.{bug}.fc2"
         assert s.first_divergence.diagnosis[0].kind == "missing_bias"
         # the stages the report shows carry values
-        assert s.first_divergence.cand.value is not None and s.first_divergence.ref.value is not None
+        assert s.first_divergence.cand_value is not None and s.first_divergence.ref_value is not None
     assert s.meta["mode"] == "streaming"
     assert s.meta["peak_device_bytes"] <= budget
     assert s.meta["spilled_bytes"] > budget

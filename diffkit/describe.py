@@ -1,0 +1,277 @@
+"""The words that describe a Result: one place, read by every surface.
+
+The terminal report, the HTML banner, summary.md, junit.xml, the notebook view and the pytest
+assertion all take their sentences from here, so a divergence reads the same wherever it is seen
+and a change of wording is made once.
+
+Nothing here may raise on a partial Result: a stage without metrics (the shapes differ), without
+a reference or candidate record, without a re-run on the reference's inputs, NaN or Inf numbers,
+no stages at all, or an error with no details all get words.
+"""
+from __future__ import annotations
+
+MISSING = "-"
+
+
+# ----------------------------------------------------------------------------- small pieces
+def fmt(x, spec: str = ".3g", missing: str = MISSING) -> str:
+    """`x` formatted with `spec`; `missing` for None; NaN and Inf as Python writes them."""
+    if x is None:
+        return missing
+    try:
+        return format(x, spec)
+    except (TypeError, ValueError):
+        return str(x)
+
+
+def pct(fraction, missing: str = MISSING) -> str:
+    """A fraction in [0, 1] as a percentage with one decimal ("12.5%")."""
+    return missing if fraction is None else f"{fmt(100 * fraction, '.1f')}%"
+
+
+def shape_text(shape) -> str:
+    """A shape as ``4×16×32``; "scalar" for a 0-d tensor; "-" when there is no shape."""
+    if shape is None:
+        return MISSING
+    shape = list(shape)
+    return "×".join(map(str, shape)) if shape else "scalar"
+
+
+def where(record) -> str:
+    """The source location of a record ("file.py:12"), or "" when there is no record."""
+    return (getattr(record, "where", "") or "") if record is not None else ""
+
+
+def op(record) -> str:
+    return (getattr(record, "op", "") or "") if record is not None else ""
+
+
+def stage_names(stage) -> str:
+    """The stage's reference name, with the candidate's added when the two differ."""
+    r, c = stage.ref_name, stage.cand_name
+    if r is None or c is None or r == c:
+        return r or c or "?"
+    return f"{r} (candidate: {c})"
+
+
+def transform_text(stage) -> str:
+    """How the candidate was brought into the reference's layout before the comparison; "" when
+    it was not (a stage with no metrics was never compared, whatever its pairing noted)."""
+    return (stage.transform or "") if stage.stats is not None else ""
+
+
+def tolerance_text(atol, rtol) -> str:
+    return f"atol={fmt(atol, 'g')} rtol={fmt(rtol, 'g')}"
+
+
+def output_shape_words(mismatch) -> str:
+    """An output shape mismatch in KernelBench's own words."""
+    ref, cand = mismatch
+    return f"Output shape mismatch: Expected {list(ref)}, got {list(cand)}"
+
+
+def not_compared_reason(stage) -> str:
+    """Why a stage has no metrics: its note (e.g. the two shapes), else the shapes themselves."""
+    if stage.note:
+        return stage.note
+    if stage.ref is None or stage.cand is None:
+        return f"no {'reference' if stage.ref is None else 'candidate'} counterpart"
+    if stage.ref_shape != stage.cand_shape:
+        return f"shape mismatch: reference {stage.ref_shape}, candidate {stage.cand_shape}"
+    return "not compared"
+
+
+def stats_summary(stats) -> str:
+    """One sentence of a pair's numbers: largest and mean error and the share out of tolerance."""
+    return (f"max |error| {fmt(stats.max_abs, '.4g')}, mean {fmt(stats.mean_abs, '.4g')}, "
+            f"{pct(stats.mismatch_fraction)} of {stats.numel} elements out of {tolerance_text(stats.atol, stats.rtol)}")
+
+
+def worst_summary(worst) -> str:
+    """The worst element: its index and both values."""
+    return f"{list(worst.index)}: reference {fmt(worst.ref, '.6g')}, candidate {fmt(worst.cand, '.6g')}"
+
+
+def rerun_summary(stage) -> str:
+    """What re-running the stage alone on the reference's inputs showed ("" when it was not re-run)."""
+    if stage.local is None:
+        return stage.replay_note or ""
+    verb = "introduces" if not stage.local.ok else "only inherits"
+    return (f"re-run alone on the reference's inputs: max_abs {fmt(stage.local.max_abs, '.4g')} — this stage {verb} "
+            f"the error (its inputs carried max_abs {fmt(stage.inherited_max_abs or 0, '.3g')})")
+
+
+def root_cause_summary(stage) -> str:
+    """The root-cause stage in one sentence (names, what the re-run showed)."""
+    text = f"stage {stage.index} {stage.ref_name or stage.cand_name or '?'} introduces the error"
+    if stage.local is not None:
+        text += f" (re-run on the reference's inputs: max |error| {fmt(stage.local.max_abs, '.3g')})"
+    return text
+
+
+def failure_summary(error) -> str:
+    """A side's failure in one sentence."""
+    return (f"{error.side} failed ({error.phase})" + (f" at {error.stage}" if error.stage else "")
+            + f": {error.message}")
+
+
+def _tolerance(result) -> dict:
+    try:
+        return result.tolerance()
+    except Exception:  # a hand-built Result without tolerances still gets a headline
+        return {"atol": result.atol, "rtol": result.rtol, "by_dtype": False}
+
+
+def _earlier_matches(result, stage) -> int:
+    return sum(1 for x in result.stages if x.index < stage.index and x.status == "ok")
+
+
+def _is_output(stage) -> bool:
+    return bool(getattr(stage.cand, "is_output", False)) if stage.cand is not None else False
+
+
+# ----------------------------------------------------------------------------- the headline
+def headline(result) -> str:
+    """The one-line answer: verdict, where it first went wrong, by how much and what it looks like."""
+    tol = _tolerance(result)
+    tol_s = tolerance_text(tol["atol"], tol["rtol"])
+    n = len(result.compared)
+    fd = result.first_divergence
+    if result.verdict == "error":
+        e = result.error
+        head = (f"diffkit: ERROR in {e.side} ({e.phase}) at {e.stage or '?'}: {e.message}" if e is not None
+                else "diffkit: ERROR (no details recorded)")
+        if fd is not None:
+            return head + f"; earlier, first divergence at stage {fd.index} {fd.ref_name or fd.cand_name or '?'}"
+        return head + (f"; {n} stages compared before it, all within tolerance" if n else "")
+    if result.verdict == "diverged":
+        mismatch = result.output_shape_mismatch
+        if mismatch and (fd is None or _is_output(fd)):
+            return f"diffkit: DIVERGED: {output_shape_words(mismatch)}"
+        if fd is not None:
+            return _diverged_headline(result, fd)
+        failed = len(result.diverged_stages)
+        out = result.output
+        return (f"diffkit: DIVERGED: {failed} stages out of tolerance"
+                + (f"; output max_abs={fmt(out.max_abs)}" if out is not None else ""))
+    warn = (f" ({len(result.diverged_stages)} intermediate stages out of tolerance: see warnings)"
+            if result.diverged_stages else "")
+    out = result.output
+    o = f" output max_abs={fmt(out.max_abs)}" if out is not None else ""
+    return f"diffkit: MATCH: {n} stages compared within {tol_s};{o}{warn}"
+
+
+def _diverged_headline(result, fd) -> str:
+    s = fd.stats
+    if s is not None:
+        numbers = (f"max_abs={fmt(s.max_abs)} mean_abs={fmt(s.mean_abs)} ({pct(s.mismatch_fraction)} of {s.numel} "
+                   f"elements out of {tolerance_text(s.atol, s.rtol)});")
+        if s.worst:
+            numbers += (f" worst at {list(s.worst.index)}: ref {fmt(s.worst.ref, '.6g')} vs "
+                        f"cand {fmt(s.worst.cand, '.6g')};")
+    else:
+        numbers = f"{not_compared_reason(fd)};"
+    kind = f"; looks like {fd.diagnosis[0].kind}" if fd.diagnosis else ""
+    rc = result.root_cause
+    if rc is not None and rc is not fd:
+        kind += (f"; root cause: stage {rc.index} {rc.ref_name or rc.cand_name or '?'} introduces the error"
+                 + (f" (local max_abs={fmt(rc.local.max_abs)})" if rc.local is not None else "")
+                 + (f", {rc.diagnosis[0].kind}" if rc.diagnosis else ""))
+    elif rc is fd and fd.local is not None:
+        kind += "; this stage introduces the error (wrong on the reference's own inputs)"
+    if result.output_shape_mismatch:
+        kind += f"; {output_shape_words(result.output_shape_mismatch)}"
+    return (f"diffkit: DIVERGED at stage {fd.index} {stage_names(fd)}: {numbers} "
+            f"{_earlier_matches(result, fd)} earlier stages match{kind}")
+
+
+# ----------------------------------------------------------------------------- the detail block
+def _finding_line(f) -> str:
+    return f"  diagnosis [{f.kind}, confidence {fmt(f.confidence, '.2f')}]: {f.detail}"
+
+
+def divergence_lines(result) -> list[str]:
+    """The terminal's detail block under the stage table: the first divergence (records, layout,
+    numbers, worst element, NaN/Inf, re-run, diagnosis), the root cause and the error.  Each block
+    starts with an empty line; the list is empty when there is nothing to say."""
+    out: list[str] = []
+    fd = result.first_divergence
+    if fd is not None:
+        out += ["", f"first divergence: stage {fd.index}",
+                f"  reference: {fd.ref_name}  {shape_text(fd.ref_shape)}  {op(fd.ref)}  {where(fd.ref)}",
+                f"  candidate: {fd.cand_name}  {shape_text(fd.cand_shape)}  {op(fd.cand)}  {where(fd.cand)}"]
+        if transform_text(fd):
+            out.append(f"  layout: candidate compared after {transform_text(fd)}")
+        s = fd.stats
+        if s is None:
+            out.append(f"  not compared: {not_compared_reason(fd)}")
+        else:
+            out.append(f"  max_abs {fmt(s.max_abs, '.4g')}  mean_abs {fmt(s.mean_abs, '.4g')}  "
+                       f"max_rel {fmt(s.max_rel, '.4g')}  cosine {fmt(s.cosine, '.6f')}  "
+                       f"{s.mismatches}/{s.numel} elements out of {tolerance_text(s.atol, s.rtol)}")
+            if s.worst:
+                out.append(f"  worst element {worst_summary(s.worst)}")
+            if s.cand_nan or s.cand_inf:
+                out.append(f"  candidate has {s.cand_nan} NaN and {s.cand_inf} Inf "
+                           f"(reference: {s.ref_nan} NaN, {s.ref_inf} Inf)")
+        rerun = rerun_summary(fd)
+        if rerun:
+            out.append(f"  {rerun}")
+        out += [_finding_line(f) for f in fd.diagnosis]
+    rc = result.root_cause
+    if rc is not None and rc is not fd:
+        line = f"root cause: stage {rc.index} {rc.ref_name} (candidate {rc.cand_name}) introduces the error"
+        if rc.local is not None:
+            line += (f": re-run on the reference's inputs it is off by max_abs {fmt(rc.local.max_abs, '.4g')}"
+                     + (" (within tolerance there, out of it once propagated)" if rc.local.ok else ""))
+        out += ["", line]
+        out += [_finding_line(f) for f in rc.diagnosis]
+    e = result.error
+    if e is not None:
+        out += ["", f"error: {e.side} {e.phase}: {e.message}"]
+        if e.stage:
+            out.append(f"  at {e.stage}")
+    return out
+
+
+# ----------------------------------------------------------------------------- the pytest message
+def _closeness_lines(stats) -> list[str]:
+    """torch.testing.assert_close's wording for one pair's numbers."""
+    lines = [f"Mismatched elements: {stats.mismatches} / {stats.numel} ({pct(stats.mismatch_fraction)})",
+             f"Greatest absolute difference: {fmt(stats.max_abs, '.6g')} (up to {fmt(stats.atol, 'g')} allowed)",
+             f"Greatest relative difference: {fmt(stats.max_rel, '.6g')} (up to {fmt(stats.rtol, 'g')} allowed)"]
+    if stats.worst:
+        w = stats.worst
+        lines.append(f"Worst element at index {tuple(w.index)}: reference {fmt(w.ref, '.6g')}, "
+                     f"candidate {fmt(w.cand, '.6g')}")
+    if stats.cand_nan or stats.cand_inf:
+        lines.append(f"Candidate has {stats.cand_nan} NaN and {stats.cand_inf} Inf "
+                     f"(reference: {stats.ref_nan} NaN, {stats.ref_inf} Inf)")
+    return lines
+
+
+def assertion_message(result) -> str:
+    """The AssertionError text of `diffkit.testing.assert_models_close`, in torch.testing's words:
+    the headline, the first diverging stage, mismatched elements, greatest absolute and relative
+    difference against the allowed tolerance, the worst element, diagnosis, root cause, error."""
+    lines = [headline(result)]
+    fd = result.first_divergence
+    if fd is not None:
+        lines.append(f"First diverging stage {fd.index}: reference {fd.ref_name!r} ({where(fd.ref)}), "
+                     f"candidate {fd.cand_name!r} ({where(fd.cand)})")
+        if fd.stats is not None:
+            lines += _closeness_lines(fd.stats)
+        else:
+            lines.append(f"Not compared: {not_compared_reason(fd)}")
+        lines += [f"Diagnosis ({f.kind}): {f.detail}" for f in fd.diagnosis]
+    elif result.verdict == "diverged" and result.output is not None:
+        lines.append("Output:")
+        lines += _closeness_lines(result.output)
+    rc = result.root_cause
+    if rc is not None and rc is not fd:
+        lines.append(f"Root cause: {root_cause_summary(rc)}")
+        lines += [f"Diagnosis ({f.kind}): {f.detail}" for f in rc.diagnosis]
+    e = result.error
+    if e is not None:
+        lines.append(f"The {e.side} raised: {e.message}" + (f" at {e.stage}" if e.stage else ""))
+    return "\n".join(lines)

@@ -1,0 +1,124 @@
+"""Options: everything that configures a diff, built once (from the CLI or a Python call) and passed
+down as one object.  Nothing else carries tolerances, budgets or filters around as loose arguments.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+# KernelBench's tolerances, chosen by the reference tensor's dtype (field.md: 1e-4 float32, 1e-2 half)
+HALF_TOLERANCE = 1e-2
+FLOAT32_TOLERANCE = 1e-4
+_HALF = (torch.float16, torch.bfloat16)
+
+TOLERANCE_MODES = ("fixed", "auto")
+
+
+def default_tolerance(dtype: torch.dtype) -> float:
+    """KernelBench's tolerance for a reference of this dtype."""
+    return HALF_TOLERANCE if dtype in _HALF else FLOAT32_TOLERANCE
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """How far a candidate value may be from the reference's.
+
+    atol, rtol: elementwise ``|c - r| <= atol + rtol * |r|``; None takes KernelBench's default for the
+                reference tensor's dtype.  Given one alone, the other takes the same value.
+    mode:       "fixed" judges by atol/rtol; "auto" judges each stage against a float64 run of the
+                reference (TorchDynamo's same() rule, see pipeline.apply_auto_tolerance).
+    """
+
+    atol: float | None = None
+    rtol: float | None = None
+    mode: str = "fixed"
+
+    def __post_init__(self):
+        if self.mode not in TOLERANCE_MODES:
+            raise ValueError(f"tolerance mode must be one of {', '.join(TOLERANCE_MODES)}, not {self.mode!r}")
+        for name in ("atol", "rtol"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0):
+                raise ValueError(f"{name} must be a finite number >= 0, not {v!r}")
+        if self.atol is not None and self.rtol is None:
+            object.__setattr__(self, "rtol", self.atol)
+        if self.rtol is not None and self.atol is None:
+            object.__setattr__(self, "atol", self.rtol)
+
+    def for_dtype(self, dtype: torch.dtype) -> tuple[float, float]:
+        """The (atol, rtol) a pair whose reference has `dtype` is judged by."""
+        d = default_tolerance(dtype)
+        return (self.atol if self.atol is not None else d, self.rtol if self.rtol is not None else d)
+
+    @property
+    def by_dtype(self) -> bool:
+        return self.atol is None
+
+    def to_dict(self) -> dict:
+        return {"atol": self.atol, "rtol": self.rtol, "mode": self.mode}
+
+
+@dataclass(frozen=True)
+class Options:
+    """One diff's configuration.
+
+    tolerance:     see `Tolerance`.
+    strict:        intermediate stages out of tolerance make the verdict "diverged" even when the
+                   output passes (default: they are warnings, as KernelBench judges the output only).
+    device:        run both models there ("cpu", "cuda"); None keeps where they are built.
+    seed:          the seed before ``get_inputs()`` (construction always uses KernelBench's 42).
+    train:         keep the models in training mode (default: eval()).
+    sync_weights:  copy reference parameters/buffers into the candidate by qualified name.
+    reinit_zero:   give all-zero reference weight matrices random values (copied to the candidate).
+    health:        run the reference twice to warn when it is random or degenerate.
+    rerun:         run the candidate again when it diverges, to tell a race from a deterministic bug.
+    no_grad:       run the forwards under torch.no_grad().
+    streaming:     the bounded-memory two-pass diff (None: on when a budget, filter or stop is asked).
+    max_memory:    bytes of captured values held on the device (CPU: in memory) when streaming.
+    host_memory:   bytes of pinned host memory for a GPU streaming diff before values go to disk.
+    only:          comma-separated globs on record names; only those are captured (streaming).
+    stop_at_first: end the candidate's forward at its first divergent record (streaming).
+    stream_dir:    where an isolated child writes its crash insurance (capture journals, stats).
+    """
+
+    tolerance: Tolerance = field(default_factory=Tolerance)
+    strict: bool = False
+    device: str | None = None
+    seed: int = 42
+    train: bool = False
+    sync_weights: bool = True
+    reinit_zero: bool = False
+    health: bool = True
+    rerun: bool = True
+    no_grad: bool = True
+    streaming: bool | None = None
+    max_memory: int | None = None
+    host_memory: int | None = None
+    only: str | None = None
+    stop_at_first: bool = False
+    stream_dir: str | None = None
+
+    def __post_init__(self):
+        for name in ("max_memory", "host_memory"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < 0):
+                raise ValueError(f"{name} must be a whole number of bytes >= 0, not {v!r}")
+
+    @property
+    def is_streaming(self) -> bool:
+        if self.streaming is not None:
+            return self.streaming
+        return self.max_memory is not None or bool(self.only) or self.stop_at_first
+
+    def replace(self, **changes) -> "Options":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def build(cls, *, atol: float | None = None, rtol: float | None = None, tolerance: str | Tolerance = "fixed",
+              **rest) -> "Options":
+        """Options from keyword arguments as the Python API takes them (atol, rtol, tolerance mode …)."""
+        tol = tolerance if isinstance(tolerance, Tolerance) else Tolerance(atol, rtol, tolerance)
+        return cls(tolerance=tol, **rest)

@@ -1,0 +1,560 @@
+"""The pipeline: one path from two trace sources to a judged Result.
+
+    source (live model | capture file) -> capture -> align -> measure/locate -> explain -> judge -> Result
+
+Every surface goes through `run`: the CLI in-process or isolated (its candidate process reads the
+reference's capture; a crash is diffed from what both capture files hold), streaming, two capture
+files, `diffkit.compare` and `assert_models_close`.  A streaming diff differs only in how the traces
+are obtained (values in a tiered store, the candidate's records measured as they are made); everything
+after that is shared.  `judge` is the only place that sets the verdict.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.utils._pytree as pytree
+
+from .align import Alignment, align, to_ref_layout
+from .capture import StopCapture, Trace, capture
+from .diagnose import diagnose
+from .locate import build_stages, locate
+from .measure import measure
+from .options import Options
+from .result import ErrorInfo, Finding, Result, Values
+from .rootcause import analyse
+
+__all__ = ["ModelSource", "CaptureSource", "TraceSource", "run", "judge", "run_captured", "clone_inputs"]
+
+STREAM_WINDOW = 8  # stages before the first divergence whose values a streaming diff keeps
+
+
+def clone_inputs(obj: Any) -> Any:
+    """A fresh copy of every tensor in a nested structure of inputs (other leaves shared)."""
+    return pytree.tree_map(lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v, obj)
+
+
+def named_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A model's parameters and buffers by qualified name (what diagnosis checks errors against)."""
+    out = {n: p.detach() for n, p in model.named_parameters()}
+    out.update({n: b.detach() for n, b in model.named_buffers()})
+    return out
+
+
+# ------------------------------------------------------------------------------------------ sources
+@dataclass
+class ModelSource:
+    """A live model and the inputs of its forward (cloned before every run)."""
+
+    model: torch.nn.Module
+    inputs: Sequence[Any]
+
+    def params(self) -> dict[str, torch.Tensor]:
+        return named_tensors(self.model)
+
+    def device(self) -> str:
+        for p in self.model.parameters():
+            return str(p.device)
+        for t in pytree.tree_leaves(list(self.inputs)):
+            if isinstance(t, torch.Tensor):
+                return str(t.device)
+        return "cpu"
+
+
+@dataclass
+class CaptureSource:
+    """A forward saved as a capture directory (complete, or cut short by a crash).
+
+    `device`: where its values are compared (a live model on the other side decides it)."""
+
+    path: str
+    device: str = "cpu"
+    _file: Any = field(default=None, repr=False)
+
+    @property
+    def file(self):
+        if self._file is None:
+            from .store import CaptureFile
+
+            self._file = CaptureFile.open(self.path)
+        return self._file
+
+    def params(self) -> dict[str, torch.Tensor]:
+        get = getattr(self.file, "parameters", None)
+        return get() if get is not None else {}
+
+    def trace(self, values: bool = True) -> Trace:
+        trace = self.file.load(values=values)
+        if values and self.device != "cpu":
+            for r in trace.records:
+                if r.value is not None:
+                    r.value = r.value.to(self.device)
+        return trace
+
+
+@dataclass
+class TraceSource:
+    """A trace already in memory (its values in its records); `params` by qualified name, if known."""
+
+    trace_: Trace
+    params_: dict = field(default_factory=dict)
+    device: str = "cpu"
+
+    def params(self) -> dict[str, torch.Tensor]:
+        return self.params_
+
+    def trace(self, values: bool = True) -> Trace:
+        return self.trace_
+
+
+Source = ModelSource | CaptureSource | TraceSource
+
+
+# ------------------------------------------------------------------------------------------ running
+def run_captured(model: torch.nn.Module, inputs: Sequence[Any], *, no_grad: bool = True, only=None,
+                 stream_to: str | None = None, sink: Any = None, info: dict | None = None) -> Trace:
+    """Run one forward under capture; an exception is kept in ``trace.error``, not raised.
+    `stream_to` writes each record to a capture directory as it is made (crash insurance), with the
+    model's parameters and `info`; `sink` receives the records instead (store.CaptureWriter,
+    stream.TieredStore, stream.StreamComparer)."""
+    inputs = list(inputs)
+    cm = torch.no_grad() if no_grad else contextlib.nullcontext()
+    if stream_to and sink is None:
+        sink = capture_writer(stream_to, model, info)
+    cap = capture(model, inputs=tuple(inputs), only=only, sink=sink)
+    try:
+        with cm, cap:
+            model(*inputs)
+    except (Exception, StopCapture):
+        pass  # recorded in trace.error (or trace.stopped) by capture's __exit__
+    return cap.state.trace
+
+
+def capture_writer(path: str, model: torch.nn.Module, info: dict | None = None):
+    """A capture directory that streams each record as it is made (crash insurance), holding the
+    model's parameters and `info` (how the side was built: source, init inputs, inputs …)."""
+    from .store import CaptureWriter
+
+    writer = CaptureWriter(path, shard_bytes=0)
+    if info is not None:
+        writer.set_info(info)
+    writer.add_parameters(named_tensors(model))
+    return writer
+
+
+@dataclass
+class _Traces:
+    """What the front half hands the back half: both traces, how they were paired so far, and where
+    values too large to keep in the records can be read."""
+
+    ref: Trace
+    cand: Trace
+    alignment: Alignment
+    known: dict = field(default_factory=dict)  # (ref, cand, transform) -> Stats measured already
+    window: int | None = None  # root-cause replays limited to this many stages (streaming)
+    fetch: Callable[[Any], None] | None = None  # load the values the report needs into the records
+    meta: dict = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+    cleanup: list[Callable[[], None]] = field(default_factory=list)
+
+
+def _device(source: Source) -> str:
+    return source.device() if isinstance(source, ModelSource) else source.device
+
+
+def _full_traces(reference: Source, candidate: Source, options: Options, known: dict | None) -> _Traces:
+    """Both sides captured with every value in memory (or read from their capture files)."""
+    sd = options.stream_dir
+
+    def trace_of(src: Source, side: str) -> Trace:
+        if not isinstance(src, ModelSource):
+            return src.trace(values=True)
+        return run_captured(src.model, clone_inputs(list(src.inputs)), no_grad=options.no_grad,
+                            stream_to=os.path.join(sd, f"{side}.dkt") if sd else None)
+    ref = trace_of(reference, "ref")
+    cand = trace_of(candidate, "cand")
+    fixed = {k[1]: (k[0], k[2]) for k in known} if known else None
+    return _Traces(ref, cand, align(ref.records, cand.records, fixed=fixed), known=dict(known or {}))
+
+
+def _lazy(store, device):
+    cache: dict[int, torch.Tensor | None] = {}
+
+    def get(rec):
+        if rec.index not in cache:
+            if len(cache) >= 2:
+                cache.pop(next(iter(cache)))
+            cache[rec.index] = store.get(rec.index, device)
+        return cache[rec.index]
+    return get
+
+
+def _streaming_traces(reference: Source, candidate: ModelSource, options: Options) -> _Traces:
+    """The two-pass diff in bounded memory (see diffkit.stream): the reference's values in a tiered
+    store (or read lazily from its capture file), the candidate's records paired by name and measured
+    as they are produced, only the values the report needs kept."""
+    from .stream import Budget, FileStore, StreamComparer, TieredStore, default_budget, default_host_budget, \
+        name_filter
+
+    dev = candidate.device()
+    budget = options.max_memory if options.max_memory is not None else default_budget(dev)
+    host = options.host_memory if options.host_memory is not None else (
+        default_host_budget() if dev.startswith("cuda") else 0)
+    ref_dev, keep_dev = Budget(budget - budget // 4), Budget(budget // 4)
+    ref_host, keep_host = Budget(host - host // 4), Budget(host // 4)
+    sd = options.stream_dir
+    meta_ref = meta_cand = journal = None
+    if sd:
+        from .store import CaptureWriter
+
+        if not isinstance(reference, CaptureSource):
+            meta_ref = CaptureWriter(os.path.join(sd, "ref.dkt"), shard_bytes=0, values=False)
+        meta_cand = CaptureWriter(os.path.join(sd, "cand.dkt"), shard_bytes=0, values=False)
+        journal = open(os.path.join(sd, "stats.jsonl"), "w", encoding="utf-8")
+    keep_filter = name_filter(options.only)
+    keep = TieredStore(keep_dev, keep_host)
+    if isinstance(reference, CaptureSource):  # captured in another process (with the same --only filter)
+        ref_store = FileStore(reference.file)
+        ref_trace = reference.file.load(values=False)
+    else:
+        ref_store = TieredStore(ref_dev, ref_host, meta=meta_ref)
+        ref_trace = run_captured(reference.model, clone_inputs(list(reference.inputs)), no_grad=options.no_grad,
+                                 only=keep_filter, sink=ref_store)
+    comparer = StreamComparer(ref_trace, ref_store, keep, options.tolerance.atol, options.tolerance.rtol,
+                              window=STREAM_WINDOW, stop_at_first=options.stop_at_first, journal=journal,
+                              meta=meta_cand)
+    cand_trace = run_captured(candidate.model, clone_inputs(list(candidate.inputs)), no_grad=options.no_grad,
+                              only=keep_filter, sink=comparer)
+    try:
+        comparer.finish()
+    except StopCapture:
+        pass
+    # leftovers are aligned by order and value afterwards, reading values lazily (a few at a time)
+    alignment = align(ref_trace.records, cand_trace.records, fixed=comparer.pairs,
+                      ref_value=_lazy(ref_store, dev), cand_value=_lazy(keep, dev))
+    known = dict(comparer.stats)
+    for p in alignment.pairs:  # pairs made by order or value: measure them now, one at a time
+        r, c = ref_trace.records[p.ref], cand_trace.records[p.cand]
+        if (p.ref, p.cand, p.transform) in known or p.cand not in keep or p.transform == ("shape-mismatch",):
+            continue
+        rv, cv = ref_store.get(p.ref, dev), keep.get(p.cand, dev)
+        if rv is not None and cv is not None:
+            known[(p.ref, p.cand, p.transform)] = measure(rv, to_ref_layout(cv, tuple(r.shape), p.transform),
+                                                          *options.tolerance.for_dtype(r.dtype))
+
+    def fetch(result: Result) -> None:
+        # values for the stages the report, diagnosis and root cause look at: the window before the
+        # first divergence (and those stages' inputs), the first few divergent stages, the output
+        fd = result.first_divergence
+        measured = [s for s in result.stages if s.stats is not None and s.ref is not None and s.cand is not None]
+        show: list = []
+        if fd is not None:
+            show += [s for s in measured if s.index <= fd.index][-(STREAM_WINDOW + 1):]
+        show += [s for s in measured if s.status in ("diverged", "after-divergence")][:comparer.keep_diverged]
+        show += [s for s in measured if s.cand.is_output]
+        by_cand = alignment.by_cand()
+        for s in show:
+            crec = cand_trace.records[s.cand.index]
+            if crec.value is None and s.cand.index in keep:
+                crec.value = keep.get(s.cand.index, dev)
+            # the stage's reference value, its reference inputs (diagnosis) and the candidate inputs' partners (replays)
+            for ri in [s.ref.index, *s.ref.inputs] + [by_cand[x].ref for x in s.cand.inputs if x in by_cand]:
+                if ref_trace.records[ri].value is None:
+                    ref_trace.records[ri].value = ref_store.get(ri, dev)  # on the device, as replays need
+
+    out = _Traces(ref_trace, cand_trace, alignment, known=known, window=STREAM_WINDOW, fetch=fetch,
+                  cleanup=[ref_store.clear, keep.clear] + ([journal.close] if journal is not None else []))
+    out.meta.update({
+        "mode": "streaming", "max_memory": budget, "host_memory": host,
+        "peak_device_bytes": ref_dev.peak + keep_dev.peak, "peak_host_bytes": ref_host.peak + keep_host.peak,
+        "spilled_bytes": getattr(ref_store, "spilled_bytes", 0) + keep.spilled_bytes,
+        "reference_tiers": dict(ref_store.tiers), "compared_bytes": comparer.compared_bytes,
+        "kept_candidate_values": len(keep.slots)})
+    if options.only:
+        out.meta["only"] = options.only
+        out.warnings.append(f"only records matching {options.only!r} were captured")
+    if cand_trace.stopped:
+        out.meta["stopped"] = cand_trace.stopped
+        out.warnings.append(f"--stop-at-first: the candidate's forward was {cand_trace.stopped}; later stages "
+                            f"were not run")
+    return out
+
+
+def run(reference: Source, candidate: Source, options: Options | None = None, *, known: dict | None = None,
+        error: ErrorInfo | None = None, evidence: Callable[[Result], None] | None = None) -> Result:
+    """Diff `candidate` against `reference` and judge it.
+
+    known:    Stats measured already (an isolated child's journal), keyed (ref, cand, transform)
+    error:    a failure observed outside the traces (a child process that crashed or hung)
+    evidence: called with the result before it is judged, to attach findings from outside the run
+              (compute-sanitizer reports)
+    """
+    options = options or Options()
+    if options.tolerance.mode == "auto":
+        if options.is_streaming:
+            raise ValueError("--tolerance auto needs every reference value twice; it does not combine with streaming")
+        if not isinstance(reference, ModelSource):
+            raise ValueError("--tolerance auto re-runs the reference in float64: it needs the reference model, "
+                             "not a capture")
+    streaming = options.is_streaming and isinstance(candidate, ModelSource)
+    traces = _streaming_traces(reference, candidate, options) if streaming else \
+        _full_traces(reference, candidate, options, known)
+    try:
+        result = _explain(traces, reference, candidate, options, error)
+        if evidence is not None:
+            evidence(result)
+        result.verdict = judge(result)
+        return result
+    finally:
+        for fn in traces.cleanup:
+            fn()
+
+
+def _explain(traces: _Traces, reference: Source, candidate: Source, options: Options,
+             error: ErrorInfo | None) -> Result:
+    """Measure, locate, find the root cause and diagnose: everything between the traces and the verdict."""
+    ref, cand = traces.ref, traces.cand
+    tol = options.tolerance
+    stages = build_stages(ref, cand, traces.alignment, tol, known=traces.known)
+    values = Values.of_traces(ref, cand)
+    for s in stages:
+        s.values = values
+    result = Result(verdict="", stages=stages, first_divergence=None, error=None, output=None, atol=tol.atol,
+                    rtol=tol.rtol, strict=options.strict, warnings=list(traces.warnings), meta=dict(traces.meta))
+    if tol.mode == "auto":
+        from dataclasses import replace
+
+        fixed = [replace(s) for s in stages]
+        fixed_fd = locate(fixed)
+        result.fixed_verdict = "diverged" if _output_failed(fixed) or (options.strict and fixed_fd) else "match"
+        ref64 = run_captured(_to_float64(reference.model), _to_float64(clone_inputs(list(reference.inputs))),
+                             no_grad=options.no_grad)
+        apply_auto_tolerance(stages, ref, ref64)
+        result.tolerance_mode = "auto"
+    result.first_divergence = locate(stages)
+    out = result.output_stage
+    result.output = out.stats if out is not None else None
+    if out is not None and tuple(out.ref.shape) != tuple(out.cand.shape):
+        result.output_shape_mismatch = (tuple(out.ref.shape), tuple(out.cand.shape))
+    result.error = error or _trace_error(ref, cand)
+    if result.error is None and out is None and not cand.stopped:
+        missing = "candidate" if ref.output is not None else "reference"
+        result.error = ErrorInfo(missing, "output", f"the {missing} returned no tensor output to compare", "")
+    result.meta.update({"ref_records": len(ref.records), "cand_records": len(cand.records),
+                        "paired": len(traces.alignment.pairs)})
+    if traces.fetch is not None:
+        traces.fetch(result)
+    ref_params = reference.params()
+    cand_params = candidate.params()
+    analyse(result, ref, cand, traces.alignment, window=traces.window)
+    if traces.window is not None and result.first_divergence is not None and result.first_divergence.local is not None:
+        result.meta["root_cause_window"] = traces.window
+    for s in {id(x): x for x in (result.first_divergence, result.root_cause) if x is not None}.values():
+        s.diagnosis = diagnose(s, ref, cand, ref_params, cand_params) + s.diagnosis
+    if isinstance(reference, ModelSource) and options.health and tol.mode == "fixed" and not traces.window:
+        result.health = reference_health(reference.model, list(reference.inputs), ref, options.no_grad)
+    fd = result.first_divergence
+    if options.rerun and isinstance(candidate, ModelSource) and fd is not None and fd.cand is not None \
+            and result.error is None:
+        only = None
+        if traces.window is not None:
+            # the streaming diff re-captures the records of that name only (a filter sees names before
+            # their #k suffix, so the k-th of them gets the same name again)
+            bases = {n.split("#")[0] for n in fd.cand.names()}
+            only = lambda n: n.split("#")[0] in bases  # noqa: E731
+        _check_nondeterminism(result, cand, candidate.model, list(candidate.inputs), options.no_grad, only)
+    elif isinstance(candidate, CaptureSource) and fd is not None and fd.cand is not None:
+        # `diffkit capture` ran the forward twice and kept which records changed between the runs
+        d = (candidate.file.info.get("rerun_differs") or {}).get(fd.cand.name)
+        if isinstance(d, dict) and {"elements", "numel", "max_abs"} <= set(d):
+            _nondeterministic(result, fd, d)
+    for s in result.stages:
+        if s.failed and result.output is not None and not _output_failed(result.stages) and s is not out:
+            result.warnings.append(f"stage {s.index} {s.ref_name} (candidate {s.cand_name}) out of tolerance: "
+                                   f"max_abs={s.stats.max_abs:.3g}" if s.stats else f"stage {s.index} {s.note}")
+    if result.fixed_verdict is not None:
+        verdict = judge(result)
+        if result.fixed_verdict != verdict:
+            result.warnings.append(f"the fixed tolerance says {result.fixed_verdict}; against the float64 reference "
+                                   f"the verdict is {verdict}")
+    return result
+
+
+def _output_failed(stages) -> bool:
+    out = next((s for s in stages if s.cand is not None and s.cand.is_output and s.ref is not None
+                and s.ref.is_output), None)
+    return out is not None and (out.failed or tuple(out.ref.shape) != tuple(out.cand.shape))
+
+
+def _trace_error(ref: Trace, cand: Trace) -> ErrorInfo | None:
+    for side, tr in (("reference", ref), ("candidate", cand)):
+        if tr.error is not None:
+            e = tr.error
+            return ErrorInfo(side, "forward", f"{e.type}: {e.message}", e.stage, e.traceback)
+    return None
+
+
+# ------------------------------------------------------------------------------------------ judge
+def judge(result: Result) -> str:
+    """The verdict, from the evidence in `result` (and nothing else sets it).
+
+    error      a side failed to build, run or return an output (a forward stopped on purpose by
+               --stop-at-first is not a failure)
+    diverged   the output is out of tolerance or of another shape; or, with `strict`, any stage is;
+               or the output passed but compute-sanitizer reported errors, or a stage carries a
+               race / memory-error finding
+    match      otherwise (stages out of tolerance under a passing output are warnings)
+    """
+    if result.error is not None:
+        return "error"
+    stopped = bool(result.meta.get("stopped"))
+    out = result.output_stage
+    if out is None:
+        return "diverged" if stopped and result.first_divergence is not None else "error"
+    if result.output_shape_mismatch is not None or out.failed:
+        return "diverged"
+    if stopped and result.first_divergence is not None:
+        return "diverged"
+    if result.strict and any(s.failed for s in result.stages):
+        return "diverged"
+    if result.meta.get("sanitizer_errors") or any(f.kind in ("race", "memory_error") for s in result.stages
+                                                   for f in s.diagnosis):
+        if not any("compute-sanitizer reported" in w for w in result.warnings):
+            n = result.meta.get("sanitizer_errors") or "some"
+            result.warnings.insert(0, f"compute-sanitizer reported {n} error(s): the output matched, the kernels "
+                                      f"are still wrong")
+        return "diverged"
+    return "match"
+
+
+# ------------------------------------------------------------------------------------------ --tolerance auto
+# TorchDynamo's same() rule against a float64 run of the reference
+AUTO_MULTIPLIER = 3.0
+AUTO_FLOOR = 1e-6
+
+
+def _rmse(a: torch.Tensor, b: torch.Tensor) -> float:
+    d = a.double() - b.double()
+    d = torch.where(torch.isfinite(d), d, torch.zeros_like(d))
+    return float(d.pow(2).mean().sqrt()) if d.numel() else 0.0
+
+
+def apply_auto_tolerance(stages: list, ref: Trace, ref64: Trace) -> None:
+    """A stage passes when its RMS error against float64 is within AUTO_MULTIPLIER times the float32
+    reference's own RMS error against float64, plus AUTO_FLOOR times the value's RMS size.  The
+    verdict then follows `Stage.passed`, which reads this rule's answer."""
+    same_code = len(ref.records) == len(ref64.records) and all(
+        a.name == b.name for a, b in zip(ref.records, ref64.records))
+    for s in stages:
+        if s.stats is None or s.ref is None or not same_code:
+            continue
+        rrec = ref.records[s.ref.index]
+        if not rrec.dtype.is_floating_point:
+            continue
+        r64 = ref64.records[s.ref.index].value
+        if r64 is None or tuple(r64.shape) != tuple(s.ref.shape):
+            continue
+        c = to_ref_layout(s.cand_value, tuple(s.ref.shape), s.pair_transform)
+        ref_err = _rmse(rrec.value, r64)
+        cand_err = _rmse(c, r64)
+        size = float(r64.double().pow(2).mean().sqrt()) if r64.numel() else 0.0
+        bound = AUTO_MULTIPLIER * ref_err + AUTO_FLOOR * max(size, 1.0)
+        nan_bad = bool((~torch.isfinite(c) & torch.isfinite(r64)).any())
+        ok = cand_err <= bound and not nan_bad
+        s.auto = {"ref_rmse": ref_err, "cand_rmse": cand_err, "bound": bound, "ok": ok}
+        s.status = "ok" if ok else "diverged"
+
+
+def _to_float64(obj: Any) -> Any:
+    if isinstance(obj, torch.nn.Module):
+        return copy.deepcopy(obj).to(torch.float64)
+    return pytree.tree_map(lambda v: v.to(torch.float64) if isinstance(v, torch.Tensor) and v.is_floating_point()
+                           else v, obj)
+
+
+# ------------------------------------------------------------------------------------------ evidence
+def reference_health(model: torch.nn.Module, inputs: list, trace: Trace, no_grad: bool) -> list[str]:
+    """Warnings about the reference itself: random, constant output, zero-initialised parameters."""
+    notes: list[str] = []
+    out = trace.output
+    if out is not None and out.value is not None and out.value.is_floating_point():
+        v = out.value
+        if v.numel() and bool((v == 0).all()):
+            notes.append("the reference output is all zeros: a candidate returning zeros would pass")
+        elif v.numel() > 1 and float(v.max() - v.min()) == 0:
+            notes.append(f"the reference output is constant ({float(v.flatten()[0]):g}): a constant candidate would pass")
+        again = run_captured(model, clone_inputs(inputs), no_grad=no_grad)
+        if again.output is not None and again.output.value is not None and not torch.equal(again.output.value, v):
+            first = next((a.name for a, b in zip(trace.records, again.records)
+                          if a.value is not None and b.value is not None and a.shape == b.shape
+                          and not torch.equal(a.value, b.value)), "?")
+            active = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Dropout) and m.training and m.p > 0]
+            why = f" (dropout active in {', '.join(active[:3])})" if active else ""
+            notes.append(f"the reference is random: two runs on the same inputs differ, first at {first}{why}")
+    # weights (not norm biases, which start at zero by design) that are all zero
+    zero = [n for n, p in model.named_parameters() if p.dim() >= 2 and bool((p == 0).all())]
+    if zero:
+        notes.append(f"parameters initialised to zero hide the paths through them: {', '.join(zero[:5])}"
+                     + (" …" if len(zero) > 5 else "") + " (--reinit-zero gives them random values for the diff)")
+    return notes
+
+
+def reinit_zero_parameters(ref: torch.nn.Module, cand: torch.nn.Module | None = None, seed: int = 0) -> list[str]:
+    """Give all-zero parameters of the reference random values (and copy them to the candidate)."""
+    g = torch.Generator().manual_seed(seed)
+    done = []
+    cparams = dict(cand.named_parameters()) if cand is not None else {}
+    with torch.no_grad():
+        for n, p in ref.named_parameters():
+            if p.dim() >= 2 and bool((p == 0).all()):
+                p.copy_((torch.randn(p.shape, generator=g) * 0.1).to(p))
+                if n in cparams and cparams[n].shape == p.shape:
+                    cparams[n].copy_(p)
+                done.append(n)
+    return done
+
+
+def _drop_statistical(stage) -> None:
+    stage.diagnosis = [f for f in stage.diagnosis if f.kind not in ("approximation", "precision")]
+
+
+def rerun_differences(first: Trace, again: Trace, names: set[str] | None = None) -> dict[str, dict]:
+    """Records (by name) whose values differ bitwise between two runs on the same inputs:
+    {name: {"elements", "numel", "max_abs"}}."""
+    by_name = {r.name: r for r in again.records}
+    out: dict[str, dict] = {}
+    for a in first.records:
+        b = by_name.get(a.name)
+        if (names is not None and a.name not in names) or b is None or a.value is None or b.value is None \
+                or a.shape != b.shape or a.kind == "input":
+            continue
+        if torch.equal(torch.nan_to_num(a.value), torch.nan_to_num(b.value)):
+            continue
+        diff = torch.nan_to_num((a.value.double() - b.value.double()).abs(), nan=0.0)
+        out[a.name] = {"elements": int((diff > 0).sum()), "numel": diff.numel(), "max_abs": float(diff.max())}
+    return out
+
+
+def _nondeterministic(result: Result, fd, d: dict) -> None:
+    _drop_statistical(fd)  # run-to-run noise is the explanation; a rounding-size guess would be wrong
+    if result.root_cause is not None and result.root_cause is not fd:
+        _drop_statistical(result.root_cause)
+    fd.diagnosis.insert(0, Finding(
+        "nondeterministic", f"running the candidate twice on the same inputs gives different values here "
+        f"({d['elements']} of {d['numel']} elements, max difference {d['max_abs']:.3g}): a race, an uninitialised "
+        f"read or randomness in the kernel", 0.9))
+
+
+def _check_nondeterminism(result: Result, cand_trace: Trace, model, inputs, no_grad: bool, only=None) -> None:
+    """Run the candidate again on the same inputs: a first divergence whose value changes between
+    the two runs is a race, an uninitialised read or randomness in the kernel."""
+    fd = result.first_divergence
+    name = fd.cand.name
+    again = run_captured(model, clone_inputs(inputs), no_grad=no_grad, only=only)
+    d = rerun_differences(cand_trace, again, {name}).get(name)
+    if d is not None:
+        _nondeterministic(result, fd, d)
