@@ -1,27 +1,43 @@
 """Align two captures: pair each candidate record with the reference record it should equal.
 
 Alignment is a list of passes (`PASSES`) over one shared `AlignState`; each pass pairs what the
-passes before it left over, and every `Pair` records the pass that made it (`via`) and how strong
-that evidence is (`confidence`):
+passes before it left over (none overrides another), and every `Pair` records the pass that made it
+(`via`) and how strong that evidence is (`confidence`):
 
 1. ``name``  (`pass_name`) — identical names: taps, module paths, ``scope.function:label`` (aliases
-   count); then `pass_outputs` pairs the model's outputs with each other, whatever their shapes;
-2. ``order`` (`pass_order`) — within one module scope, a longest common subsequence on (label,
-   element count), so a rewrite that renames functions, splits or drops steps still lines up;
-3. ``value`` (`pass_value`) — a leftover candidate tensor (say, a fused kernel's output) is paired
-   with the reference tensor of equal element count whose values are closest, allowing a reshape
-   or a permutation of axes.  Cheap permutation-invariant fingerprints (quantiles) pick a few
-   contenders before any full comparison;
-4. `pass_deferred` — a name or order pair set aside because a reused variable's values disagreed
-   stands after all when no value partner was found for the candidate.
+   count); then `pass_outputs` pairs the model's outputs with each other, whatever their shapes.  A
+   reused variable's name (``g = t @ W.t(); g = g + b``) names several tensors: it pairs at once only
+   where the two records consumed counterpart inputs and read the same parameters, and is otherwise
+   only proposed, for dataflow to overrule (`pass_proposed` takes what is left);
+2. ``dataflow`` (`pass_dataflow`) — what a record was computed from: the paired records upstream of
+   it and the parameters read on the way (its *cover*, see `covers`).  A candidate record whose cover
+   equals a reference record's is its counterpart whatever its values, so a wrong-valued kernel
+   output still pairs (a fused kernel covering several reference stages pairs with the last of them;
+   one that reads only some of a stage's parameters, say without its bias, pairs in a second round
+   with the first stage reading one it left out, where its computation departs from the reference's;
+   a record that finishes a paired stage's computation, say adding its bias once more, takes its pair);
+3. ``order`` (`pass_order`) — inside the gaps between pairs already made, within one module scope, a
+   longest common subsequence on (label, element count), then a lone record of equal shape on each
+   side of a gap;
+4. ``value`` (`pass_value`) — a leftover candidate tensor is paired, one-to-one, with the free
+   reference tensor of equal element count whose values are closest, allowing a reshape or a
+   permutation of axes.  Cheap permutation-invariant fingerprints (quantiles) pick a few contenders
+   before any full comparison;
+5. `pass_deferred` — a name pair set aside because a reused variable's values disagreed stands after
+   all when no pass found the candidate another partner;
+6. `pass_consistency` — a pair whose values disagree while every paired record consuming the
+   candidate's tensor agrees with its reference is dropped: an error that does not flow on was a pair
+   of two different roles (a BatchNorm output against a fused BatchNorm+ReLU), not a bug.
 
-When shapes are equal the tensors are compared as they are (a permuted result is then a bug to
-diagnose, not a layout to forgive); when only the element count agrees, the layout that brings
-the candidate closest to the reference is used and recorded in `Pair.transform`.
+Order and value pairs must not contradict the dataflow (`compatible`).  When shapes are equal the
+tensors are compared as they are (a permuted result is then a bug to diagnose, not a layout to
+forgive); when only the element count agrees, the layout that brings the candidate closest to the
+reference is used and recorded in `Pair.transform`.
 """
 from __future__ import annotations
 
 import functools
+import math
 import itertools
 from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, field
@@ -31,8 +47,10 @@ import torch
 
 from .capture import Record
 
-__all__ = ["Pair", "Alignment", "AlignState", "align", "PASSES", "pass_name", "pass_outputs", "pass_order",
-           "pass_value", "pass_deferred", "to_ref_layout", "from_ref_layout", "best_layout", "Layout"]
+__all__ = ["Pair", "Alignment", "AlignState", "align", "PASSES", "pass_name", "pass_outputs", "pass_dataflow",
+           "pass_proposed", "pass_order", "pass_value", "pass_deferred", "pass_consistency", "to_ref_layout",
+           "from_ref_layout", "best_layout", "Layout", "Dataflow", "covers", "compatible", "param_map",
+           "rebound_pair_agrees"]
 
 ValueReader = Callable[[Record], "torch.Tensor | None"]
 
@@ -46,8 +64,12 @@ SHAPE_MISMATCH = ("shape-mismatch",)
 # evidence in the order the passes trust it; they are priors, not calibrated probabilities.
 NAME_CONFIDENCE = 1.0  # the same name, not a reused variable: names are unique within a trace
 OUTPUT_CONFIDENCE = 1.0  # the models' results are the pair being compared, by definition
-REBOUND_NAME_CONFIDENCE = 0.9  # a reused variable's name, its values agreeing within NAME_MATCH_REL_ERR
+REBOUND_NAME_CONFIDENCE = 0.9  # a reused variable's name, confirmed by its dataflow or values
+DATAFLOW_CONFIDENCE = 0.85  # the same paired inputs and the same parameters read: the same computation
+DATAFLOW_PARTIAL_CONFIDENCE = 0.75  # the same paired inputs, some of the same parameters (a bias left out …)
+DATAFLOW_AMBIGUOUS_CONFIDENCE = 0.65  # one of several equal covers, chosen by position, values not deciding
 ORDER_CONFIDENCE = 0.7  # same scope, label and element count at the same place in the sequence
+ORDER_SHAPE_CONFIDENCE = 0.5  # the one record of equal shape left on each side of a gap between pairs
 UNCHECKED_REBOUND_CONFIDENCE = 0.5  # a reused variable's name whose values were not at hand to check
 VALUE_CONFIDENCE_BEST = 0.6  # a value pair of identical values: below order, the pass trusted last ...
 VALUE_CONFIDENCE_WORST = 0.2  # ... falling linearly to this at the acceptance limit VALUE_MATCH_REL_ERR
@@ -60,7 +82,7 @@ class Pair:
 
     ref: int  # index into the reference's records
     cand: int  # index into the candidate's records
-    via: str  # the pass that made it: "name" | "order" | "value"
+    via: str  # the pass that made it: "name" | "dataflow" | "order" | "value"
     confidence: float  # how strong that pass's evidence is, in (0, 1]: see the *_CONFIDENCE constants
     transform: tuple = ()  # how the candidate's value is brought into the reference's layout (see RESHAPE)
 
@@ -93,6 +115,7 @@ class Alignment:
     pairs: list[Pair] = field(default_factory=list)
     ref_unmatched: list[int] = field(default_factory=list)
     cand_unmatched: list[int] = field(default_factory=list)
+    dropped: list[Pair] = field(default_factory=list)  # pairs `pass_consistency` undid (two different roles)
 
     def by_cand(self) -> dict[int, Pair]:
         return {p.cand: p for p in self.pairs}
@@ -152,13 +175,23 @@ def _groupable(a: tuple, b: tuple) -> bool:
 
 
 def _rel_err(c: torch.Tensor, r: torch.Tensor) -> float:
-    c = c.reshape(-1).to(torch.float64)
-    r = r.reshape(-1).to(torch.float64)
-    finite = torch.isfinite(c) & torch.isfinite(r)
-    if not bool(finite.any()):
-        return float("inf")
-    d = float((c[finite] - r[finite]).norm())
-    s = float(r[finite].norm())
+    """||c - r|| / ||r|| over the elements finite on both sides (norms accumulated in float64)."""
+    work = torch.promote_types(torch.promote_types(c.dtype, r.dtype), torch.float32)
+    if not (work.is_floating_point or work.is_complex):
+        work = torch.float64
+    c = c.reshape(-1).to(work)
+    r = r.reshape(-1).to(work)
+
+    def norms(c, r):
+        return (float(torch.linalg.vector_norm(c - r, dtype=torch.float64)),
+                float(torch.linalg.vector_norm(r, dtype=torch.float64)))
+
+    d, s = norms(c, r)
+    if not (math.isfinite(d) and math.isfinite(s)):  # a NaN or Inf somewhere: those elements do not count
+        finite = torch.isfinite(c) & torch.isfinite(r)
+        if not bool(finite.any()):
+            return float("inf")
+        d, s = norms(c[finite], r[finite])
     return d / s if s > 0 else (0.0 if d == 0 else float("inf"))
 
 
@@ -349,12 +382,17 @@ NAME_MATCH_REL_ERR = 1.0
 
 # The value pass ranks contenders by fingerprint distance plus these priors (in units of the
 # fingerprint distance relative to the candidate's largest quantile), so that among equally close
-# values it prefers the same module scope, a similar position in the run, and a reference record
-# not yet paired.
+# values it prefers the same module scope and a similar position in the run.  A reference record
+# paired already is no contender: the value pass never overrides another pass's pair.
 VALUE_PRIOR_OTHER_SCOPE = 0.1
 VALUE_PRIOR_POSITION = 0.2  # times the difference of the two records' relative positions (0..1)
-VALUE_PRIOR_TAKEN = 0.1
 VALUE_CONTENDERS = 6  # contenders compared in full, closest fingerprints first
+
+
+# A value pair whose two records did not read the same parameters upstream (one computed with
+# weights the other never read) must hold the same values to this relative error: a LayerNorm output
+# is within 0.2 of its own input on normal data, and must not pair with it
+VALUE_UNSUPPORTED_REL_ERR = 1e-3
 
 
 def value_confidence(rel_err: float) -> float:
@@ -375,6 +413,158 @@ def _value_reader(fetch: ValueReader | None) -> ValueReader:
     return value
 
 
+# ---------------------------------------------------------------------------------------------- dataflow
+# torch calls whose output holds their input's values in another layout (or a copy of them)
+LAYOUT_OPS = frozenset({"view", "reshape", "permute", "transpose", "contiguous", "flatten", "unflatten", "squeeze",
+                        "unsqueeze", "t", "clone", "movedim", "moveaxis", "swapaxes", "swapdims", "view_as",
+                        "reshape_as", "detach", "to", "float", "as_strided", "expand_as"})
+
+
+def is_layout_op(rec: Record) -> bool:
+    """Whether a record is a torch call that only re-lays out (or copies) its input."""
+    return rec.kind == "op" and rec.op.rsplit(".", 1)[-1] in LAYOUT_OPS
+
+
+@dataclass
+class Dataflow:
+    """One side's dataflow graph, as the capture recorded it.
+
+    inputs:    per record, the earlier records its producing call consumed
+    params:    per record, the parameters and buffers that call read (a candidate's under the
+               reference's names, see `param_map`)
+    derived:   per record, whether it was made from parameters alone (``W.t()``, ``W * s``): weight
+               preparation, not a stage of the computation
+    consumers: per record, the records that consumed it
+    ancestors: per record, a bitset (int) of every record upstream of it
+    known:     whether the capture recorded any dataflow (capture files written before it did not)
+    """
+
+    inputs: list[tuple[int, ...]]
+    params: list[frozenset]
+    derived: list[bool]
+    consumers: list[list[int]]
+    ancestors: list[int]
+    known: bool
+
+    @classmethod
+    def of(cls, records: Sequence[Record], rename: dict[str, str] | None = None) -> Dataflow:
+        flow = cls([], [], [], [], [], False)
+        for r in records:
+            flow.append(r, rename)
+        return flow
+
+    def append(self, r: Record, rename: dict[str, str] | None = None) -> None:
+        """Add the next record (a streaming diff builds the candidate's graph as records are made)."""
+        pos = len(self.inputs)
+        # only earlier records can be inputs (a damaged capture file cannot make a cycle)
+        ins = tuple(dict.fromkeys(j for j in (getattr(x, "index", x) for x in r.inputs)
+                                  if isinstance(j, int) and 0 <= j < pos))
+        ps = frozenset((rename or {}).get(n, n) for n in (getattr(r, "params", ()) or ()))
+        bits = 0
+        for j in ins:
+            bits |= self.ancestors[j] | (1 << j)
+            self.consumers[j].append(pos)
+        self.inputs.append(ins)
+        self.params.append(ps)
+        self.derived.append(bool(ps) and all(self.derived[j] for j in ins))
+        self.ancestors.append(bits)
+        self.consumers.append([])
+        self.known = self.known or bool(ins) or bool(ps)
+
+
+Cover = tuple[frozenset, frozenset]  # (anchors: reference indices of the paired records upstream, params read)
+
+
+def covers(flow: Dataflow, anchor: Callable[[int], int | None]) -> list[Cover]:
+    """Per record, what it was computed from: the paired records reached going upstream through
+    unpaired ones (`anchor` gives a paired record's reference index, None for an unpaired one), and
+    the parameters read by it and by those unpaired records on the way."""
+    out: list[Cover] = []
+    empty: frozenset = frozenset()
+    for i, ins in enumerate(flow.inputs):
+        anchors: set | frozenset = empty
+        params = flow.params[i]
+        for j in ins:
+            a = anchor(j)
+            if a is not None:
+                anchors = anchors | {a}
+            else:
+                aj, pj = out[j]
+                if aj:
+                    anchors = anchors | aj
+                if pj:
+                    params = params | pj
+        out.append((frozenset(anchors), frozenset(params)))
+    return out
+
+
+def param_map(ref_params: dict[str, torch.Tensor] | None, cand_params: dict[str, torch.Tensor] | None) -> dict[str, str]:
+    """The reference name of each candidate parameter or buffer: the same name where the reference has
+    one of that shape; else, in creation order, a reference one of identical shape and values that no
+    name claimed (a candidate that renamed a module but built it from the same seed)."""
+    if not cand_params:
+        return {}
+    ref_params = ref_params or {}
+    out: dict[str, str] = {}
+    left: list[str] = []
+    for n, t in cand_params.items():
+        r = ref_params.get(n)
+        if r is not None and tuple(r.shape) == tuple(t.shape):
+            out[n] = n
+        else:
+            left.append(n)
+    if not left:
+        return out
+    free: dict[tuple, list[str]] = {}
+    for n, r in ref_params.items():
+        if n not in out.values() and n not in cand_params:
+            free.setdefault((tuple(r.shape), r.dtype), []).append(n)
+    for n in left:
+        t = cand_params[n]
+        pool = free.get((tuple(t.shape), t.dtype), [])
+        for k, rn in enumerate(pool):
+            r = ref_params[rn]
+            try:
+                same = bool(torch.equal(r.detach().to(t.device), t.detach()))
+            except RuntimeError:
+                same = False
+            if same:
+                out[n] = rn
+                del pool[k]
+                break
+    return out
+
+
+def compatible(c_cover: Cover, r_cover: Cover, c_ancestors: int, r_ancestors: int,
+               ref_partner: Callable[[int], int | None]) -> bool:
+    """Whether pairing a candidate and a reference record contradicts neither side's dataflow: every
+    paired record upstream of the candidate has its counterpart upstream of the reference record, and
+    the reverse (`ref_partner` gives a reference record's candidate counterpart)."""
+    for a in c_cover[0]:
+        if not (r_ancestors >> a) & 1:
+            return False
+    for a in r_cover[0]:
+        ci = ref_partner(a)
+        if ci is not None and not (c_ancestors >> ci) & 1:
+            return False
+    return True
+
+
+def rebound_pair_agrees(c: Record, r: Record, c_flow: Dataflow, r_flow: Dataflow,
+                        partner: Callable[[int], int | None]) -> bool | None:
+    """Whether a name pair on a reused variable is confirmed by dataflow: both records consumed
+    counterpart records (weight preparation aside; `partner` gives a candidate record's reference
+    counterpart) and read the same parameters.  None when neither side recorded dataflow (then the
+    values have to decide)."""
+    if not (c_flow.known and r_flow.known):
+        return None
+    c_in = {partner(j) for j in c_flow.inputs[c.index] if not c_flow.derived[j]}
+    r_in = {j for j in r_flow.inputs[r.index] if not r_flow.derived[j]}
+    c_params = c_flow.params[c.index].union(*(c_flow.params[j] for j in c_flow.inputs[c.index] if c_flow.derived[j]))
+    r_params = r_flow.params[r.index].union(*(r_flow.params[j] for j in r_flow.inputs[r.index] if r_flow.derived[j]))
+    return None not in c_in and c_in == r_in and c_params == r_params
+
+
 @dataclass
 class Deferred:
     """A name or order pair set aside: a reused variable's name whose values disagree."""
@@ -387,34 +577,103 @@ class Deferred:
 
 @dataclass
 class AlignState:
-    """What the passes share: both sides' records and values, and the pairs made so far.
+    """What the passes share: both sides' records, values and dataflow, and the pairs made so far.
 
     A pass reads the records, pairs with `add` (or `add_checked`, which sets a pair on a reused
-    name aside in `deferred` when its values disagree) and leaves paired records alone."""
+    name aside in `deferred` when its values disagree) and leaves paired records alone.  Pairs are
+    one-to-one: a reference record pairs with one candidate record at most."""
 
     ref: list[Record]
     cand: list[Record]
     ref_value: ValueReader  # a reference record's value, fetched lazily where the record holds none
     cand_value: ValueReader
     value_match: bool = True  # whether `pass_value` runs
+    rename: dict[str, str] = field(default_factory=dict)  # candidate parameter name -> the reference's
     pairs: dict[int, Pair] = field(default_factory=dict)  # candidate index -> its pair
-    paired_ref: dict[int, int] = field(default_factory=dict)  # reference index -> first candidate paired with it
+    paired_ref: dict[int, int] = field(default_factory=dict)  # reference index -> the candidate paired with it
     deferred: dict[int, Deferred] = field(default_factory=dict)  # candidate index -> the pair set aside
+    proposed: dict[int, int] = field(default_factory=dict)  # candidate -> reference: a reused name, for later
+    superseded: set = field(default_factory=set)  # candidate records whose stage a continuation took over
+    errors: dict[int, float] = field(default_factory=dict)  # candidate index -> its pair's relative L2 error
+    dropped: list[Pair] = field(default_factory=list)
+    _flows: tuple | None = field(default=None, repr=False)
 
     @classmethod
     def start(cls, ref: list[Record], cand: list[Record], value_match: bool = True, *,
-              fixed: dict[int, tuple[int, tuple]] | None = None, ref_value: ValueReader | None = None,
-              cand_value: ValueReader | None = None) -> AlignState:
-        """The state before any pass: `fixed` (candidate index → (reference index, transform)) are
-        name pairs made already (a streaming diff checks a reused name's values before it keeps one)."""
-        state = cls(ref, cand, _value_reader(ref_value), _value_reader(cand_value), value_match)
-        for ci, (ri, transform) in (fixed or {}).items():
-            confidence = REBOUND_NAME_CONFIDENCE if reused_name(cand[ci], ref[ri]) else NAME_CONFIDENCE
-            state.add(ci, ri, "name", confidence, transform)
+              fixed: dict[int, tuple] | None = None, ref_value: ValueReader | None = None,
+              cand_value: ValueReader | None = None, rename: dict[str, str] | None = None) -> AlignState:
+        """The state before any pass: `fixed` (candidate index → (reference index, transform[, relative
+        error[, the pass that made it, "name" by default]])) are pairs made already (a streaming diff
+        pairs as records are produced)."""
+        state = cls(ref, cand, _value_reader(ref_value), _value_reader(cand_value), value_match, dict(rename or {}))
+        for ci, fix in (fixed or {}).items():
+            ri, transform = fix[0], fix[1]
+            via = fix[3] if len(fix) > 3 else "name"
+            if via == "dataflow":
+                confidence = DATAFLOW_CONFIDENCE
+            else:
+                confidence = REBOUND_NAME_CONFIDENCE if reused_name(cand[ci], ref[ri]) else NAME_CONFIDENCE
+            state.add(ci, ri, via, confidence, transform)
+            if len(fix) > 2 and fix[2] is not None:
+                state.errors[ci] = float(fix[2])
         return state
+
+    @property
+    def ref_flow(self) -> Dataflow:
+        return self.flows()[0]
+
+    @property
+    def cand_flow(self) -> Dataflow:
+        return self.flows()[1]
+
+    def flows(self) -> tuple[Dataflow, Dataflow]:
+        """Both sides' dataflow graphs (built once)."""
+        if self._flows is None:
+            self._flows = (Dataflow.of(self.ref), Dataflow.of(self.cand, self.rename))
+        return self._flows
+
+    def partner(self, ci: int) -> int | None:
+        """The reference record a candidate record is paired with, if any."""
+        p = self.pairs.get(ci)
+        return None if p is None else p.ref
+
+    def covers(self) -> tuple[list[Cover], list[Cover]]:
+        """Both sides' covers (see `covers`) under the pairs made so far."""
+        rf, cf = self.flows()
+        paired = self.paired_ref
+        return (covers(rf, lambda i: i if i in paired else None), covers(cf, self.partner))
+
+    def compatible(self, ci: int, ri: int, ccov: list[Cover], rcov: list[Cover]) -> bool:
+        """`compatible` for one candidate and one reference record, under the given covers."""
+        rf, cf = self.flows()
+        if not (rf.known and cf.known):
+            return True
+        return compatible(ccov[ci], rcov[ri], cf.ancestors[ci], rf.ancestors[ri], self.paired_ref.get)
+
+    def by_numel(self, side: str) -> dict[int, list[int]]:
+        """One side's record indices by element count, in order (built once)."""
+        key = "_numel_" + side
+        hit = self.__dict__.get(key)
+        if hit is None:
+            hit = {}
+            for r in (self.ref if side == "ref" else self.cand):
+                hit.setdefault(record_numel(r), []).append(r.index)
+            self.__dict__[key] = hit
+        return hit
 
     def numel_agrees(self, ci: int, ri: int) -> bool:
         return record_numel(self.cand[ci]) == record_numel(self.ref[ri])
+
+    def best(self, ci: int, ri: int) -> Layout | None:
+        """`best_layout` of a candidate record against a reference record (cached), None where a
+        value is not at hand."""
+        cache = self.__dict__.setdefault("_layouts", {})
+        key = (ci, ri)
+        if key not in cache:
+            w = self.cand_value(self.cand[ci])
+            v = self.ref_value(self.ref[ri]) if w is not None else None
+            cache[key] = best_layout(w, v.to(w.device)) if v is not None else None
+        return cache[key]
 
     def layout(self, ci: int, ri: int) -> tuple:
         """The transform for a pair of equal element counts: none for equal shapes, else the layout
@@ -422,8 +681,8 @@ class AlignState:
         c, r = self.cand[ci], self.ref[ri]
         if c.shape == r.shape:
             return ()
-        v, w = self.ref_value(r), self.cand_value(c)
-        return best_layout(w, v).transform if v is not None and w is not None else RESHAPE
+        got = self.best(ci, ri)
+        return got.transform if got is not None else RESHAPE
 
     def add(self, ci: int, ri: int, via: str, confidence: float, transform: tuple | None = None) -> Pair:
         """Pair candidate `ci` with reference `ri` (`transform`: as given, else `layout`)."""
@@ -432,6 +691,31 @@ class AlignState:
         self.pairs[ci] = pair
         self.paired_ref.setdefault(ri, ci)
         return pair
+
+    def remove(self, ci: int) -> Pair:
+        """Undo the pair of candidate `ci`."""
+        pair = self.pairs.pop(ci)
+        self.errors.pop(ci, None)
+        if self.paired_ref.get(pair.ref) == ci:
+            del self.paired_ref[pair.ref]
+        return pair
+
+    def pair_error(self, ci: int) -> float | None:
+        """The relative L2 distance of a pair's candidate (in the pair's layout) from its reference,
+        None where a value is not at hand."""
+        if ci in self.errors:
+            return self.errors[ci]
+        p = self.pairs.get(ci)
+        if p is None or p.transform == SHAPE_MISMATCH:
+            return None
+        r = self.ref[p.ref]
+        w = self.cand_value(self.cand[ci])
+        v = self.ref_value(r) if w is not None else None
+        if v is None or not (v.is_floating_point() or v.is_complex()):
+            return None
+        err = _rel_err(to_ref_layout(w, tuple(r.shape), p.transform).to(v.device), v)
+        self.errors[ci] = err
+        return err
 
     def add_checked(self, ci: int, ri: int, via: str, confidence: float) -> None:
         """`add`, unless the pair is on a reused name (`reused_name`) and its values disagree beyond
@@ -450,23 +734,43 @@ class AlignState:
             self.deferred[ci] = Deferred(ref=ri, cand=ci, via=via, rel_err=layout.rel_err)
             return
         self.add(ci, ri, via, min(confidence, REBOUND_NAME_CONFIDENCE), layout.transform)
+        self.errors[ci] = layout.rel_err
 
     def alignment(self) -> Alignment:
         return Alignment(pairs=[self.pairs[ci] for ci in sorted(self.pairs)],
                          ref_unmatched=[r.index for r in self.ref if r.index not in self.paired_ref],
-                         cand_unmatched=[c.index for c in self.cand if c.index not in self.pairs])
+                         cand_unmatched=[c.index for c in self.cand if c.index not in self.pairs],
+                         dropped=list(self.dropped))
 
 
 def pass_name(state: AlignState) -> None:
     """Pair each unpaired candidate record with a free reference record of the same name (aliases
-    count) and element count; a pair on a reused variable's name must also agree in value."""
+    count) and element count.  A pair of different shapes (`same_layout`: the same name on a
+    re-laid-out tensor may name another role, ``qkv`` the projection on one side and its head-split
+    permutation on the other) is only proposed, for `pass_proposed` after the dataflow pass; so is a
+    pair on a reused variable's name that dataflow contradicts (`rebound_pair_agrees`).  Where no
+    dataflow was recorded, a reused name's values must agree."""
     index = names_index(state.ref)
+    rf, cf = state.flows()
     for c in state.cand:
         if c.index in state.pairs:
             continue
         ri = name_partner(c, state.ref, index, state.paired_ref)
-        if ri is not None:
+        if ri is None:
+            continue
+        if not same_layout(c, state.ref[ri]):
+            state.proposed[c.index] = ri  # a name on a permuted tensor may name another role: dataflow first
+            continue
+        if not reused_name(c, state.ref[ri]):
+            state.add(c.index, ri, "name", NAME_CONFIDENCE)
+            continue
+        agrees = rebound_pair_agrees(c, state.ref[ri], cf, rf, state.partner)
+        if agrees is None:
             state.add_checked(c.index, ri, "name", NAME_CONFIDENCE)
+        elif agrees:
+            state.add(c.index, ri, "name", REBOUND_NAME_CONFIDENCE)
+        else:
+            state.proposed[c.index] = ri
 
 
 def pass_outputs(state: AlignState) -> None:
@@ -476,22 +780,410 @@ def pass_outputs(state: AlignState) -> None:
     cout = [c.index for c in state.cand if c.is_output]
     if len(rout) == 1 and len(cout) == 1 and cout[0] not in state.pairs:
         ri, ci = rout[0], cout[0]
+        if ri in state.paired_ref:  # a record the output aliases was paired by name: the output decides
+            state.remove(state.paired_ref[ri])
         state.add(ci, ri, "name", OUTPUT_CONFIDENCE,
                   state.layout(ci, ri) if state.numel_agrees(ci, ri) else SHAPE_MISMATCH)
+
+
+# rounds of the dataflow pass: each pairs what the pairs of the round before made comparable
+DATAFLOW_MAX_ROUNDS = 64
+# values "decide" among dataflow contenders when the closest is within VALUE_MATCH_REL_ERR, or when it
+# is this much closer than the next; contenders within DATAFLOW_TIE of the closest are tied (equal values in
+# another layout), and the earliest of them is taken
+DATAFLOW_CLEARLY_CLOSER = 0.7
+DATAFLOW_TIE = 1.25
+
+
+def _refines(a: tuple, b: tuple) -> bool:
+    """Whether shape `b` is shape `a` with runs of consecutive axes merged (1s ignored)."""
+    a = [s for s in a if s != 1]
+    b = [s for s in b if s != 1]
+    i = 0
+    for size in b:
+        acc = 1
+        while acc < size and i < len(a):
+            acc *= a[i]
+            i += 1
+        if acc != size:
+            return False
+    return i == len(a)
+
+
+def same_layout(c: Record, r: Record) -> bool:
+    """Equal shapes (axes of size 1 aside).  (Shapes that only multiply out alike, [24, 96] and a
+    head-split [3, 2, 4, 12, 8], may hold the same elements in another order.)"""
+    return [s for s in c.shape if s != 1] == [s for s in r.shape if s != 1]
+
+
+def layout_known(state: AlignState, ci: int, ri: int) -> bool:
+    """Whether the layout comparing two records of equal element count is known: equal shapes, one
+    shape the other with consecutive axes merged (a reshape), or a permutation the values confirm.
+    Values that are wrong cannot say which axes a permuted layout swapped: such a pair would compare
+    elements that do not correspond."""
+    c, r = tuple(state.cand[ci].shape), tuple(state.ref[ri].shape)
+    if c == r or _refines(c, r) or _refines(r, c):
+        return True
+    return state.layout(ci, ri)[:1] in (("permute",), ("unpermute",))
+
+
+def _eligible(rec: Record, flow: Dataflow, cover: Cover) -> bool:
+    """A record the dataflow pass pairs: computed from something (not an input, not weight preparation)."""
+    return rec.kind != "input" and not flow.derived[rec.index] and bool(cover[0] or cover[1])
+
+
+def torch_op(rec: Record) -> str:
+    """The torch function or module class that made a record ('' for extension and Triton calls,
+    whose names their authors chose): ``F.softmax``, ``Tensor.softmax`` and ``torch.softmax`` alike."""
+    if rec.kind not in ("op", "module") or rec.op.startswith(("ext:", "triton:")):
+        return ""
+    return rec.op.rsplit(".", 1)[-1].lower().rstrip("_")
+
+
+def same_op(c: Record, r: Record) -> bool:
+    """Both records made by the same torch function or module class."""
+    a = torch_op(c)
+    return bool(a) and a == torch_op(r)
+
+
+def _value_err(state: AlignState, c: Record, r: Record) -> float | None:
+    got = state.best(c.index, r.index)
+    return None if got is None else got.rel_err
+
+
+def _known_roots(state: AlignState, ci: int, contenders: list[int]) -> list[int]:
+    """The contenders whose layout against `ci` is known (`layout_known`), without those that only
+    re-lay out another (a view of a fused output holds the same values: the stage that computed them is
+    the counterpart); a layout copy stands in for a contender only when that one's layout is not known.  (Contenders come
+    in reference order, so a copy comes after what it copies; no layout is computed for a copy.)"""
+    rf = state.ref_flow
+    accepted: list[int] = []
+    taken: set[int] = set()
+    for ri in contenders:
+        if is_layout_op(state.ref[ri]) and any(j in taken for j in rf.inputs[ri]):
+            continue  # a copy of an accepted contender holds the same values
+        if layout_known(state, ci, ri):
+            accepted.append(ri)
+            taken.add(ri)
+    return accepted
+
+
+def _choose(state: AlignState, c: Record, contenders: list[int], later: list[int]) -> tuple[int | None, bool]:
+    """Among reference records of the same cover, the counterpart of `c`: the closest in value when
+    values decide, else by position (a candidate record that is the last of its cover takes the last
+    contender: a fused kernel's output equals the last stage it covers).  `later`: the unpaired
+    candidate records after `c` of the same cover; a lone contender whose values one of them holds,
+    while `c` does not, is left to it (None).  Returns (index, whether values decided)."""
+    if len(contenders) > 1:
+        # the same torch function on both sides (softmax and softmax) is the same stage; a later
+        # candidate record with its own such contender is no rival for the others
+        mine = [ri for ri in contenders if same_op(c, state.ref[ri])]
+        if mine:
+            contenders = mine
+            later = [x for x in later if any(same_op(state.cand[x], state.ref[ri]) for ri in mine)]
+        else:
+            taken = {ri for x in later for ri in contenders if same_op(state.cand[x], state.ref[ri])}
+            if taken and len(taken) < len(contenders):
+                contenders = [ri for ri in contenders if ri not in taken]
+                later = [x for x in later if not any(same_op(state.cand[x], state.ref[ri]) for ri in taken)]
+    if len(contenders) == 1:
+        if later:
+            mine = _value_err(state, c, state.ref[contenders[0]])
+            if mine is not None and mine > VALUE_MATCH_REL_ERR:
+                for x in later:
+                    theirs = _value_err(state, state.cand[x], state.ref[contenders[0]])
+                    if theirs is not None and theirs <= VALUE_MATCH_REL_ERR:
+                        return None, False
+        return contenders[0], True
+    last = not later
+    if state.cand_value(c) is not None:
+        scored = []
+        for ri in contenders:
+            err = _value_err(state, c, state.ref[ri])
+            if err is None:
+                scored = []
+                break
+            scored.append((err, ri))
+        if scored:
+            scored.sort()
+            best, second = scored[0][0], scored[1][0]
+            if best <= VALUE_MATCH_REL_ERR or best < DATAFLOW_CLEARLY_CLOSER * second:
+                return min(ri for e, ri in scored if e <= best * DATAFLOW_TIE + _IDENTICAL_REL_ERR), True
+            other = _holds_another(state, c.index, -1)
+            if other is not None and other.ref not in contenders:
+                return None, False  # it holds another reference tensor's values (a copy of one): no stage here
+    return (contenders[-1] if last else contenders[0]), False
+
+
+def cover_of(flow: Dataflow, i: int, anchor: Callable[[int], int | None], memo: dict[int, Cover]) -> Cover:
+    """`covers` for one record, walking up only as far as the paired records (`memo` holds what was
+    walked already, valid while no pair changes)."""
+    hit = memo.get(i)
+    if hit is not None:
+        return hit
+    stack = [i]
+    while stack:
+        j = stack[-1]
+        if j in memo:
+            stack.pop()
+            continue
+        todo = [k for k in flow.inputs[j] if anchor(k) is None and k not in memo]
+        if todo:
+            stack.extend(todo)
+            continue
+        stack.pop()
+        anchors: set = set()
+        params = flow.params[j]
+        for k in flow.inputs[j]:
+            a = anchor(k)
+            if a is not None:
+                anchors.add(a)
+            else:
+                ak, pk = memo[k]
+                anchors |= ak
+                params = params | pk
+        memo[j] = (frozenset(anchors), frozenset(params))
+    return memo[i]
+
+
+def _dataflow_round(state: AlignState, partial: bool) -> int:
+    """One round of `pass_dataflow`: in candidate order, pair each candidate record whose cover equals
+    (or, `partial`, shares its anchors and some parameters with) a free reference record's.  Covers
+    are taken fresh, under every pair made so far (a pair changes the covers downstream of it).
+    Returns the pairs made."""
+    rf, cf = state.flows()
+    ref_numel = state.by_numel("ref")
+    cand_numel = state.by_numel("cand")
+    paired = state.paired_ref
+    ref_anchor = lambda i: i if i in paired else None  # noqa: E731
+    memo_r: dict[int, Cover] = {}
+    memo_c: dict[int, Cover] = {}
+
+    def ref_cover(ri: int) -> Cover:
+        return cover_of(rf, ri, ref_anchor, memo_r)
+
+    def cand_cover(ci: int) -> Cover:
+        return cover_of(cf, ci, state.partner, memo_c)
+
+    def matches(cc: Cover, rc: Cover) -> bool:
+        if not partial:
+            return cc == rc
+        return cc[0] == rc[0] and bool(cc[1] & rc[1]) and (cc[1] <= rc[1] or rc[1] <= cc[1]) and cc[1] != rc[1]
+
+    def free_cand(x: int) -> bool:
+        return x not in state.pairs and x not in state.superseded and state.cand[x].kind != "input" \
+            and not cf.derived[x]
+
+    made = 0
+    for c in state.cand:
+        ci = c.index
+        if not free_cand(ci):
+            continue
+        cc = cand_cover(ci)
+        if not (cc[0] or cc[1]):
+            continue
+        numel = record_numel(c)
+        contenders = []
+        for ri in ref_numel.get(numel, ()):
+            if ri in paired or state.ref[ri].kind == "input" or rf.derived[ri] \
+                    or not all((rf.ancestors[ri] >> a) & 1 for a in cc[0]):
+                continue
+            if matches(cc, ref_cover(ri)):
+                contenders.append(ri)
+        if not contenders:
+            continue
+        confidence = DATAFLOW_CONFIDENCE
+        if partial:
+            def overlap(ri: int) -> float:
+                rp = ref_cover(ri)[1]
+                return len(cc[1] & rp) / len(cc[1] | rp)
+            top = max(overlap(ri) for ri in contenders)
+            contenders = [ri for ri in contenders if overlap(ri) == top]
+            confidence = DATAFLOW_PARTIAL_CONFIDENCE
+        contenders = _known_roots(state, ci, contenders)
+        if not contenders:
+            continue
+        # later candidate records of the same cover (those that only re-lay out another hold no other
+        # values: not rivals)
+        later = []
+        for x in cand_numel.get(numel, ()):
+            if x > ci and free_cand(x) and all((cf.ancestors[x] >> a) & 1 for a in (state.paired_ref.get(k, -1)
+                                                                                  for k in cc[0]) if a >= 0) \
+                    and cand_cover(x) == cc and not (is_layout_op(state.cand[x]) and any(
+                        j == ci or (free_cand(j) and cand_cover(j) == cc) for j in cf.inputs[x])):
+                later.append(x)
+        if partial and all(cc[1] < ref_cover(ri)[1] for ri in contenders):
+            # the candidate left some of the reference's parameters out: its computation departs from
+            # the reference's at the first stage that reads one of them, whatever it computes after
+            ri, by_value = contenders[0], True
+        else:
+            ri, by_value = _choose(state, c, contenders, later)
+        if ri is None:
+            continue
+        state.add(ci, ri, "dataflow", confidence if by_value else min(confidence, DATAFLOW_AMBIGUOUS_CONFIDENCE))
+        made += 1
+        memo_r.clear()  # the new pair changes the covers downstream of it
+        memo_c.clear()
+    return made
+
+
+def _stage_params(flow: Dataflow, i: int) -> frozenset:
+    """The parameters a record's own call read, weight preparation feeding it included."""
+    return flow.params[i].union(*(flow.params[j] for j in flow.inputs[i] if flow.derived[j]))
+
+
+def _elementwise_from(state: AlignState, ci: int, held: int, ccov: list[Cover]) -> bool:
+    """Whether every unpaired record between `held` and `ci` keeps their element count (constants
+    aside): `ci` is `held` transformed element by element, not a new reduction of it."""
+    cf = state.cand_flow
+    numel = record_numel(state.cand[ci])
+    todo, seen = list(cf.inputs[ci]), set()
+    while todo:
+        j = todo.pop()
+        if j in seen or j == held or j in state.pairs:
+            continue
+        seen.add(j)
+        if not ccov[j][0]:
+            continue  # made from constants and parameters only
+        if record_numel(state.cand[j]) != numel:
+            return False
+        todo.extend(cf.inputs[j])
+    return True
+
+
+def _continuations(state: AlignState) -> int:
+    """Move a pair to the candidate record that finishes the paired stage's computation: an unpaired
+    record downstream of one paired candidate record only (constants aside), of the reference
+    record's element count, reading no parameter the reference record's call did not read
+    (``proj = linear(ctx, W, b); proj = proj + b`` – the second ``proj`` is what the candidate passes
+    on, so it is the counterpart of the reference's projection).  Layout copies do not count.
+    Returns the pairs moved."""
+    rf, cf = state.flows()
+    rcov, ccov = state.covers()
+    moved = 0
+    for c in state.cand:
+        ci = c.index
+        if ci in state.pairs or ci in state.superseded or not _eligible(c, cf, ccov[ci]) or is_layout_op(c):
+            continue
+        anchors, params = ccov[ci]
+        if len(anchors) != 1:
+            continue
+        (ri,) = anchors
+        held = state.paired_ref.get(ri)
+        r = state.ref[ri]
+        if held is None or r.kind == "input" or rf.derived[ri] or record_numel(r) != record_numel(c) \
+                or r.is_output or not params <= _stage_params(rf, ri):
+            continue
+        was = state.pairs[held]
+        if was.via not in ("dataflow", "name") or not (cf.ancestors[ci] >> held) & 1 \
+                or not _elementwise_from(state, ci, held, ccov):
+            continue
+        h, names = state.cand[held], set(r.names())
+        if set(h.names()) & names and not reused_name(h, r) and not set(c.names()) & names:
+            continue  # the record holding the reference's own (unique) name is the stage's counterpart
+        state.remove(held)
+        state.superseded.add(held)  # part of the stage its continuation now stands for: not paired again here
+        state.add(ci, ri, "dataflow", DATAFLOW_CONFIDENCE)
+        moved += 1
+    return moved
+
+
+def pass_dataflow(state: AlignState) -> None:
+    """Pair records by what they were computed from (their covers, see `covers`): a candidate record
+    that consumed the counterparts of a reference record's inputs and read the same parameters is its
+    counterpart, whatever its values.  Rounds repeat while they pair something, each new pair making
+    the records downstream of it comparable; a round of exact covers comes first, then one allowing
+    a candidate that read only some of the reference's parameters (or more of them)."""
+    rf, cf = state.flows()
+    if not (rf.known and cf.known):
+        return
+    for _ in range(DATAFLOW_MAX_ROUNDS):
+        if not (_dataflow_round(state, partial=False) or _dataflow_round(state, partial=True)
+                or _continuations(state)):
+            break
+
+
+def pass_proposed(state: AlignState) -> None:
+    """A name pair `pass_name` only proposed (a permuted layout, or a reused name dataflow did not
+    confirm) pairs now if both records are still free, the values confirm the layout
+    (`layout_known`) and, on a reused name, agree (`AlignState.add_checked`)."""
+    for ci, ri in state.proposed.items():
+        if ci not in state.pairs and ri not in state.paired_ref and layout_known(state, ci, ri):
+            state.add_checked(ci, ri, "name", NAME_CONFIDENCE)
 
 
 def _order_key(rec: Record) -> tuple[str, int]:
     return rec.label, record_numel(rec)
 
 
+def _increasing_chain(pairs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The longest run of (candidate, reference) pairs, sorted by candidate, whose reference indices
+    increase too: the pairs that agree on the order of both sides."""
+    tails: list[int] = []  # tails[k]: position in `pairs` ending the best chain of length k + 1
+    back: list[int] = []
+    for n, (_, r) in enumerate(pairs):
+        lo, hi = 0, len(tails)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if pairs[tails[mid]][1] < r:
+                lo = mid + 1
+            else:
+                hi = mid
+        back.append(tails[lo - 1] if lo else -1)
+        if lo == len(tails):
+            tails.append(n)
+        else:
+            tails[lo] = n
+    out, n = [], tails[-1] if tails else -1
+    while n >= 0:
+        out.append(pairs[n])
+        n = back[n]
+    return out[::-1]
+
+
+def _gaps(state: AlignState, cs: list[Record], rs: list[Record]):
+    """Split one scope's records at the pairs already made inside it: (candidate, reference) lists of
+    the unpaired records between two consecutive pairs, for each gap."""
+    scope_c = {c.index for c in cs}
+    scope_r = {r.index for r in rs}
+    made = sorted((ci, p.ref) for ci, p in state.pairs.items() if ci in scope_c and p.ref in scope_r)
+    bounds = [(-1, -1), *_increasing_chain(made), (len(state.cand), len(state.ref))]
+    for (c0, r0), (c1, r1) in zip(bounds, bounds[1:]):
+        yield ([c for c in cs if c0 < c.index < c1 and c.index not in state.pairs],
+               [r for r in rs if r0 < r.index < r1 and r.index not in state.paired_ref])
+
+
+def _params_consistent(c_cover: Cover, r_cover: Cover) -> bool:
+    """Two covers that both read parameters read some of the same ones."""
+    return not (c_cover[1] and r_cover[1]) or bool(c_cover[1] & r_cover[1])
+
+
+def _params_support(c_cover: Cover, r_cover: Cover) -> bool:
+    """The parameters read upstream agree: none on either side, or some of the same ones."""
+    return (not c_cover[1] and not r_cover[1]) or bool(c_cover[1] & r_cover[1])
+
+
 def pass_order(state: AlignState) -> None:
-    """Within each module scope, pair the unpaired records of both sides along a longest common
-    subsequence of (label, element count)."""
+    """Within each module scope, inside each gap between pairs already made, pair the unpaired
+    records of both sides along a longest common subsequence of (label, element count); then, where
+    a gap holds one computed record of equal shape on each side, pair those.  No pair contradicts the
+    dataflow (`compatible`)."""
+    rcov, ccov = state.covers()
+    rf, cf = state.flows()
     for scope in sorted({r.scope for r in state.ref} | {c.scope for c in state.cand}):
-        rs = [r for r in state.ref if r.scope == scope and r.index not in state.paired_ref]
-        cs = [c for c in state.cand if c.scope == scope and c.index not in state.pairs]
-        for i, j in _lcs([_order_key(c) for c in cs], [_order_key(r) for r in rs]):
-            state.add_checked(cs[i].index, rs[j].index, "order", ORDER_CONFIDENCE)
+        scope_r = [r for r in state.ref if r.scope == scope]
+        scope_c = [c for c in state.cand if c.scope == scope]
+        for cs, rs in list(_gaps(state, scope_c, scope_r)):
+            for i, j in _lcs([_order_key(c) for c in cs], [_order_key(r) for r in rs]):
+                if state.compatible(cs[i].index, rs[j].index, ccov, rcov) \
+                        and layout_known(state, cs[i].index, rs[j].index):
+                    state.add_checked(cs[i].index, rs[j].index, "order", ORDER_CONFIDENCE)
+            cs = [c for c in cs if c.index not in state.pairs and c.kind != "input" and not cf.derived[c.index]]
+            rs = [r for r in rs if r.index not in state.paired_ref and r.kind != "input" and not rf.derived[r.index]]
+            if len(cs) == 1 and len(rs) == 1 and cs[0].shape == rs[0].shape and rf.known and cf.known \
+                    and state.compatible(cs[0].index, rs[0].index, ccov, rcov) \
+                    and _params_consistent(ccov[cs[0].index], rcov[rs[0].index]):
+                state.add_checked(cs[0].index, rs[0].index, "order", ORDER_SHAPE_CONFIDENCE)
 
 
 @dataclass
@@ -523,15 +1215,16 @@ def _contenders(state: AlignState, refs: list[int], fingerprints: dict[int, torc
 
 
 def _closest_by_value(state: AlignState, c: Record, c_value: torch.Tensor, fc: torch.Tensor,
-                      group: _Contenders) -> _ValueMatch | None:
-    """The contender whose values are closest to `c`'s within VALUE_MATCH_REL_ERR (priors break
-    near-ties), screening by fingerprint before comparing the few best in full."""
+                      group: _Contenders, allowed: Callable[[int], bool] = lambda ri: True) -> _ValueMatch | None:
+    """The free contender (one `allowed`) whose values are closest to `c`'s within VALUE_MATCH_REL_ERR
+    (priors break near-ties), screening by fingerprint before comparing the few best in full."""
     scale = float(fc.abs().max()) or 1.0
     prior = (VALUE_PRIOR_OTHER_SCOPE * torch.tensor([sc != c.scope for sc in group.scopes], dtype=torch.float64)
-             + VALUE_PRIOR_POSITION * (group.positions - c.index / max(len(state.cand), 1)).abs()
-             + VALUE_PRIOR_TAKEN * torch.tensor([ri in state.paired_ref for ri in group.refs], dtype=torch.float64))
+             + VALUE_PRIOR_POSITION * (group.positions - c.index / max(len(state.cand), 1)).abs())
     score = (group.fingerprints - fc).abs().max(dim=1).values / scale + prior
-    top = torch.argsort(score)[:VALUE_CONTENDERS].tolist()
+    free = torch.tensor([ri not in state.paired_ref and allowed(ri) for ri in group.refs], dtype=torch.bool)
+    score = torch.where(free, score, torch.full_like(score, float("inf")))
+    top = [k for k in torch.argsort(score)[:VALUE_CONTENDERS].tolist() if bool(free[k])]
     priors = [float(prior[k]) for k in top]
     best: _ValueMatch | None = None
     for k, p in zip(top, priors):
@@ -546,11 +1239,13 @@ def _closest_by_value(state: AlignState, c: Record, c_value: torch.Tensor, fc: t
 
 
 def pass_value(state: AlignState) -> None:
-    """Pair each unpaired candidate record whose value is at hand with the reference record of equal
-    element count whose values are closest in some layout (see `best_layout`), within
-    VALUE_MATCH_REL_ERR.  Skipped unless `state.value_match`."""
+    """Pair each unpaired candidate record whose value is at hand with the free reference record of
+    equal element count whose values are closest in some layout (see `best_layout`), within
+    VALUE_MATCH_REL_ERR, and whose pairing does not contradict the dataflow (`compatible`).
+    One-to-one.  Skipped unless `state.value_match`."""
     if not state.value_match:
         return
+    rcov, ccov = state.covers()
     fingerprints: dict[int, torch.Tensor | None] = {}
     groups: dict[int, _Contenders] = {}  # by element count, built once each
     by_numel: dict[int, list[int]] = {}
@@ -573,9 +1268,14 @@ def pass_value(state: AlignState) -> None:
         group = groups[numel]
         if not group.refs:
             continue
-        best = _closest_by_value(state, c, c_value, fc, group)
+        best = _closest_by_value(state, c, c_value, fc, group,
+                                 lambda ri: state.compatible(c.index, ri, ccov, rcov))
+        if best is not None and best.rel_err > VALUE_UNSUPPORTED_REL_ERR \
+                and not _params_support(ccov[c.index], rcov[best.ref]):
+            best = None  # close values, but computed from other parameters: a coincidence of the data
         if best is not None:
             state.add(c.index, best.ref, "value", value_confidence(best.rel_err), best.transform)
+            state.errors[c.index] = best.rel_err
 
 
 def pass_deferred(state: AlignState) -> None:
@@ -583,26 +1283,131 @@ def pass_deferred(state: AlignState) -> None:
     ``name`` pair, since what speaks for it is the variable's name (the order pass matches the same
     label), whichever pass proposed it last (`Deferred.via`)."""
     for ci, d in state.deferred.items():
-        if ci not in state.pairs:
+        if ci not in state.pairs and d.ref not in state.paired_ref:
             state.add(ci, d.ref, "name", DEFERRED_CONFIDENCE)
+            state.errors[ci] = d.rel_err
 
 
-# The passes `align` runs, in order.  A new pass is a function of the state inserted where its
-# evidence ranks (a dataflow pass: after pass_outputs, before pass_order).
-PASSES: list[Callable[[AlignState], None]] = [pass_name, pass_outputs, pass_order, pass_value, pass_deferred]
+# A pair "disagrees" beyond this relative L2 error (far outside float32 rounding, well inside any
+# real bug's error: the false findings this pass exists for were off by 0.85-5.6 absolute) ...
+DISAGREE_REL_ERR = 1e-3
+# ... and a record consuming it "agrees" within this relative error, and within AGREE_FRACTION of the
+# disagreeing pair's: a real error flows on at a comparable size, a wrong pairing leaves none behind
+AGREE_REL_ERR = 1e-4
+AGREE_FRACTION = 1e-2
+CONSUMERS_VISITED = 256  # unpaired records walked through looking for the paired consumers of a pair
+
+
+def _paired_consumers(state: AlignState, ci: int) -> list[int]:
+    """The nearest paired candidate records downstream of `ci` (walking through unpaired ones)."""
+    cf = state.cand_flow
+    out: list[int] = []
+    seen: set[int] = set()
+    todo = list(cf.consumers[ci])
+    while todo and len(seen) < CONSUMERS_VISITED:
+        j = todo.pop()
+        if j in seen:
+            continue
+        seen.add(j)
+        if j in state.pairs:
+            out.append(j)
+        else:
+            todo.extend(cf.consumers[j])
+    return out
+
+
+# the candidate's values "are" another reference record's within this relative error (in some layout)
+ANOTHER_ROLE_REL_ERR = 1e-3
+
+
+def _holds_another(state: AlignState, ci: int, ri: int) -> _ValueMatch | None:
+    """The reference record other than `ri` whose values the candidate record holds (in some layout,
+    within ANOTHER_ROLE_REL_ERR), closest first by fingerprint; None if it holds no other's."""
+    c = state.cand[ci]
+    w = state.cand_value(c)
+    fc = _fingerprint(c, v=w) if w is not None else None
+    if fc is None:
+        return None
+    numel = record_numel(c)
+    refs = [r.index for r in state.ref if r.index != ri and record_numel(r) == numel]
+    if not refs:
+        return None
+    group = _contenders(state, refs, {})
+    if not group.refs:
+        return None
+    scale = float(fc.abs().max()) or 1.0
+    order = torch.argsort((group.fingerprints - fc).abs().max(dim=1).values / scale)[:VALUE_CONTENDERS].tolist()
+    for k in order:
+        other = group.refs[k]
+        layout = best_layout(w, state.ref_value(state.ref[other]).to(w.device))
+        if layout.rel_err <= ANOTHER_ROLE_REL_ERR:
+            return _ValueMatch(ref=other, transform=layout.transform, rel_err=layout.rel_err, score=layout.rel_err)
+    return None
+
+
+def pass_consistency(state: AlignState) -> None:
+    """Drop a pair of two different roles: its values disagree (DISAGREE_REL_ERR), every paired
+    record consuming the candidate's tensor agrees with its reference (AGREE_REL_ERR), so the error
+    vanishes at once, and the candidate's tensor holds another reference tensor's values (a BatchNorm
+    output paired with a fused BatchNorm+ReLU output that equals the ReLU's; a tensor of the same shape
+    but another role).  The candidate record pairs with that other tensor where it is free.  A real
+    difference that a later stage undoes (its values no reference tensor's) stays, to be reported.
+    Pairs of the models' inputs and outputs stand; the candidate is walked downstream first."""
+    if not state.cand_flow.known:
+        return
+    for ci in sorted(state.pairs, reverse=True):
+        p = state.pairs[ci]
+        c, r = state.cand[ci], state.ref[p.ref]
+        if c.kind == "input" or c.is_output or r.is_output or p.transform == SHAPE_MISMATCH:
+            continue
+        err = state.pair_error(ci)
+        if err is None or not err > DISAGREE_REL_ERR:
+            continue
+        consumers = _paired_consumers(state, ci)
+        if not consumers:
+            continue
+        bound = min(AGREE_REL_ERR, AGREE_FRACTION * err)
+        # a consumer compared through a permutation of axes may have absorbed this pair's error (the
+        # same permutation): it is no evidence that the error vanished
+        if any(state.pairs[j].transform[:1] in (("permute",), ("unpermute",)) for j in consumers):
+            continue
+        errs = [state.pair_error(j) for j in consumers]
+        if not all(e is not None and e <= bound for e in errs):
+            continue
+        other = _holds_another(state, ci, p.ref)
+        if other is None:
+            continue  # its values are no other reference tensor's: a real difference, undone later
+        state.dropped.append(state.remove(ci))
+        if other.ref not in state.paired_ref:
+            state.add(ci, other.ref, "value", value_confidence(other.rel_err), other.transform)
+            state.errors[ci] = other.rel_err
+
+
+# The passes `align` runs, in order: each is a function of the state, inserted where its evidence ranks.
+PASSES: list[Callable[[AlignState], None]] = [pass_name, pass_outputs, pass_dataflow, pass_proposed, pass_order,
+                                              pass_value, pass_deferred, pass_consistency]
 
 
 def align(ref: list[Record], cand: list[Record], value_match: bool = True, *,
-          fixed: dict[int, tuple[int, tuple]] | None = None,
+          fixed: dict[int, tuple] | None = None,
           ref_value: ValueReader | None = None, cand_value: ValueReader | None = None,
-          passes: Sequence[Callable[[AlignState], None]] | None = None) -> Alignment:
+          passes: Sequence[Callable[[AlignState], None]] | None = None,
+          ref_params: dict[str, torch.Tensor] | None = None,
+          cand_params: dict[str, torch.Tensor] | None = None,
+          rename: dict[str, str] | None = None) -> Alignment:
     """Pair the candidate's records with the reference's by running `passes` (default `PASSES`).
 
-    `fixed` (candidate index → (reference index, transform)) are pairs made already (a streaming
-    diff pairs by name as records are produced); `ref_value` fetches a reference value that is
-    not held in its record (read lazily from a store); `cand_value` likewise.  `value_match=False`
-    skips the value pass."""
-    state = AlignState.start(ref, cand, value_match, fixed=fixed, ref_value=ref_value, cand_value=cand_value)
+    `fixed` (candidate index → (reference index, transform[, relative error])) are pairs made already
+    (a streaming diff pairs by name as records are produced); `ref_value` fetches a reference value
+    that is not held in its record (read lazily from a store); `cand_value` likewise.  `ref_params` /
+    `cand_params` (the models' parameters and buffers by name) let a candidate that renamed its
+    modules be matched by the parameters it reads (`param_map`; or give that map as `rename`, made
+    before the forwards changed any buffer); without them names must agree.  `value_match=False` skips
+    the value pass."""
+    if rename is None and cand_params:
+        rename = param_map(ref_params, cand_params)
+    state = AlignState.start(ref, cand, value_match, fixed=fixed, ref_value=ref_value, cand_value=cand_value,
+                             rename=rename)
     for run_pass in PASSES if passes is None else passes:
         run_pass(state)
     return state.alignment()

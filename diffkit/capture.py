@@ -10,6 +10,17 @@ Three mechanisms are combined (see shared/design/capture.md for what each can se
 
 ``tap(name, tensor)`` names a tensor explicitly.  Every record holds a snapshot (a clone taken
 when the value was produced), so later in-place writes do not change what was captured.
+
+Every record also keeps its dataflow: `Record.inputs`, the earlier records its call's tensor
+arguments came from (a tensor itself; a view made where capture was quiet maps to its base's or its
+storage's record; an in-place write makes a new record whose input is the old one, and later readers
+of that storage, views included, read the write too), and `Record.params`, the model parameters and
+buffers the call read (an argument that is one, or a view of one, or a record made from parameters
+alone).  A ``torch.nn`` module's record reads all its parameters and buffers, its submodules'
+included (capture does not look inside it); a user module's output is normally a record made inside
+it, which keeps what its own call read; only where nothing inside was recorded does the module's
+record stand for all it holds.  These are dictionary lookups per argument (by id, `_base` and storage
+address): no walk over the tensors alive.
 """
 from __future__ import annotations
 
@@ -70,8 +81,9 @@ class Record:
     aliases: list[str] = field(default_factory=list)
     is_output: bool = False
     rebound: bool = False  # the label is a variable assigned more than once in its function
-    inputs: tuple[Ref, ...] = ()  # tracked tensors the producing call consumed
+    inputs: tuple[Ref, ...] = ()  # records whose tensors the producing call consumed (views and in-place too)
     call: Any = None  # how to re-run the producing call (used by the root-cause replay)
+    params: tuple[str, ...] = ()  # qualified names of the model parameters and buffers the producing call read
 
     @property
     def where(self) -> str:
@@ -235,6 +247,14 @@ def path_key(k: Any) -> Any:
     return k
 
 
+def _storage_key(t: torch.Tensor) -> int | None:
+    """The address of the memory a tensor's elements live in (shared by all its views), or None."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return None  # sparse, nested or meta tensors hold no plain storage
+
+
 def _snapshot(t: torch.Tensor) -> torch.Tensor:
     return t.detach().clone()
 
@@ -269,6 +289,22 @@ class _State:
         self.calls: dict[str, int] = {}
         self.used: dict[str, int] = {}
         self.tracked: dict[int, tuple[Any, int, int]] = {}  # id(tensor) -> (weakref, record index, version)
+        # dataflow through memory: the latest record holding each storage (a view made where capture
+        # was quiet still maps to it) and the records that wrote into a storage in place
+        self.storage_owner: dict[int, tuple[Any, int]] = {}  # storage pointer -> (weakref, record index)
+        self.storage_writes: dict[int, list[int]] = {}  # storage pointer -> record indices, in order
+        self.param_ids: dict[int, str] = {}  # id(parameter or buffer) -> qualified name
+        self.param_storage: dict[int, list[tuple[int, int, str]]] = {}  # storage pointer -> (start, end, name)
+        self.module_params: dict[int, tuple[str, ...]] = {}  # id(module) -> what a call of it reads (cached)
+        self.derived: dict[int, tuple[str, ...]] = {}  # record index -> params, for records made from parameters only
+        if model is not None:
+            named = list(model.named_parameters()) + list(model.named_buffers())
+            for name, t in named:
+                self.param_ids.setdefault(id(t), name)
+                key = _storage_key(t)
+                if key is not None:
+                    start = t.data_ptr()
+                    self.param_storage.setdefault(key, []).append((start, start + t.numel() * t.element_size(), name))
         self.returns_none: dict[str, bool] = {}
         self.error_scope: str | None = None
         self.failing_call: str | None = None
@@ -291,29 +327,100 @@ class _State:
             pass
 
     def ref_of(self, t: torch.Tensor) -> Ref | None:
+        """The record holding exactly `t`'s current value (the tensor itself, unchanged since)."""
         hit = self.tracked.get(id(t))
-        if hit is None or hit[0]() is not t:
+        if hit is None or hit[0]() is not t or hit[2] != t._version or self._later_writes(t, hit[1]):
             return None
         return Ref(hit[1])
 
-    def template(self, obj: Any) -> tuple[Any, list[Ref]]:
-        """Replace tracked tensors in call arguments by Refs; keep untracked ones (parameters)."""
-        refs: list[Ref] = []
+    def _later_writes(self, t: torch.Tensor, index: int) -> list[int]:
+        """Records after `index` that wrote into `t`'s storage in place (a view's write included)."""
+        if not self.storage_writes:
+            return []
+        writes = self.storage_writes.get(_storage_key(t))
+        return [w for w in writes if w > index] if writes else []
 
-        def sub(o):
-            if isinstance(o, torch.Tensor):
-                r = self.ref_of(o)
-                if r is not None:
-                    refs.append(r)
-                    return r
-            return o
+    def param_of(self, t: torch.Tensor) -> str | None:
+        """The qualified name of the parameter or buffer `t` is, or is a view of (w.t(), w[:k], w.data)."""
+        if not self.param_ids:
+            return None
+        name = self.param_ids.get(id(t))
+        if name is not None:
+            return name
+        base = t._base
+        if base is not None:
+            name = self.param_ids.get(id(base))
+            if name is not None:
+                return name
+        spans = self.param_storage.get(_storage_key(t))
+        if spans:
+            if len(spans) == 1:
+                return spans[0][2]
+            at = t.data_ptr()
+            return next((n for lo, hi, n in spans if lo <= at < hi), spans[0][2])
+        return None
 
-        return pytree.tree_map(sub, obj), refs
+    def sources(self, t: torch.Tensor) -> list[int]:
+        """The records `t`'s value comes from: its own record, or (for a view made where capture was
+        quiet) its base's or its storage's, plus every later in-place write into that storage."""
+        hit = self.tracked.get(id(t))
+        if hit is not None and hit[0]() is t:
+            return [hit[1], *self._later_writes(t, hit[1])]
+        base = t._base
+        if base is not None:
+            hit = self.tracked.get(id(base))
+            if hit is not None and hit[0]() is base:
+                return [hit[1], *self._later_writes(base, hit[1])]
+        owner = self.storage_owner.get(_storage_key(t))
+        if owner is not None and owner[0]() is not None:
+            return [owner[1], *self._later_writes(t, owner[1])]
+        return []
+
+    def template(self, obj: Any) -> tuple[Any, tuple[Ref, ...], tuple[str, ...]]:
+        """Call arguments as a replayable template, and what the call read.
+
+        Returns (template, inputs, params): in the template a tensor holding exactly a record's value
+        becomes that record's `Ref` (others, parameters included, stay as they are); `inputs` are the
+        records the tensor arguments' values come from (views and in-place writes followed), in
+        argument order; `params` the model parameters and buffers read, directly, through a view, or
+        through a record made from parameters alone (``W = self.w.t()``)."""
+        inputs: list[int] = []
+        params: list[str] = []
+
+        def read(o):
+            if not isinstance(o, torch.Tensor):
+                return o
+            name = self.param_of(o)
+            if name is not None:
+                if name not in params:
+                    params.append(name)
+                return o
+            exact = self.ref_of(o)
+            for i in ([exact.index] if exact is not None else self.sources(o)):
+                if i not in inputs:
+                    inputs.append(i)
+                for n in self.derived.get(i, ()):
+                    if n not in params:
+                        params.append(n)
+            return exact if exact is not None else o
+
+        tmpl = pytree.tree_map(read, obj)
+        return tmpl, tuple(Ref(i) for i in inputs), tuple(params)
+
+    def params_of_module(self, module: torch.nn.Module) -> tuple[str, ...]:
+        """What a call of `module` reads: every parameter and buffer of the model inside it (its
+        submodules' included), by the model's own qualified names (cached per module)."""
+        hit = self.module_params.get(id(module))
+        if hit is None:
+            tensors = list(module.parameters()) + list(module.buffers())
+            hit = tuple(dict.fromkeys(self.param_ids[id(t)] for t in tensors if id(t) in self.param_ids))
+            self.module_params[id(module)] = hit
+        return hit
 
     def add(self, *, name: str, kind: str, label: str, function: str, file: str, line: int, op: str,
             tensor: torch.Tensor, scope: str | None = None, is_output: bool = False,
             call: Any = None, inputs: tuple[Ref, ...] = (), rebound: bool = False,
-            aliases: list[str] | None = None) -> Record | None:
+            aliases: list[str] | None = None, params: tuple[str, ...] = ()) -> Record | None:
         if self.only is not None and not self.only(name):
             return None
         # the same tensor, unchanged since it was recorded: give the record another name instead
@@ -343,11 +450,22 @@ class _State:
             scope=self.scope if scope is None else scope, label=label, function=function, file=file,
             line=line, op=op, shape=tuple(tensor.shape), dtype=tensor.dtype, device=str(tensor.device),
             value=_snapshot(tensor) if self.snapshot and not owns else None, is_output=is_output,
-            call=call, inputs=inputs, rebound=rebound,
+            call=call, inputs=inputs, rebound=rebound, params=tuple(params),
         )
         rec.aliases += [a for a in aliases or () if a != rec.name]
         self.trace.records.append(rec)
+        # written in place: the tensor was recorded before and has changed since (a kernel's raw write
+        # does not bump the version, so a write record or an extension handing back its argument counts)
+        in_place = kind == "write" or (hit is not None and hit[0]() is tensor
+                                       and (hit[2] != tensor._version or kind == "ext"))
         self.track(tensor, rec.index)
+        key = _storage_key(tensor)
+        if key is not None:
+            self.storage_owner[key] = (weakref.ref(tensor), rec.index)
+            if in_place:
+                self.storage_writes.setdefault(key, []).append(rec.index)
+        if params and all(r.index in self.derived for r in inputs):
+            self.derived[rec.index] = tuple(params)  # made from parameters alone (W.t(), W * scale)
         if self.sink is not None:
             if owns:
                 self.sink.add(rec, tensor)
@@ -375,27 +493,28 @@ class _State:
             # `y[0] = v` runs as a store to the subscript: name the record by the tensor written, `y`
             label = site.labels[0] if site.labels else (re.match(r"[\w.]+", site.text) or [site.text])[0]
             target = args[0]
+            _, refs, params = self.template((args, kwargs))  # the tensor written into, and what was stored
             self.add(name=self.op_name(self.scope, site.function, label), rebound=label in site.rebound, kind="write", label=label,
                      function=site.function, file=site.file, line=site.line, op="Tensor.__setitem__",
-                     tensor=target)
+                     tensor=target, inputs=refs, params=params)
             return
         found = _tensors(out)
         if not found:
             return
         site = self.site()
-        tmpl, refs = self.template((args, kwargs))
+        tmpl, refs, params = self.template((args, kwargs))
         call = ("op", func, tmpl)
         op = _func_name(func)
         for i, (pos, t) in enumerate(found):
             label = site.label(i, len(found))
             self.add(name=self.op_name(self.scope, site.function, label), rebound=label in site.rebound, kind="op", label=label,
                      function=site.function, file=site.file, line=site.line, op=op, tensor=t,
-                     call=(call, pos), inputs=tuple(refs))
+                     call=(call, pos), inputs=refs, params=params)
 
     # -- extension functions
     def on_ext(self, qualname: str, fn, args, kwargs, out, before: list[tuple[int, torch.Tensor]] | None) -> None:
         site = self.site()
-        tmpl, refs = self.template((args, kwargs))
+        tmpl, refs, params = self.template((args, kwargs))
         call = ("ext", fn, tmpl)
         short = qualname.rsplit(".", 1)[-1]
         found = _tensors(out)
@@ -404,15 +523,15 @@ class _State:
                 label = site.label(i, len(found)) if site.labels else f"{short}" + (f"[{i}]" if len(found) > 1 else "")
                 self.add(name=self.op_name(self.scope, site.function, label), rebound=label in site.rebound, kind="ext", label=label,
                          function=site.function, file=site.file, line=site.line, op=f"ext:{qualname}",
-                         tensor=t, call=(call, pos), inputs=tuple(refs))
+                         tensor=t, call=(call, pos), inputs=refs, params=params)
             return
         if out is not None:
             return
         # returned None: the kernel wrote into one or more of its tensor arguments
-        self.on_writes(site, f"ext:{qualname}", args, before, call, tuple(refs))
+        self.on_writes(site, f"ext:{qualname}", args, before, call, refs, params)
 
     def on_writes(self, site, op: str, args, before: list[tuple[int, torch.Tensor]] | None, call: Any,
-                  inputs: tuple[Ref, ...] = ()) -> None:
+                  inputs: tuple[Ref, ...] = (), params: tuple[str, ...] = ()) -> None:
         """A kernel that returns nothing: record the tensor arguments whose contents it changed (by
         `before`, copies taken before the call), else its last tensor argument, each named by the
         argument's source text at the call site."""
@@ -425,7 +544,7 @@ class _State:
             label = site.args[i] if i < len(site.args) else f"arg{i}"
             self.add(name=self.op_name(self.scope, site.function, label), rebound=label in site.rebound, kind="write",
                      label=label, function=site.function, file=site.file, line=site.line, op=op, tensor=args[i],
-                     call=(call, ("arg", i)), inputs=inputs)
+                     call=(call, ("arg", i)), inputs=inputs, params=params)
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -513,8 +632,12 @@ def _post_hook(module, args, *rest):
         base = "output" if is_root else (top_path if n == 1 else f"{top_path}#{n}")
         found = _tensors(output)
         parent = st.scope
-        tmpl, refs = st.template((margs, {}))
+        tmpl, refs, _ = st.template((margs, {}))
         call = ("module", module, tmpl)
+        # a torch.nn module is one call to capture: it reads all its parameters and buffers; a user
+        # module's output is usually a record made inside it (which keeps what its own call read),
+        # and only when nothing inside was recorded does the new record stand for the whole module
+        params = st.params_of_module(module) if not is_root else ()
         for i, (pos, t) in enumerate(found):
             name = base if len(found) == 1 else f"{base}[{']['.join(map(str, pos))}]"
             label = top_path.rsplit(".", 1)[-1] if top_path else "output"
@@ -530,7 +653,8 @@ def _post_hook(module, args, *rest):
                    line=site.line if site else 0,
                    op=f"{type(module).__module__.replace('torch.nn.modules.', 'nn.').split('.')[0]}.{type(module).__name__}"
                    if type(module).__module__.startswith("torch.nn") else type(module).__name__,
-                   tensor=t, scope=parent, is_output=is_root, call=(call, pos), inputs=tuple(refs), aliases=aliases)
+                   tensor=t, scope=parent, is_output=is_root, call=(call, pos), inputs=refs, aliases=aliases,
+                   params=params)
     finally:
         st.busy = False
     return None
@@ -713,7 +837,8 @@ class _TritonPatch:
                     out = _launch(st, f"triton:{name}", launch, args, kwargs)
                     f = naming.user_frame(sys._getframe(1))
                     site = naming.site_of(f) if f is not None else naming.Site("", 0, "?", (), "?")
-                    st.on_writes(site, f"triton:{name}", args, before, ("triton", None, None))
+                    _, refs, params = st.template((args, kwargs))
+                    st.on_writes(site, f"triton:{name}", args, before, ("triton", None, None), refs, params)
                     return out
                 finally:
                     st.busy = False

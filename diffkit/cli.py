@@ -2,7 +2,8 @@
 
 This module parses arguments into `Options`, isolates each side in a child process, and writes
 what the pipeline returns; the diff itself is pipeline.run.
-Exit codes: 0 match, 1 diverged, 2 error (bad file, build failure, crash).
+Exit codes: 0 match, 1 diverged, 2 a problem in the user's files or flags (a file that does not
+load or build, a crash, a bad flag), 3 an internal error of diffkit (its traceback is printed).
 """
 from __future__ import annotations
 
@@ -17,6 +18,46 @@ from .options import Options, Tolerance
 from .result import ErrorInfo, Result
 
 EXIT = {"match": 0, "diverged": 1, "error": 2}
+INTERNAL = 3  # diffkit's own fault, never the user's
+DEFAULT_TIMEOUT = 1800.0  # seconds per side; a kernel that never returns must not hold a CI job forever
+
+
+class Terminated(BaseException):
+    """SIGTERM/SIGINT arrived: unwind (children stopped, temporary directories removed), then exit.
+    A BaseException, so neither the user's model nor the capture takes it for an error of the model."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _on_signal(signum, frame):
+    raise Terminated(signum)
+
+
+def _install_signal_handlers() -> None:
+    import signal
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            signal.signal(sig, _on_signal)
+        except ValueError:  # not the main thread (e.g. called from a test runner's worker)
+            pass
+
+
+def _is_users_fault(e: BaseException) -> bool:
+    """An exception escaping the pipeline is diffkit's bug, except a device error that the
+    candidate's kernel left behind (the context is poisoned after its forward)."""
+    text = f"{type(e).__name__}: {e}"
+    return type(e).__name__ == "AcceleratorError" or "CUDA error" in text or "device-side assert" in text
+
+
+def _internal_error(e: BaseException) -> None:
+    import traceback
+
+    traceback.print_exception(type(e), e, e.__traceback__, file=sys.stderr)
+    click.echo(f"diffkit: INTERNAL ERROR: {type(e).__name__}: {str(e).strip()[:300]} — this is a bug in diffkit, "
+               f"not in your files; please report it with the traceback above", err=True)
 
 
 def error_result(e: DiffkitError, ref_path: str, cand_path: str, options: Options) -> Result:
@@ -60,12 +101,22 @@ def main() -> None:
 @click.argument("cand_path", metavar="CAND")
 @click.option("--atol", type=float, default=None, help="absolute tolerance (default by dtype: 1e-4 fp32, 1e-2 fp16/bf16)")
 @click.option("--rtol", type=float, default=None, help="relative tolerance (default as --atol)")
-@click.option("--seed", type=int, default=42, show_default=True, help="seed for get_inputs()")
+@click.option("--seed", type=int, default=42, show_default=True,
+              help="KernelBench's seed: each trial's input seed is drawn from it (models are always built with 42)")
+@click.option("--trials", type=click.IntRange(min=1), default=5, show_default=True,
+              help="KernelBench trials, each on fresh inputs: the first diffed stage by stage, later ones by their "
+                   "outputs, the first failing one then diffed in full")
+@click.option("--eval", "eval_mode", is_flag=True,
+              help="put both models in eval() (default: as constructed, as KernelBench runs them: BatchNorm uses "
+                   "batch statistics, dropout is live)")
+@click.option("--sync-weights", is_flag=True,
+              help="copy the reference's parameters and buffers into the candidate by name (default: nothing is "
+                   "copied, as in KernelBench; differing ones are reported)")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="run both models here")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="write result.json here")
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False), default=None, help="write one CSV row per stage")
 @click.option("--strict", is_flag=True, help="intermediate stages out of tolerance make the verdict diverged")
-@click.option("--train", is_flag=True, help="keep training mode (default: eval)")
+@click.option("--train", is_flag=True, hidden=True, help="no effect: training mode is the default now")
 @click.option("--full", is_flag=True, help="print every stage (default: fold long models around the divergence)")
 @click.option("--tolerance", type=click.Choice(["fixed", "auto"]), default="fixed", show_default=True,
               help="auto: judge each stage against a float64 run of the reference (TorchDynamo's same() rule)")
@@ -80,8 +131,8 @@ def main() -> None:
 @click.option("--no-isolate", is_flag=True,
               help="run in this process (default: a child process per side, so a crashing kernel cannot take the "
                    "answer with it)")
-@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=None,
-              help="stop a side that runs longer than this (seconds)")
+@click.option("--timeout", type=click.FloatRange(min=0), default=DEFAULT_TIMEOUT, show_default=True,
+              help="stop a side that runs longer than this (seconds; 0: never)")
 @click.option("--max-memory", "max_memory", default=None, metavar="SIZE",
               help="streaming diff: hold at most SIZE (e.g. 512M, 4G) of captured values on the device (CPU: in "
                    "memory); the rest goes to pinned host memory, then disk. Default without the flag: in-memory diff")
@@ -99,16 +150,30 @@ def main() -> None:
 @click.option("--ref-capture", type=click.Path(file_okay=False), default=None, hidden=True)
 def diff(ref_path, cand_path, atol, rtol, seed, device, json_path, csv_path, strict, train, full, tolerance,
          reinit_zero, report_dir, no_report, html_path, md_path, junit_path, no_isolate, timeout, max_memory, stream,
-         only, stop_at_first, sanitize, stream_dir, side_only, ref_capture):
+         only, stop_at_first, sanitize, stream_dir, side_only, ref_capture, trials=5, eval_mode=False,
+         sync_weights=False):
     """Compare candidate CAND (a ModelNew file) with reference REF (a Model file), stage by stage.
 
     Either side may instead be a capture directory written by `diffkit capture -o`: a candidate file
     against a captured reference runs on the capture's inputs and weights."""
+    _install_signal_handlers()
+    try:
+        _diff(ref_path, cand_path, atol, rtol, seed, device, json_path, csv_path, strict, train, full, tolerance,
+              reinit_zero, report_dir, no_report, html_path, md_path, junit_path, no_isolate, timeout, max_memory,
+              stream, only, stop_at_first, sanitize, stream_dir, side_only, ref_capture,
+              protocol={"trials": trials, "eval": eval_mode, "sync_weights": sync_weights})
+    except Terminated as t:
+        sys.exit(128 + t.signum)
+
+
+def _diff(ref_path, cand_path, atol, rtol, seed, device, json_path, csv_path, strict, train, full, tolerance,
+          reinit_zero, report_dir, no_report, html_path, md_path, junit_path, no_isolate, timeout, max_memory, stream,
+          only, stop_at_first, sanitize, stream_dir, side_only, ref_capture, protocol=None):
     from .compare import capture_reference, diff_files, is_capture
 
     options = _options(atol, rtol, tolerance, max_memory=max_memory, stream=stream, seed=seed, device=device,
-                       strict=strict, train=train, reinit_zero=reinit_zero, only=only, stop_at_first=stop_at_first,
-                       stream_dir=stream_dir)
+                       strict=strict, reinit_zero=reinit_zero, only=only, stop_at_first=stop_at_first,
+                       stream_dir=stream_dir, **(protocol or {}))
     out = _Outputs(json_path, csv_path, report_dir, no_report, html_path, md_path, junit_path, sys.stdout.isatty(),
                    full)
     if sanitize and no_isolate:
@@ -137,16 +202,22 @@ def diff(ref_path, cand_path, atol, rtol, seed, device, json_path, csv_path, str
         out.write(error_result(e, ref_path, cand_path, options), error=e)
         _done(stream_dir)
         sys.exit(2)
-    except Exception as e:  # e.g. a CUDA error that poisoned the context after the forward
-        if stream_dir:  # isolated: let the parent compare what was streamed before it
+    except Exception as e:
+        if not _is_users_fault(e):
+            _internal_error(e)
+            if stream_dir:  # tell the isolating parent it was diffkit's fault, not a crash of the kernel
+                with open(os.path.join(stream_dir, "internal"), "w") as fh:
+                    fh.write(f"{type(e).__name__}: {e}")
+            sys.exit(INTERNAL)
+        if stream_dir:  # a CUDA error that poisoned the context after the forward: the parent diffs the captures
             raise
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        err = DiffkitError("", "compare", f"{type(e).__name__}: {first}")
+        err = DiffkitError("candidate", "forward", f"{type(e).__name__}: {first}")
         out.write(error_result(err, ref_path, cand_path, options), error=err)
         sys.exit(2)
-    out.write(result)
+    written = out.write(result)
     _done(stream_dir)
-    sys.exit(EXIT[result.verdict])
+    sys.exit(EXIT[result.verdict] if written else 2)
 
 
 class _Outputs:
@@ -157,7 +228,8 @@ class _Outputs:
         self.html_path, self.md_path, self.junit_path = html_path, md_path, junit_path
         self.color, self.full = color, full
 
-    def write(self, result: Result, error: DiffkitError | None = None) -> None:
+    def write(self, result: Result, error: DiffkitError | None = None) -> bool:
+        """Print the answer and write every artifact asked for; False when one could not be written."""
         from . import report
         from .render import text_report
 
@@ -182,7 +254,9 @@ class _Outputs:
             if self.junit_path:
                 report.write_junit(result, self.junit_path)
         except OSError as e:
-            click.echo(f"diffkit: could not write the report: {e}", err=True)
+            click.echo(f"diffkit: ERROR: could not write {e.filename or 'the report'}: {e.strerror or e}", err=True)
+            return False
+        return True
 
 
 def _sanitizer_evidence():
@@ -199,10 +273,12 @@ def _sanitizer_evidence():
                 torch.cuda.synchronize()
         except Exception:
             pass
-        from .sanitize import attach, parse
+        from .sanitize import attach, built_sources, candidate_sources, parse
 
         text = open(log, encoding="utf-8", errors="replace").read() if os.path.exists(log) else ""
-        attach(result, parse(text, tool))
+        cand = os.environ.get("DIFFKIT_SANITIZER_CANDIDATE", "")
+        sources = built_sources() + ([t for _, t in candidate_sources(cand)] if os.path.isfile(cand) else [])
+        attach(result, parse(text, tool), sources=sources)
     return attach_logged
 
 
@@ -211,6 +287,22 @@ def _done(stream_dir) -> None:
     if stream_dir:
         with open(os.path.join(stream_dir, "done"), "w") as fh:
             fh.write("ok")
+
+
+def _stop(proc) -> None:
+    """Stop a child and everything it started: SIGTERM to its process group, SIGKILL if it lingers."""
+    import signal
+
+    for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, None)):
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            proc.wait(timeout=wait)
+            return
+        except Exception:
+            continue
 
 
 def _isolated(argv, ref_path, cand_path, options: Options, timeout, out: _Outputs, sanitize=None) -> int:
@@ -233,28 +325,34 @@ def _isolated(argv, ref_path, cand_path, options: Options, timeout, out: _Output
         cand_cmd = base + ["--ref-capture", ref_dkt]
         san_log = os.path.join(tmp, "sanitizer.log")
         cand_env = dict(env)
-        if sanitize:  # the candidate's process only
-            from .sanitize import wrap_command
+        if sanitize:  # the candidate's process only, and only the candidate's own kernels in it
+            from .sanitize import candidate_kernels, wrap_command
 
             try:
-                cand_cmd = wrap_command(sanitize, san_log, cand_cmd)
+                cand_cmd = wrap_command(sanitize, san_log, cand_cmd, kernels=candidate_kernels(cand_path))
             except (FileNotFoundError, ValueError) as e:
                 click.echo(f"diffkit: ERROR: --sanitize: {e}")
                 return 2
-            cand_env.update(DIFFKIT_SANITIZER_LOG=san_log, DIFFKIT_SANITIZER_TOOL=sanitize)
+            # line numbers in the reports when the extension is (re)built in this run (nvcc reads the variable)
+            flags = (os.environ.get("NVCC_APPEND_FLAGS", "") + " -lineinfo").strip()
+            cand_env.update(DIFFKIT_SANITIZER_LOG=san_log, DIFFKIT_SANITIZER_TOOL=sanitize, NVCC_APPEND_FLAGS=flags,
+                            DIFFKIT_SANITIZER_CANDIDATE=os.path.abspath(cand_path))
         steps.append((cand_cmd, cand_env, "done"))
         errlog = os.path.join(tmp, "stderr")
         code, why, err_text = 0, None, ""
         for cmd, cenv, marker in steps:
             with open(errlog, "w") as err_fh:
-                proc = subprocess.Popen(cmd, env=cenv, stderr=err_fh)
+                # its own process group, so stopping it also stops what it started (compute-sanitizer, ninja)
+                proc = subprocess.Popen(cmd, env=cenv, stderr=err_fh, start_new_session=True)
                 try:
-                    code = proc.wait(timeout=timeout)
+                    code = proc.wait(timeout=timeout or None)
                     why = None if code >= 0 else f"killed by {signal.Signals(-code).name}"
                 except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+                    _stop(proc)
                     code, why = -9, f"did not finish within {timeout:g} s and was stopped"
+                except BaseException:  # Terminated (SIGTERM/SIGINT) or anything else: leave no child behind
+                    _stop(proc)
+                    raise
             err_text = open(errlog, encoding="utf-8", errors="replace").read()
             if not (code in (0, 1, 2) and os.path.exists(os.path.join(tmp, marker))):
                 break
@@ -265,6 +363,9 @@ def _isolated(argv, ref_path, cand_path, options: Options, timeout, out: _Output
         if code in (0, 1, 2) and os.path.exists(os.path.join(tmp, "done")):
             sys.stderr.write(err_text)
             return code
+        if os.path.exists(os.path.join(tmp, "internal")):  # the child hit a bug of diffkit's, not a crash
+            sys.stderr.write(err_text)
+            return INTERNAL
         # a child crashed or hung: diff what both capture files hold, with the failure as the error
         lines = [ln.strip() for ln in err_text.splitlines() if ln.strip() and not ln.startswith(" ")]
         last_err = next((ln for ln in reversed(lines) if re.match(r"^[\w.]*(Error|Exception)\b.*:", ln)),
@@ -300,35 +401,52 @@ def _isolated(argv, ref_path, cand_path, options: Options, timeout, out: _Output
 @click.argument("model_path", metavar="MODEL.py")
 @click.option("--side", type=click.Choice(["ref", "cand"]), default=None,
               help="which class to build: Model (ref) or ModelNew (cand); default: whichever the file defines")
-@click.option("--seed", type=int, default=42, show_default=True)
+@click.option("--seed", type=int, default=42, show_default=True,
+              help="KernelBench's seed: each trial's input seed is drawn from it")
+@click.option("--trials", type=click.IntRange(min=1), default=5, show_default=True,
+              help="with -o: also store each later trial's inputs and output (trial-K.dkt inside the capture)")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="run the model here")
-@click.option("--train", is_flag=True, help="keep training mode (default: eval)")
+@click.option("--eval", "eval_mode", is_flag=True, help="put the model in eval() (default: as constructed, as "
+              "KernelBench runs it)")
+@click.option("--train", is_flag=True, hidden=True, help="no effect: training mode is the default now")
 @click.option("--inputs-from", "inputs_from", type=click.Path(exists=True, dir_okay=False), default=None,
               help="take get_inputs()/get_init_inputs() from this reference file (for a candidate file)")
 @click.option("--limit", type=int, default=None, help="print at most this many records")
 @click.option("-o", "--output", type=click.Path(file_okay=False), default=None,
               help="save the records (values and metadata), the model's parameters and its inputs as a capture "
                    "directory for `diffkit diff`")
-def capture_cmd(model_path, side, seed, device, train, inputs_from, limit, output):
-    """Run one forward of MODEL.py under capture and print its records."""
+def capture_cmd(model_path, side, seed, trials, device, eval_mode, train, inputs_from, limit, output):
+    """Run one forward of MODEL.py (KernelBench's first trial) under capture and print its records."""
+    from .compare import capture_reference
     from .load import load_reference
-    from .pipeline import capture_writer, clone_inputs, rerun_differences, run_captured
+    from .pipeline import clone_inputs, run_captured
+    from .trials import seed_all, trial_seeds
 
+    options = Options(seed=seed, trials=trials, device=device, eval=eval_mode)
+    class_name = {"cand": "ModelNew", "ref": "Model", None: None}[side]
+    which = "candidate" if side == "cand" else "reference"
+    _install_signal_handlers()
     try:
-        built = load_reference(model_path, seed=seed, device=device, train=train, inputs_from=inputs_from,
-                               class_name={"cand": "ModelNew", "ref": "Model", None: None}[side],
-                               side="candidate" if side == "cand" else "reference")
+        if output:
+            trace = capture_reference(model_path, output, options, class_name=class_name, inputs_from=inputs_from,
+                                      side=which)
+        else:
+            first = trial_seeds(1, seed)[0]
+            built = load_reference(model_path, seed=first, device=device, eval_mode=eval_mode,
+                                   inputs_from=inputs_from, class_name=class_name, side=which)
+            seed_all(first)
+            trace = run_captured(built.model, clone_inputs(built.inputs))
     except DiffkitError as e:
         click.echo(f"diffkit: ERROR: {e}")
         sys.exit(2)
-    info = built.info()
-    writer = capture_writer(output, built.model, info) if output else None
-    trace = run_captured(built.model, clone_inputs(built.inputs), sink=writer)
-    if writer is not None and trace.error is None:
-        # a second forward on the same inputs: records that change between runs (a race, an
-        # uninitialised read) are kept with the capture, as a live diff's re-run would find them
-        again = run_captured(built.model, clone_inputs(built.inputs))
-        writer.set_info({**info, "rerun_differs": rerun_differences(trace, again)})
+    except Terminated as t:
+        sys.exit(128 + t.signum)
+    except OSError as e:
+        click.echo(f"diffkit: ERROR: cannot write the capture {output}: {e}")
+        sys.exit(2)
+    except Exception as e:
+        _internal_error(e)
+        sys.exit(INTERNAL)
     click.echo(trace.format(limit=limit))
     if output:
         click.echo(f"saved {len(trace)} records to {output}")

@@ -10,11 +10,13 @@ import torch
 
 from .capture import Trace
 from .errors import DiffkitError
-from .load import LoadedPair, load_candidate_for_capture, load_pair
+from .load import LoadedPair, load_candidate_for_capture, load_pair, sync_weights
 from .options import Options
-from .pipeline import (CaptureSource, ModelSource, TraceSource, apply_auto_tolerance, clone_inputs, reference_health,
-                       reinit_zero_parameters, run, run_captured)
+from .pipeline import (CaptureSource, ModelSource, TraceSource, apply_auto_tolerance, capture_writer, clone_inputs,
+                       reference_health, reinit_zero_parameters, rerun_differences, run, run_captured)
 from .result import Result
+from .trials import (CapturedTrials, LiveCandidate, LiveReference, restore_state, run_trials, snapshot_state,
+                     trial_seeds)
 
 __all__ = ["compare", "compare_traces", "diff_files", "capture_reference", "run_captured", "reference_health",
            "reinit_zero_parameters", "apply_auto_tolerance", "is_capture"]
@@ -47,54 +49,100 @@ def is_capture(path: str) -> bool:
     return os.path.isdir(path) and os.path.exists(os.path.join(path, "index.json"))
 
 
-def capture_reference(ref_path: str, out_dir: str, options: Options | None = None, cand_path: str | None = None) -> Trace:
-    """Build the reference as a diff would and stream its forward, parameters and the facts a later
-    candidate needs (source, init inputs, inputs, seed) to a capture directory."""
+def capture_reference(ref_path: str, out_dir: str, options: Options | None = None, cand_path: str | None = None, *,
+                      class_name: str | None = "Model", inputs_from: str | None = None,
+                      side: str = "reference") -> Trace:
+    """Build the reference as a diff would and stream its first trial's forward, parameters and the
+    facts a later candidate needs (source, init inputs, inputs, seeds, health) to a capture directory;
+    every later trial's inputs and output go beside it (``trial-K.dkt``, see diffkit.trials).
+    `class_name`/`inputs_from`/`side` capture another class (``diffkit capture --side cand``): a
+    candidate's capture also keeps which records change when it runs twice (``rerun_differs``)."""
     from .load import load_reference
+    from .stream import name_filter
+    from .trials import seed_all, trial_seeds, write_trials
 
     options = options or Options()
-    side = load_reference(ref_path, seed=options.seed, device=options.device, train=options.train)
-    if options.reinit_zero:
-        reinit_zero_parameters(side.model)
-    from .stream import name_filter
-
-    return run_captured(side.model, clone_inputs(list(side.inputs)), stream_to=out_dir,
-                        only=name_filter(options.only), no_grad=options.no_grad, info=side.info())
+    seeds = trial_seeds(options.trials, options.seed)
+    built = load_reference(ref_path, seed=seeds[0], device=options.device, eval_mode=options.eval,
+                           class_name=class_name, inputs_from=inputs_from, side=side)
+    reinit = reinit_zero_parameters(built.model) if options.reinit_zero else []
+    info = {**built.info(), "input_seed": seeds[0], "kernelbench_seed": options.seed, "reinit_zero": reinit,
+            "trials": [{"trial": 1, "seed": seeds[0]}]}
+    writer = capture_writer(out_dir, built.model, info)
+    before = snapshot_state(built.model)
+    seed_all(seeds[0])
+    trace = run_captured(built.model, clone_inputs(list(built.inputs)), sink=writer, only=name_filter(options.only),
+                         no_grad=options.no_grad)
+    if trace.error is None:
+        if built.class_name == "ModelNew":
+            # a second forward on the same inputs, from the same state: records that change between runs (a
+            # race, an uninitialised read) are kept with the capture, as a live diff's second run finds them
+            after = snapshot_state(built.model)
+            restore_state(built.model, before)
+            again = run_captured(built.model, clone_inputs(list(built.inputs)), no_grad=options.no_grad)
+            restore_state(built.model, after)
+            info["rerun_differs"] = rerun_differences(trace, again)
+        elif options.health and not options.only:
+            info["health"] = reference_health(built.model, list(built.inputs), trace, options.no_grad, state=before)
+        info["trials"] = write_trials(out_dir, built.model, built.inputs_for, seeds, options.no_grad,
+                                      only=name_filter(options.only),
+                                      info={k: info[k] for k in ("source", "class", "training", "eval", "health")
+                                            if k in info})
+        writer.set_info(info)
+    return trace
 
 
 def diff_files(ref_path: str, cand_path: str, *, options: Options | None = None, atol: float | None = None,
                rtol: float | None = None, evidence=None, **settings) -> Result:
-    """Diff KernelBench files: REF (`Model`) against CAND (`ModelNew`).  Either may instead be a capture
-    directory; a candidate file against a captured reference runs on the capture's inputs, with the
-    reference's weights copied by name from it."""
+    """Diff KernelBench files: REF (`Model`) against CAND (`ModelNew`), by KernelBench's protocol
+    (seed 42 construction, no eval(), nothing copied, `options.trials` trials; see diffkit.trials).
+    Either may instead be a capture directory; a candidate file against a captured reference runs
+    on the capture's trials (inputs and outputs)."""
     opts = options or Options.build(atol=atol, rtol=rtol, **settings)
     ref_cap, cand_cap = is_capture(ref_path), is_capture(cand_path)
     if cand_cap and not ref_cap:
         raise DiffkitError("", "read", "a captured candidate needs a captured reference: give the reference as a "
                            "capture directory too (diffkit capture REF.py -o ref.dkt)", cand_path)
+    reinit: list[str] = []
     if ref_cap:
         ref_src = CaptureSource(ref_path, device=opts.device or "cpu")
-        if cand_cap:
-            result = run(ref_src, CaptureSource(cand_path, device=opts.device or "cpu"), opts, evidence=evidence)
-            weights, reinit = None, []
+        if cand_cap:  # nothing is re-run: the two captures' trials are compared
+            cand_src = CaptureSource(cand_path, device=opts.device or "cpu")
+            reference = CapturedTrials(ref_path, ref_src.file.info, device=ref_src.device)
+            candidate = CapturedTrials(cand_path, cand_src.file.info, device=ref_src.device)
+            result = run_trials(reference, candidate, [], opts, evidence=evidence)
+            weights = None
         else:
+            captured_eval = bool(ref_src.file.info.get("eval"))  # the candidate runs in the mode the reference ran
             side, weights = load_candidate_for_capture(cand_path, ref_src.file, seed=opts.seed, device=opts.device,
-                                                       train=opts.train, sync=opts.sync_weights)
-            ref_src.device = side.device()
-            result = run(ref_src, ModelSource(side.model, side.inputs), opts, evidence=evidence)
-            reinit = []
+                                                       eval_mode=opts.eval or captured_eval, sync=opts.sync_weights)
+            if opts.reinit_zero and ref_src.file.info.get("reinit_zero"):
+                # the reference's re-initialised weights (saved with its capture) go into the candidate
+                params = ref_src.file.parameters()
+                chosen = {n: params[n] for n in ref_src.file.info["reinit_zero"] if n in params}
+                if chosen:
+                    sync_weights(chosen, side.model)
+                    reinit = sorted(chosen)
+            reference = CapturedTrials(ref_path, ref_src.file.info, device=side.device())
+            result = run_trials(reference, LiveCandidate(side.model, opts), side.inputs, opts, evidence=evidence)
+            if opts.eval and not captured_eval:
+                result.warnings.append("--eval: the captured reference ran as constructed (training mode); capture "
+                                       "it again with --eval to compare both in eval mode")
     else:
-        pair: LoadedPair = load_pair(ref_path, cand_path, seed=opts.seed, device=opts.device, train=opts.train,
+        seeds = trial_seeds(opts.trials, opts.seed)
+        pair: LoadedPair = load_pair(ref_path, cand_path, seed=seeds[0], device=opts.device, eval_mode=opts.eval,
                                      sync=opts.sync_weights)
         reinit = reinit_zero_parameters(pair.ref, pair.cand) if opts.reinit_zero else []
-        result = run(ModelSource(pair.ref, pair.ref_inputs), ModelSource(pair.cand, pair.cand_inputs), opts,
-                     evidence=evidence)
+        reference = LiveReference(pair.ref, pair.inputs_for, seeds, opts.no_grad)
+        result = run_trials(reference, LiveCandidate(pair.cand, opts), pair.cand_inputs, opts, evidence=evidence)
         weights = pair.weights
     if reinit:
         result.warnings.append(f"re-initialised all-zero parameters randomly for this diff: {', '.join(reinit)}")
     result.weights = weights
     result.ref_path, result.cand_path = ref_path, cand_path
     result.meta["seed"] = opts.seed
-    if weights is not None and (weights.shape_mismatch or weights.cand_only):
+    result.meta["protocol"] = {"eval": opts.eval, "sync_weights": opts.sync_weights, "trials": opts.trials,
+                               "seed": opts.seed}
+    if weights is not None and (weights.shape_mismatch or weights.cand_only or weights.differ):
         result.warnings.insert(0, "weights: " + weights.summary())
     return result

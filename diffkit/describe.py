@@ -70,6 +70,12 @@ def output_shape_words(mismatch) -> str:
     return f"Output shape mismatch: Expected {list(ref)}, got {list(cand)}"
 
 
+def output_structure_words(structure) -> str:
+    """Outputs whose nesting or number of tensors differs (the shape message's sibling)."""
+    ref, cand = structure
+    return f"Output structure mismatch: Expected {ref}, got {cand}"
+
+
 def not_compared_reason(stage) -> str:
     """Why a stage has no metrics: its note (e.g. the two shapes), else the shapes themselves."""
     if stage.note:
@@ -130,6 +136,70 @@ def _is_output(stage) -> bool:
     return bool(getattr(stage.cand, "is_output", False)) if stage.cand is not None else False
 
 
+# ----------------------------------------------------------------------------- trials
+def _trials(result) -> list[dict]:
+    return [t for t in (getattr(result, "trials", None) or []) if isinstance(t, dict)]
+
+
+def reported_trial(result) -> dict | None:
+    """The trial whose stages the result shows: the first failing one (else trial 1)."""
+    trials = _trials(result)
+    return next((t for t in trials if not t.get("allclose", True)), trials[0] if trials else None)
+
+
+def trial_outcome(t: dict) -> str:
+    """One trial in words: "pass (max_abs 3.1e-07)", "FAIL: output max_abs 0.42 in the candidate's second run" …"""
+    if t.get("error"):
+        return f"ERROR: the {t.get('error_side') or 'candidate'} raised {t['error']}"
+    if t.get("shape_mismatch"):
+        ref, cand = t["shape_mismatch"]
+        return f"FAIL: {output_shape_words((ref, cand))}"
+    if t.get("dtype_mismatch"):
+        ref, cand = t["dtype_mismatch"]
+        return (f"FAIL: the output is {cand}, the reference's {ref} (torch.allclose refuses mixed dtypes, so "
+                f"KernelBench fails it)")
+    numbers = f"max_abs {fmt(t.get('max_abs'))}, mean_abs {fmt(t.get('mean_abs'))}"
+    if t.get("allclose", False):
+        text = f"pass ({numbers})"
+    else:
+        text = f"FAIL: output {numbers}" + (" in the candidate's second run on the same inputs (its first passed)"
+                                           if t.get("failed_run") == 2 else "")
+    nd = t.get("nondeterministic")
+    if nd:
+        text += (f"; the candidate's two runs differ bitwise in {nd.get('where', 'the output')} "
+                 f"({nd.get('elements')} of {nd.get('numel')} elements)")
+    return text
+
+
+def trials_summary(result) -> str:
+    """The trials in one clause: "passes 5 of 5 KernelBench trials", "diverges on trial 3 of 5
+    (seed 123…), fails 2 of 5 trials"; "" for a single trial."""
+    trials = _trials(result)
+    if len(trials) < 2 and not (trials and trials[0].get("failed_run") == 2):
+        return ""
+    asked = (getattr(result, "meta", None) or {}).get("trials", {}).get("asked", len(trials))
+    failed = [t for t in trials if not t.get("allclose", True)]
+    if not failed:
+        return f"passes {len(trials)} of {asked} KernelBench trials"
+    first = failed[0]
+    return (f"diverges on trial {first.get('trial')} of {asked} (seed {first.get('seed')}), fails {len(failed)} of "
+            f"{len(trials)} trials run")
+
+
+def _trial_headline(result) -> str:
+    """The headline of a divergence that only the trials show (the diffed run itself passed)."""
+    t = reported_trial(result)
+    if t is None or t.get("allclose", True):
+        return ""
+    asked = (getattr(result, "meta", None) or {}).get("trials", {}).get("asked", len(_trials(result)))
+    where = f"on trial {t.get('trial')} of {asked} (seed {t.get('seed')})" if asked > 1 else f"(seed {t.get('seed')})"
+    text = f"diffkit: DIVERGED {where}: {trial_outcome(t).removeprefix('FAIL: ')}"
+    if t.get("failed_run") == 2 or t.get("nondeterministic"):
+        text += "; the candidate is nondeterministic (a race, an uninitialised read or randomness)"
+    summary = trials_summary(result)
+    return text + (f"; {summary.split(', ', 1)[1]}" if ", " in summary else "")
+
+
 # ----------------------------------------------------------------------------- the headline
 def headline(result) -> str:
     """The one-line answer: verdict, where it first went wrong, by how much and what it looks like."""
@@ -145,11 +215,21 @@ def headline(result) -> str:
             return head + f"; earlier, first divergence at stage {fd.index} {fd.ref_name or fd.cand_name or '?'}"
         return head + (f"; {n} stages compared before it, all within tolerance" if n else "")
     if result.verdict == "diverged":
+        structure = getattr(result, "output_structure", None)
+        if structure and (fd is None or _is_output(fd)):
+            return f"diffkit: DIVERGED: {output_structure_words(structure)}"
         mismatch = result.output_shape_mismatch
         if mismatch and (fd is None or _is_output(fd)):
             return f"diffkit: DIVERGED: {output_shape_words(mismatch)}"
+        trial_head = _trial_headline(result)
+        outs = getattr(result, "output_stages", [])
+        output_failed = bool(mismatch) or any(s.failed or s.stats is None for s in outs)
+        if trial_head and not output_failed and not getattr(result, "strict", False):  # only a trial shows it
+            return trial_head
         if fd is not None:
-            return _diverged_headline(result, fd)
+            head = _diverged_headline(result, fd)
+            summary = trials_summary(result)
+            return head + (f"; {summary}" if summary else "")
         failed = len(result.diverged_stages)
         out = result.output
         return (f"diffkit: DIVERGED: {failed} stages out of tolerance"
@@ -158,7 +238,8 @@ def headline(result) -> str:
             if result.diverged_stages else "")
     out = result.output
     o = f" output max_abs={fmt(out.max_abs)}" if out is not None else ""
-    return f"diffkit: MATCH: {n} stages compared within {tol_s};{o}{warn}"
+    summary = trials_summary(result)
+    return f"diffkit: MATCH: {n} stages compared within {tol_s};{o}{warn}" + (f"; {summary}" if summary else "")
 
 
 def _diverged_headline(result, fd) -> str:
@@ -231,6 +312,13 @@ def divergence_lines(result) -> list[str]:
         out += ["", f"error: {e.side} {e.phase}: {e.message}"]
         if e.stage:
             out.append(f"  at {e.stage}")
+    trials = _trials(result)
+    if len(trials) > 1 or any(not t.get("allclose", True) or t.get("nondeterministic") for t in trials):
+        shown = reported_trial(result)
+        out += ["", "trials (KernelBench's protocol: seed 42 construction, no eval(), nothing copied):"]
+        for t in trials:
+            mark = "  <- the stages above" if t is shown and len(trials) > 1 else ""
+            out.append(f"  trial {t.get('trial')} (seed {t.get('seed')}): {trial_outcome(t)}{mark}")
     return out
 
 

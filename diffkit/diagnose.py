@@ -34,6 +34,7 @@ class Context:
     cand_records: list[Record]
     ref_params: dict[str, torch.Tensor] = field(default_factory=dict)  # the reference model's, by name
     cand_params: dict[str, torch.Tensor] = field(default_factory=dict)
+    found: list[str] = field(default_factory=list)  # kinds the checks before this one found
 
     @property
     def err(self) -> torch.Tensor:
@@ -106,11 +107,12 @@ def check_region(ctx: Context) -> list[Finding]:
     if const:
         detail = f"{where} are all {value:g} while every other row matches: a block the kernel never wrote"
         if block:
-            detail += f"; {m} rows = {lo // block}×{block} + {m - lo}: the last partial tile of a {block}-row block is skipped"
+            detail += (f"; {m} rows = {lo // block}×{block} + {m - lo}: consistent with {block}-row tiles whose "
+                       f"last, partial one is skipped")
         return [Finding("unwritten_region", detail, 0.95)]
     if at_end and block:
-        return [Finding("boundary", f"error confined to {where}: the last partial tile of a {block}-row block "
-                        f"({m} rows = {lo // block}×{block} + {m - lo}) is computed wrongly", 0.8)]
+        return [Finding("boundary", f"error confined to {where}; {m} rows = {lo // block}×{block} + {m - lo}: "
+                        f"consistent with {block}-row tiles whose last, partial one is computed wrongly", 0.8)]
     return []
 
 
@@ -144,12 +146,38 @@ def params_of(rec, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {n: params[n] for n in names if n in params}
 
 
-def _bias_of(ctx: Context) -> list[tuple[str, torch.Tensor]]:
-    """1-D parameters read by the producing calls (either side) whose length is the last dim."""
+# how many reference records upstream of a stage are searched for the bias its error may be missing
+# (a candidate that left a projection's bias out may pair only at the residual sum after it)
+UPSTREAM_RECORDS = 32
+# a per-channel error is a multiple of a bias when what the multiple leaves is this small, relative
+BIAS_FIT = 1e-3
+
+
+def _upstream(rec, records: list, limit: int = UPSTREAM_RECORDS) -> list:
+    """Records upstream of `rec` along its recorded dataflow, nearest first."""
+    out, seen = [], set()
+    frontier = [i for i in getattr(rec, "inputs", ()) or ()]
+    while frontier and len(out) < limit:
+        nxt = []
+        for i in frontier:
+            i = getattr(i, "index", i)
+            if i in seen or not isinstance(i, int) or not 0 <= i < len(records):
+                continue
+            seen.add(i)
+            out.append(records[i])
+            nxt += list(records[i].inputs)
+        frontier = nxt
+    return out[:limit]
+
+
+def _bias_of(ctx: Context, n: int) -> list[tuple[str, torch.Tensor]]:
+    """1-D parameters of length `n` that may be the stage's bias: those the reference call read,
+    those the candidate call read, then those read upstream of the reference stage (nearest first)."""
     out = []
-    n = ctx.ref.shape[-1] if ctx.ref.dim() else 0
     seen = set()
-    for rec, params in ((ctx.stage.ref, ctx.ref_params), (ctx.stage.cand, ctx.cand_params)):
+    sources = [(ctx.stage.ref, ctx.ref_params), (ctx.stage.cand, ctx.cand_params)]
+    sources += [(rec, ctx.ref_params) for rec in _upstream(ctx.stage.ref, ctx.ref_records)]
+    for rec, params in sources:
         for pname, p in params_of(rec, params).items():
             if p.dim() == 1 and p.shape[0] == n and pname not in seen:
                 seen.add(pname)
@@ -157,53 +185,110 @@ def _bias_of(ctx: Context) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
+def _per_channel(err: torch.Tensor, axis: int) -> torch.Tensor:
+    """The error's mean over every axis but `axis`."""
+    return err.movedim(axis, -1).reshape(-1, err.shape[axis]).mean(dim=0)
+
+
+def _broadcast(v: torch.Tensor, shape: tuple, axis: int) -> torch.Tensor:
+    view = [1] * len(shape)
+    view[axis] = shape[axis]
+    return v.reshape(view)
+
+
 def check_bias_offset(ctx: Context) -> list[Finding]:
+    """An additive error that depends on one axis only: a bias left out (or added twice, or scaled),
+    matched against the 1-D parameters the stage and the reference upstream of it read."""
     if ctx.ref.dim() == 0:
         return []
     err = ctx.err
-    n = err.shape[-1]
-    per_channel = _rows(err).mean(dim=0)
-    model = ctx.ref + per_channel
-    if _explains(model, ctx) > EXPLAINED:
-        return []
-    for name, b in _bias_of(ctx):
-        if b.device != per_channel.device:
+    shape = tuple(err.shape)
+    # the last axis first (a linear layer's channels), then the others (a convolution's, NCHW)
+    for axis in [err.dim() - 1, *range(err.dim() - 1)]:
+        n = shape[axis]
+        if n < 2 and err.dim() > 1:
+            continue
+        per_channel = _per_channel(err, axis)
+        if _explains(ctx.ref + _broadcast(per_channel, shape, axis), ctx) > EXPLAINED:
+            continue
+        where = f"along axis {axis} (size {n})"
+        pn = _norm(per_channel)
+        for name, b in _bias_of(ctx, n):
             b = b.to(per_channel.device)
-        if torch.allclose(-per_channel, b, atol=1e-5, rtol=1e-4):
-            return [Finding("missing_bias", f"candidate = reference − {name} (all {n} channels, max |bias| "
-                            f"{float(b.abs().max()):.3g}): the bias is not added", 0.95)]
-        if torch.allclose(per_channel, b, atol=1e-5, rtol=1e-4):
-            return [Finding("offset", f"candidate = reference + {name} (all {n} channels): the bias is added twice",
-                            0.95)]
-    spread = float(per_channel.max() - per_channel.min())
-    if spread <= 1e-6 * (1 + float(per_channel.abs().max())):
-        return [Finding("offset", f"candidate = reference + {float(per_channel.mean()):.6g} everywhere (a constant offset)", 0.85)]
-    return [Finding("offset", f"per-channel additive error along the last axis (size {n}), from {float(per_channel.min()):.4g} "
-                    f"to {float(per_channel.max()):.4g}, matching no bias parameter of the producing call", 0.75)]
+            bb = float((b * b).sum())
+            if bb == 0:
+                continue
+            k = float((per_channel * b).sum()) / bb
+            if _norm(per_channel - k * b) > BIAS_FIT * max(pn, 1e-30):
+                continue
+            big = f"max |{name}| {float(b.abs().max()):.3g}"
+            if abs(k + 1) < 1e-3:
+                return [Finding("missing_bias", f"candidate = reference − {name} {where}, in all {n} channels "
+                                f"({big}): the bias is not added", 0.95)]
+            if abs(k - 1) < 1e-3:
+                return [Finding("offset", f"candidate = reference + {name} {where}, in all {n} channels "
+                                f"({big}): the bias is added twice", 0.95)]
+            return [Finding("offset", f"candidate = reference {'+' if k > 0 else '−'} {abs(k):.4g} × {name} {where} "
+                            f"({big}): the bias enters scaled by {1 + k:.4g} instead of 1", 0.9)]
+        spread = float(per_channel.max() - per_channel.min())
+        if spread <= 1e-6 * (1 + float(per_channel.abs().max())):
+            return [Finding("offset", f"candidate = reference + {float(per_channel.mean()):.6g} everywhere "
+                            f"(a constant offset)", 0.85)]
+        return [Finding("offset", f"additive error {where}, one value per channel from {float(per_channel.min()):.4g} "
+                        f"to {float(per_channel.max()):.4g}, matching no 1-D parameter the stage or the reference "
+                        f"upstream of it read (± or scaled)", 0.75)]
+    return []
 
 
-def _constants(shape: tuple[int, ...]) -> list[tuple[float, str]]:
-    out = [(2.0, "2"), (0.5, "1/2"), (-1.0, "-1")]
-    sizes = sorted({s for s in shape if s > 1} | {8, 16, 32, 64, 128})
-    for d in sizes:
-        out += [(math.sqrt(d), f"sqrt({d})"), (1 / math.sqrt(d), f"1/sqrt({d})"), (float(d), f"{d}"),
-                (1.0 / d, f"1/{d}"), (math.sqrt((d - 1) / d), f"sqrt(({d}-1)/{d})"),
-                (math.sqrt(d / (d - 1)), f"sqrt({d}/({d}-1))")]
+def _constants(shape: tuple[int, ...]) -> list[tuple[float, str, int | None, str]]:
+    """Factors a scale error is compared with: (value, formula, the size d it uses, what a factor
+    of that form would be consistent with).  Sizes are the stage's own, then common head sizes."""
+    out: list[tuple[float, str, int | None, str]] = [(2.0, "2", None, ""), (0.5, "1/2", None, "")]
+    for d in sorted({x for x in shape if x > 1} | {8, 16, 32, 64, 128}):
+        out += [(math.sqrt(d), f"√d, d = {d}", d, "a 1/√d factor left out"),
+                (1 / math.sqrt(d), f"1/√d, d = {d}", d, "a 1/√d factor applied where none belongs, or twice"),
+                (float(d), f"d = {d}", d, "a sum over d elements where their mean is expected"),
+                (1.0 / d, f"1/d, d = {d}", d, "a mean over d elements where their sum is expected"),
+                (math.sqrt((d - 1) / d), f"√((d−1)/d), d = {d}", d,
+                 "a variance divided by d−1 where one divided by d is expected"),
+                (math.sqrt(d / (d - 1)), f"√(d/(d−1)), d = {d}", d,
+                 "a variance divided by d where one divided by d−1 is expected")]
     return out
 
 
-def _name_scale(s: float, shape) -> str:
-    best = min(_constants(shape), key=lambda kv: abs(kv[0] - s) / abs(kv[0]))
-    if abs(best[0] - s) / abs(best[0]) < 2e-3:
-        meaning = ""
-        if best[1].startswith("sqrt((") :
-            meaning = " — the variance divided by n-1 instead of n (unbiased vs biased LayerNorm)"
-        elif best[1].startswith("sqrt(") and not best[1].startswith("sqrt(("):
-            meaning = " — a 1/sqrt(d) attention scale left out"
-        elif best[1].startswith("1/sqrt("):
-            meaning = " — a 1/sqrt(d) factor applied where none belongs (or twice)"
-        return f" ≈ {best[1]}{meaning}"
-    return ""
+# a scale "is" one of the constants when it is within this relative distance of it
+SCALE_MATCH = 2e-3
+
+
+def _name_scale(s: float, shape) -> tuple[str, bool]:
+    """Words relating a scale factor to the nearest simple constant, if one is within SCALE_MATCH:
+    the formula and, when its d is one of the stage's own sizes, what the factor is consistent with.
+    Returns (words, whether a constant matched)."""
+    value, formula, d, meaning = min(_constants(shape), key=lambda c: abs(c[0] - s) / abs(c[0]))
+    if abs(value - s) / abs(value) >= SCALE_MATCH:
+        return "", False
+    text = f" ≈ {formula} ({value:.6g})"
+    if meaning and d in shape:
+        text += f": consistent with {meaning}"
+    return text, True
+
+
+def _per_row_scale(ctx: Context) -> Finding | None:
+    """One scale factor per row of the last axis (a normalisation's statistics off by a factor)."""
+    r, c = _rows(ctx.ref), _rows(ctx.cand)
+    if r.shape[0] < 2 or r.shape[1] < 2:
+        return None
+    rr = (r * r).sum(dim=1)
+    ok = rr > 0
+    if not bool(ok.all()):
+        return None
+    k = (c * r).sum(dim=1) / rr
+    if _norm(c - k[:, None] * r) > EXPLAINED * max(_norm(ctx.err), 1e-30):
+        return None
+    lo, hi, med = float(k.min()), float(k.max()), float(k.median())
+    words, _ = _name_scale(med, tuple(ctx.ref.shape))
+    return Finding("scale", f"candidate = reference × one factor per row of the last axis (size {r.shape[1]}), "
+                   f"from {lo:.6g} to {hi:.6g}, median {med:.6g}{words}", 0.85)
 
 
 def check_scale(ctx: Context) -> list[Finding]:
@@ -212,12 +297,16 @@ def check_scale(ctx: Context) -> list[Finding]:
     if rr == 0:
         return []
     s = float((c * r).sum()) / rr
-    if abs(s - 1) < 1e-6 or _explains(s * ctx.ref, ctx) > EXPLAINED:
+    if abs(s - 1) < 1e-6:
         return []
+    if _explains(s * ctx.ref, ctx) > EXPLAINED:
+        row = _per_row_scale(ctx)
+        return [row] if row is not None else []
     if abs(s + 1) < 1e-3:
-        return [Finding("sign", "candidate = −reference: the sign is flipped", 0.95)]
-    name = _name_scale(s, tuple(ctx.ref.shape) + tuple(ctx.stage.cand.shape if ctx.stage.cand else ()))
-    return [Finding("scale", f"candidate ≈ {s:.6g} × reference{name}", 0.9 if name else 0.8)]
+        return [Finding("sign", f"candidate = {s:.6g} × reference: the sign is flipped", 0.95)]
+    words, named = _name_scale(s, tuple(ctx.ref.shape) + tuple(ctx.stage.cand.shape if ctx.stage.cand else ()))
+    return [Finding("scale", f"candidate = {s:.6g} × reference, one factor for all {ctx.ref.numel()} elements{words}",
+                    0.9 if named else 0.8)]
 
 
 def check_permutation(ctx: Context) -> list[Finding]:
@@ -237,18 +326,112 @@ def check_permutation(ctx: Context) -> list[Finding]:
     return []
 
 
-def _weight_of(ctx: Context) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """The 2-D weight (and 1-D bias, if any) the reference call read."""
+def _weight_of(ctx: Context, k: int) -> tuple[str, torch.Tensor | None, torch.Tensor | None]:
+    """A 2-D parameter the reference call read whose rows are `k` long, and a 1-D one (its bias)
+    as long as its columns, if any.  Returns (name, weight, bias)."""
     read = params_of(ctx.stage.ref, ctx.ref_params)
-    w = next((p for n, p in read.items() if n.endswith("weight") and p.dim() == 2), None)
-    b = next((p for n, p in read.items() if n.endswith("bias") and p.dim() == 1), None)
-    return (w.detach() if w is not None else None), (b.detach() if b is not None else None)
+    name, w = next(((n, p) for n, p in read.items() if p.dim() == 2 and p.shape[1] == k), ("", None))
+    if w is None:
+        return "", None, None
+    b = next((p for n, p in read.items() if p.dim() == 1 and p.shape[0] == w.shape[0]), None)
+    return name, w.detach(), (b.detach() if b is not None else None)
+
+
+# stages after the paired reference stage that a candidate's kernel may cover (it returns the last)
+WHAT_IF_STEPS = 4
+# an elementwise stage's map, estimated from the reference's own (input, output) values, is trusted
+# when each value is predicted from its neighbours to this fraction of the output's range
+ELEMENTWISE_FIT = 1e-3
+
+
+def _read_by_candidate(ctx: Context, p: torch.Tensor) -> bool:
+    """Whether the candidate's call read a parameter holding `p`'s values (names may differ)."""
+    for q in params_of(ctx.stage.cand, ctx.cand_params).values():
+        if q.shape == p.shape and bool(torch.equal(q.detach().to(p.device), p.detach())):
+            return True
+    return False
+
+
+def _elementwise_map(x: torch.Tensor, y: torch.Tensor):
+    """The function y = f(x) of an elementwise stage, as linear interpolation between the reference's
+    own pairs of values, or None when they are not one function of the other."""
+    x, y = x.reshape(-1).to(torch.float64), y.reshape(-1).to(torch.float64)
+    ok = torch.isfinite(x) & torch.isfinite(y)
+    x, y = x[ok], y[ok]
+    if x.numel() < 16:
+        return None
+    order = torch.argsort(x)
+    xs, ys = x[order], y[order]
+    span = float(ys.max() - ys.min()) or 1.0
+    # each interior value predicted from its two neighbours
+    dx = (xs[2:] - xs[:-2]).clamp_min(1e-300)
+    t = (xs[1:-1] - xs[:-2]) / dx
+    pred = ys[:-2] + t * (ys[2:] - ys[:-2])
+    if float((pred - ys[1:-1]).abs().max()) > ELEMENTWISE_FIT * span:
+        return None
+
+    def f(q: torch.Tensor) -> torch.Tensor:
+        flat = q.reshape(-1).to(torch.float64)
+        i = torch.searchsorted(xs, flat).clamp(1, xs.numel() - 1)
+        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+        w = (flat - x0) / (x1 - x0).clamp_min(1e-300)
+        return (y0 + w * (y1 - y0)).reshape(q.shape)
+
+    return f
+
+
+def check_missing_parameter(ctx: Context) -> list[Finding]:
+    """The candidate is the reference with a 1-D parameter its stage read (and the candidate's call
+    did not) left out, possibly carried on through up to WHAT_IF_STEPS later reference stages that
+    apply one elementwise function each (a kernel covering several stages returns the last; each
+    function is read off the reference's own values): a bias left out inside a fused kernel."""
+    rec = ctx.ref_records[ctx.stage.ref.index]
+    ref_v = ctx.ref
+    missing = [(n, p.detach().to(torch.float64).to(ref_v.device)) for n, p in params_of(rec, ctx.ref_params).items()
+               if p.dim() == 1 and not _read_by_candidate(ctx, p)]
+    if not missing or ref_v.dim() == 0:
+        return []
+    consumers: dict[int, list[int]] = {}
+    for r in ctx.ref_records[rec.index + 1:]:
+        for i in r.inputs:
+            consumers.setdefault(getattr(i, "index", i), []).append(r.index)
+    e = _norm(ctx.err)
+    shape = tuple(ref_v.shape)
+    for name, p in missing:
+        for axis in [ref_v.dim() - 1, *range(ref_v.dim() - 1)]:
+            if shape[axis] != p.shape[0]:
+                continue
+            value, chain = ref_v - _broadcast(p, shape, axis), [rec]
+            for _ in range(WHAT_IF_STEPS + 1):
+                if value.numel() == ctx.cand_native.numel() and e > 0:
+                    left = _norm(ctx.cand_native.reshape(-1) - value.reshape(-1)) / e
+                    if left <= EXPLAINED:
+                        through = "" if len(chain) == 1 else (f", carried through {' → '.join(r.name for r in chain[1:])} "
+                                                              f"(the stage whose value the candidate returns)")
+                        return [Finding("missing_bias", f"candidate = the reference without {name} at {rec.name} "
+                                        f"{'along axis ' + str(axis) + ' ' if ref_v.dim() > 1 else ''}"
+                                        f"(max |{name}| {float(p.abs().max()):.3g}){through}, to within "
+                                        f"{100 * left:.2g}% of the error: the bias is not added", 0.95)]
+                last = chain[-1]
+                nxt = [ctx.ref_records[j] for j in consumers.get(last.index, ())]
+                nxt = [r for r in nxt if not r.params and r.value is not None and last.value is not None
+                       and r.value.numel() == last.value.numel()]
+                if len(nxt) != 1:
+                    break
+                f = _elementwise_map(last.value, nxt[0].value)
+                if f is None:
+                    break
+                value = f(value)
+                chain.append(nxt[0])
+    return []
 
 
 def check_transposed_weight(ctx: Context) -> list[Finding]:
-    w, b = _weight_of(ctx)
     x = ctx.ref_input(0)
-    if w is None or x is None or x.shape[-1] != w.shape[1]:
+    if x is None or x.dim() == 0:
+        return []
+    wname, w, b = _weight_of(ctx, x.shape[-1])
+    if w is None:
         return []
     n_out, k = w.shape
     wd = w.to(torch.float64)
@@ -258,8 +441,8 @@ def check_transposed_weight(ctx: Context) -> list[Finding]:
         y = y + b.detach().to(torch.float64)
     y = y.reshape(ctx.ref.shape)
     if _norm(y - ctx.cand) <= EXPLAINED * max(_norm(ctx.err), 1e-30):
-        return [Finding("transposed_weight", f"the stage matches x @ W' where W' is the [{n_out}, {k}] weight's memory "
-                        f"read as [{k}, {n_out}]: the kernel indexes the weight as w[k*{n_out} + n] instead of "
+        return [Finding("transposed_weight", f"the stage matches x @ W' where W' is the [{n_out}, {k}] weight {wname}'s "
+                        f"memory read as [{k}, {n_out}]: the kernel indexes the weight as w[k*{n_out} + n] instead of "
                         f"w[n*{k} + k]", 0.95)]
     return []
 
@@ -291,17 +474,25 @@ def check_precision(ctx: Context) -> list[Finding]:
         # the candidate is the reference rounded to half precision, up to a fraction of that rounding
         if e > 0 and _norm(ctx.cand - rounded) <= 0.5 * _norm(rounded - ctx.ref):
             unit = {torch.float16: 2 ** -11, torch.bfloat16: 2 ** -8}[dtype]
-            return [Finding("precision", f"candidate ≈ the reference rounded to {name} (unit roundoff {unit:.2g}): "
-                            f"a {name} intermediate where float32 is expected", 0.85)]
+            left = _norm(ctx.cand - rounded) / max(_norm(rounded - ctx.ref), 1e-30)
+            return [Finding("precision", f"candidate ≈ the reference rounded to {name} (unit roundoff {unit:.2g}; "
+                            f"{100 * left:.0f}% of that rounding left unexplained): consistent with a {name} "
+                            f"intermediate where float32 is expected", 0.85)]
+    if "approximation" in ctx.found:
+        return []  # a smooth function of the input explains the error already
     rel_err = ctx.err.abs() / ctx.ref.abs().clamp_min(1e-30)
     rel = float(rel_err.median())
     mags = [(2 ** -11, "float16/TF32 (10-bit mantissa)"), (2 ** -8, "bfloat16 (7-bit mantissa)")]
     for unit, name in mags:
         if unit / 8 <= rel <= unit * 2 and float(ctx.err.abs().max()) <= 64 * unit * float(ctx.ref.abs().max()):
             return [Finding("precision", f"median relative error {rel:.2g} is the size of {name} rounding ({unit:.2g}) "
-                            f"and no other pattern explains it: reduced-precision accumulation (TF32 matmul, "
-                            f"half accumulators)", 0.5)]
+                            f"and no other pattern explains it: consistent with reduced-precision arithmetic "
+                            f"(a TF32 matmul, half-precision accumulators)", 0.5)]
     return []
+
+
+APPROX_PER_BIN = 8
+APPROX_MAX_BINS = 512
 
 
 def check_approximation(ctx: Context) -> list[Finding]:
@@ -315,7 +506,9 @@ def check_approximation(ctx: Context) -> list[Finding]:
         return []  # not small
     order = torch.argsort(r)
     es = e[order]
-    bins = max(8, min(64, r.numel() // 16))
+    # bins of APPROX_PER_BIN sorted inputs: the error's mean per bin follows a smooth function closely, while
+    # noise unrelated to the input keeps only about 1/APPROX_PER_BIN of its variance in the bin means
+    bins = max(8, min(APPROX_MAX_BINS, r.numel() // APPROX_PER_BIN))
     chunks = torch.tensor_split(es, bins)
     means = torch.cat([ch.mean().expand(ch.numel()) for ch in chunks])
     total = float(((es - es.mean()) ** 2).sum())
@@ -324,15 +517,40 @@ def check_approximation(ctx: Context) -> list[Finding]:
     explained = 1 - float(((es - means) ** 2).sum()) / total
     if explained < 0.9:
         return []
-    of = "input" if r is not ctx.ref.flatten() and x is not None and x.numel() == ctx.ref.numel() else "value"
-    return [Finding("approximation", f"small smooth error (max {float(e.abs().max()):.3g}) that is a function of the "
-                    f"stage's {of} ({100 * explained:.0f}% of its variance explained by it alone): an "
-                    f"approximated function, e.g. tanh-GELU for erf-GELU or a fast exp", 0.7)]
+    of = "input" if x is not None and x.numel() == ctx.ref.numel() else "value"
+    detail = (f"small smooth error (max {float(e.abs().max()):.3g}) that is a function of the stage's {of} "
+              f"({100 * explained:.0f}% of its variance explained by it alone)")
+    known = _known_approximation(ctx, x) if of == "input" else None
+    if known:
+        detail += f"; {known}"
+    else:
+        detail += ": consistent with an approximated elementwise function"
+    return [Finding("approximation", detail, 0.7)]
+
+
+def _known_approximation(ctx: Context, x: torch.Tensor) -> str:
+    """Whether the error is what a known approximation of a function of the stage's input would
+    leave: each pair (exact, approximate) is tried where the reference equals the exact one."""
+    import torch.nn.functional as F
+
+    x = x.reshape(ctx.ref.shape)
+    pairs = [("erf GELU", lambda t: F.gelu(t), "tanh-approximated GELU", lambda t: F.gelu(t, approximate="tanh"))]
+    for exact_name, exact, approx_name, approx in pairs:
+        try:
+            if _norm(exact(x) - ctx.ref) > 1e-6 * max(_norm(ctx.ref), 1e-30):
+                continue  # the reference is not this function of its input
+            left = _norm(ctx.cand - approx(x)) / max(_norm(ctx.err), 1e-30)
+        except Exception:
+            continue
+        if left <= 0.05:
+            return (f"candidate − reference = {approx_name}(input) − {exact_name}(input) to within {100 * left:.1f}% "
+                    f"of the error: consistent with {approx_name} where {exact_name} is expected")
+    return ""
 
 
 CHECKS: list[Callable[[Context], list[Finding]]] = [
     check_nan_inf, check_region, check_reduction_axis, check_permutation, check_transposed_weight,
-    check_bias_offset, check_scale, check_precision, check_approximation,
+    check_bias_offset, check_missing_parameter, check_scale, check_approximation, check_precision,
 ]
 
 
@@ -361,6 +579,7 @@ def diagnose(stage: Stage, ref: Any, cand: Any, ref_params: dict[str, torch.Tens
             findings += check(ctx)
         except Exception:  # a check that cannot apply to this stage says nothing
             continue
+        ctx.found = [f.kind for f in findings]
         if findings and findings[-1].kind in ("nan_inf",):
             break
     exact = {"missing_bias", "offset", "scale", "sign", "permutation", "transposed_weight", "unwritten_region",

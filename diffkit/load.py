@@ -1,10 +1,14 @@
 """Loading KernelBench-style files: a reference (`Model`) and a candidate (`ModelNew`).
 
-Both files run as source, as KernelBench runs them: seed 42 before ``get_init_inputs()``,
-again before ``Model(*init)`` and again before ``ModelNew(*init)``.  Then every reference
-parameter and buffer whose qualified name and shape match is copied into the candidate, and
-what matched, differed, or had no counterpart is reported: silently different weights are the
-most common false alarm.
+Both files run as source and both models are built exactly as KernelBench builds them: seed 42
+before ``get_init_inputs()``, again before ``Model(*init)`` and again before ``ModelNew(*init)``;
+the models are left as constructed (training mode: no ``.eval()`` unless asked) and nothing is
+copied between them -- the shared seed is what gives a candidate that repeats the reference's
+``__init__`` the same weights.  What the construction produced is then compared by qualified
+name (`compare_weights`): parameters and buffers that differ are reported with what the
+difference looks like (a constant shift, a scale, a permutation, a transposition), since
+silently different weights are the most common false alarm.  `sync_weights` (``--sync-weights``)
+copies the reference's values instead.
 """
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import hashlib
 import os
 import re
 import sys
+import tokenize
 import traceback
 import types
 from dataclasses import dataclass, field
@@ -28,20 +33,42 @@ KERNELBENCH_SEED = 42
 
 @dataclass
 class WeightReport:
-    """What copying reference weights into the candidate found, by qualified name."""
+    """What the two models' parameters and buffers look like side by side, by qualified name.
 
-    copied: list[str] = field(default_factory=list)  # same name and shape, values differed: copied
-    identical: list[str] = field(default_factory=list)  # same name and shape, already equal
+    identical:      same name and shape, equal values
+    differ:         same name and shape, other values: {"name", "shape", "looks_like"} (left as they are
+                    unless `synced`)
+    copied:         with --sync-weights: the names whose reference values were copied into the candidate
+    shape_mismatch: (name, reference shape, candidate shape)
+    ref_only / cand_only: names with no counterpart
+    synced:         whether reference values were copied into the candidate
+    """
+
+    copied: list[str] = field(default_factory=list)
+    identical: list[str] = field(default_factory=list)
     shape_mismatch: list[tuple[str, tuple, tuple]] = field(default_factory=list)  # (name, ref, cand)
     ref_only: list[str] = field(default_factory=list)
     cand_only: list[str] = field(default_factory=list)
+    differ: list[dict] = field(default_factory=list)
+    synced: bool = False
 
     @property
     def matched(self) -> list[str]:
         return self.identical + self.copied
 
+    def difference_words(self, limit: int = 4) -> str:
+        """The differing tensors in words: "conv.bias (constant shift by -0.5), …"."""
+        words = [f"{d['name']} ({d['looks_like']})" for d in self.differ[:limit]]
+        return ", ".join(words) + (f" and {len(self.differ) - limit} more" if len(self.differ) > limit else "")
+
     def summary(self) -> str:
-        parts = [f"{len(self.matched)} matched by name ({len(self.copied)} copied from the reference)"]
+        if self.synced:
+            parts = [f"{len(self.matched)} matched by name ({len(self.copied)} copied from the reference)"]
+        else:
+            parts = [f"{len(self.identical)} equal by name"]
+            if self.differ:
+                parts.append(f"{len(self.differ)} differ from the reference's after construction (nothing "
+                             f"copied, as KernelBench copies nothing): {self.difference_words()}")
         if self.shape_mismatch:
             parts.append(f"{len(self.shape_mismatch)} same name but other shape: "
                          + ", ".join(f"{n} {list(a)} vs {list(b)}" for n, a, b in self.shape_mismatch[:4]))
@@ -57,17 +84,119 @@ class WeightReport:
     def from_dict(cls, d: dict) -> "WeightReport":
         return cls(copied=list(d.get("copied", [])), identical=list(d.get("identical", [])),
                    shape_mismatch=[(n, tuple(a), tuple(b)) for n, a, b in d.get("shape_mismatch", [])],
-                   ref_only=list(d.get("ref_only", [])), cand_only=list(d.get("cand_only", [])))
+                   ref_only=list(d.get("ref_only", [])), cand_only=list(d.get("cand_only", [])),
+                   differ=[dict(x) for x in d.get("differ", []) if isinstance(x, dict)],
+                   synced=bool(d.get("synced", False)))
 
     def to_dict(self) -> dict:
         return {"copied": self.copied, "identical": self.identical,
                 "shape_mismatch": [[n, list(a), list(b)] for n, a, b in self.shape_mismatch],
-                "ref_only": self.ref_only, "cand_only": self.cand_only}
+                "ref_only": self.ref_only, "cand_only": self.cand_only, "differ": self.differ,
+                "synced": self.synced}
+
+
+# how close two tensors must be for a difference to read as a pure shift / scale / reordering
+# (relative to the reference's magnitude: float32 rounding of a folded constant is ~1e-7)
+_LOOKS_REL = 1e-5
+_MAX_PERMUTE_ROWS = 4096  # rows matched one to one when looking for a permutation
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, scale: float) -> bool:
+    return a.shape == b.shape and bool(((a - b).abs() <= _LOOKS_REL * max(scale, 1e-12)).all())
+
+
+def _row_permutation(r: torch.Tensor, c: torch.Tensor, dim: int, scale: float) -> list[int] | None:
+    """The order of reference slices along `dim` that gives the candidate, if it is a reordering."""
+    n = r.shape[dim]
+    if n < 2 or n > _MAX_PERMUTE_ROWS:
+        return None
+    rr = r.movedim(dim, 0).reshape(n, -1)
+    cc = c.movedim(dim, 0).reshape(n, -1)
+    dist = torch.cdist(cc, rr)
+    best = dist.argmin(dim=1)
+    if len(set(best.tolist())) != n or not bool((dist.min(dim=1).values <= _LOOKS_REL * max(scale, 1e-12)
+                                                 * max(1, rr.shape[1]) ** 0.5).all()):
+        return None
+    order = best.tolist()
+    return None if order == list(range(n)) else order
+
+
+def describe_difference(ref: torch.Tensor, cand: torch.Tensor) -> str:
+    """What a candidate tensor of the reference's shape looks like next to it, in words: a constant
+    shift, a scale, a transposition, a permutation along one axis, zeros, or just other values."""
+    r = ref.detach().to("cpu", torch.float64)
+    c = cand.detach().to("cpu", torch.float64)
+    if not (r.is_floating_point() and r.numel()):
+        return f"{int((r != c).sum())} of {r.numel()} elements differ"
+    fin = torch.isfinite(r) & torch.isfinite(c)
+    if not bool(fin.all()):
+        return f"non-finite values differ ({int((~fin).sum())} elements)"
+    scale = float(r.abs().max())
+    d = c - r
+    if bool((c == 0).all()):
+        return "all zeros in the candidate"
+    shift = float(d.flatten()[0])
+    if _close(d, torch.full_like(d, shift), scale):
+        return f"constant shift by {shift:+.6g} (candidate = reference {'+' if shift >= 0 else '-'} {abs(shift):.6g})"
+    nz = r.abs() > _LOOKS_REL * max(scale, 1e-12)
+    if bool(nz.any()):
+        k = float((c[nz] / r[nz]).median())
+        if _close(c, k * r, scale * max(1.0, abs(k))):
+            return f"scaled by {k:.6g}"
+    if r.dim() >= 2:
+        import itertools
+
+        if r.dim() <= 4:
+            for perm in itertools.permutations(range(r.dim())):
+                if list(perm) != list(range(r.dim())) and tuple(r.permute(*perm).shape) == tuple(r.shape) \
+                        and _close(c, r.permute(*perm), scale):
+                    return "transposed" if r.dim() == 2 else f"axes permuted ({', '.join(map(str, perm))})"
+    for dim in range(r.dim()):
+        order = _row_permutation(r, c, dim, scale)
+        if order is not None:
+            moved = sum(1 for i, j in enumerate(order) if i != j)
+            return (f"permuted along dim {dim} ({moved} of {len(order)} slices moved, candidate[i] = reference"
+                    f"[{order[0]}, {order[1]}, …][i])")
+    corr = float(torch.corrcoef(torch.stack([r.flatten(), c.flatten()]))[0, 1]) if r.numel() > 1 else float("nan")
+    words = f"other values (max |difference| {float(d.abs().max()):.3g}, correlation {corr:.3f})"
+    if abs(corr) < 0.2 and abs(float(c.std()) - float(r.std())) <= 0.5 * float(r.std()):
+        words += ": looks like another random draw (parameters created in another order, or another init)"
+    return words
+
+
+def compare_weights(ref: torch.nn.Module | dict[str, torch.Tensor], cand: torch.nn.Module) -> WeightReport:
+    """The candidate's parameters and buffers next to the reference's (a model, or tensors by
+    qualified name as a capture keeps them), by name; nothing is changed."""
+    report = WeightReport()
+    rstate = _named_state(ref)
+    cstate = _named_state(cand)
+    with torch.no_grad():
+        for name, c in cstate.items():
+            r = rstate.get(name)
+            if r is None:
+                report.cand_only.append(name)
+            elif tuple(r.shape) != tuple(c.shape):
+                report.shape_mismatch.append((name, tuple(r.shape), tuple(c.shape)))
+            elif r.dtype == c.dtype and torch.equal(r.to(c.device), c):
+                report.identical.append(name)
+            else:
+                report.differ.append({"name": name, "shape": list(c.shape), "looks_like": describe_difference(r, c)})
+    report.ref_only = [n for n in rstate if n not in cstate]
+    return report
+
+
+def _named_state(obj: torch.nn.Module | dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    if isinstance(obj, torch.nn.Module):
+        state = dict(obj.named_parameters())
+        state.update(dict(obj.named_buffers()))
+        return state
+    return dict(obj)
 
 
 @dataclass
 class LoadedPair:
-    """Both models, built and with weights synchronised, and one clone of the inputs for each side."""
+    """Both models as KernelBench builds them, the weight comparison, and one clone of the first
+    inputs for each side (`inputs_for` makes any other trial's)."""
 
     ref: torch.nn.Module
     cand: torch.nn.Module
@@ -80,10 +209,16 @@ class LoadedPair:
     ref_module: types.ModuleType
     cand_module: types.ModuleType
     seed: int
+    device: str | None = None
 
     def fresh_inputs(self) -> tuple[list[Any], list[Any]]:
         """A new clone of the inputs for each side (the originals are kept untouched)."""
         return _clone(self.ref_inputs), _clone(self.cand_inputs)
+
+    def inputs_for(self, seed: int) -> list[Any]:
+        """The reference's ``get_inputs()`` under `seed` (a KernelBench trial's inputs), on the device."""
+        inputs = _inputs(self.ref_module, self.ref_path, seed, "reference")
+        return _move(inputs, self.device) if self.device else inputs
 
 
 def _clone(obj: Any) -> Any:
@@ -122,9 +257,9 @@ def exec_file(path: str, side: str) -> types.ModuleType:
     if not os.path.exists(path):
         raise DiffkitError(side, "read", f"file not found: {path}", path)
     try:
-        with open(path, encoding="utf-8") as fh:
+        with tokenize.open(path) as fh:  # the encoding Python itself would use (PEP 263 coding line)
             source = fh.read()
-    except (OSError, UnicodeDecodeError) as e:
+    except (OSError, UnicodeDecodeError, SyntaxError) as e:
         raise DiffkitError(side, "read", f"cannot read {path}: {e}", path) from e
     try:
         code = compile(source, os.path.abspath(path), "exec")
@@ -176,30 +311,16 @@ def _call(side: str, phase: str, path: str, fn, *args) -> Any:
 
 def sync_weights(ref: torch.nn.Module | dict[str, torch.Tensor], cand: torch.nn.Module) -> WeightReport:
     """Copy each reference parameter/buffer (a model, or tensors by qualified name as a capture keeps
-    them) into the candidate one of the same name and shape."""
-    report = WeightReport()
-    if isinstance(ref, torch.nn.Module):
-        rstate = dict(ref.named_parameters())
-        rstate.update(dict(ref.named_buffers()))
-    else:
-        rstate = dict(ref)
-    cstate = dict(cand.named_parameters())
-    cstate.update(dict(cand.named_buffers()))
+    them) into the candidate one of the same name and shape (``--sync-weights``; KernelBench copies
+    nothing).  The report says what differed before the copy."""
+    report = compare_weights(ref, cand)
+    rstate, cstate = _named_state(ref), _named_state(cand)
     with torch.no_grad():
-        for name, c in cstate.items():
-            r = rstate.get(name)
-            if r is None:
-                report.cand_only.append(name)
-            elif tuple(r.shape) != tuple(c.shape):
-                report.shape_mismatch.append((name, tuple(r.shape), tuple(c.shape)))
-            else:
-                same = r.dtype == c.dtype and r.device == c.device and torch.equal(r, c)
-                if not same:
-                    c.copy_(r.to(device=c.device, dtype=c.dtype))
-                    report.copied.append(name)
-                else:
-                    report.identical.append(name)
-    report.ref_only = [n for n in rstate if n not in cstate]
+        for d in report.differ:
+            c = cstate[d["name"]]
+            c.copy_(rstate[d["name"]].to(device=c.device, dtype=c.dtype))
+            report.copied.append(d["name"])
+    report.synced = True
     return report
 
 
@@ -215,6 +336,18 @@ class ModelSide:
     seed: int
     module: types.ModuleType | None = None
     inputs_source: str = ""  # the file get_inputs()/get_init_inputs() came from
+    inputs_module: types.ModuleType | None = None  # that file, run (for other trials' inputs)
+    eval_mode: bool = False
+
+    def inputs_for(self, seed: int) -> list[Any]:
+        """``get_inputs()`` under `seed` (a KernelBench trial's inputs), on this side's device."""
+        src = self.inputs_module or self.module
+        if src is None:
+            raise DiffkitError("reference", "inputs", "this side was not built from a file: no get_inputs()",
+                               self.path)
+        inputs = _inputs(src, self.inputs_source or self.path, seed, "reference")
+        dev = self.device()
+        return _move(inputs, dev) if dev != "cpu" else inputs
 
     def device(self) -> str:
         for p in self.model.parameters():
@@ -229,7 +362,7 @@ class ModelSide:
         return {"source": os.path.abspath(self.path), "class": self.class_name, "seed": self.seed,
                 "inputs_source": os.path.abspath(self.inputs_source or self.path),
                 "init_inputs": encode_values(self.init_inputs), "inputs": encode_values(self.inputs, tensors=True),
-                "device": self.device(), "training": self.model.training}
+                "device": self.device(), "training": self.model.training, "eval": self.eval_mode}
 
 
 def encode_values(values: list[Any], tensors: bool = False) -> dict | None:
@@ -302,12 +435,13 @@ def _candidate_class(module: types.ModuleType, path: str, name: str = "ModelNew"
     return cls
 
 
-def load_reference(path: str, *, seed: int = KERNELBENCH_SEED, device: str | None = None, train: bool = False,
+def load_reference(path: str, *, seed: int = KERNELBENCH_SEED, device: str | None = None, eval_mode: bool = False,
                    class_name: str | None = "Model", inputs_from: str | None = None,
                    side: str = "reference") -> ModelSide:
     """Build one model from its file as KernelBench does (seed 42 before get_init_inputs() and before
-    construction; `seed` before get_inputs()).  `inputs_from`: take get_inputs()/get_init_inputs()
-    from that file instead (a candidate file captured on its own)."""
+    construction; `seed` before get_inputs(); left as constructed unless `eval_mode`).
+    `inputs_from`: take get_inputs()/get_init_inputs() from that file instead (a candidate file
+    captured on its own)."""
     module = exec_file(path, side)
     if class_name is None:  # whichever the file defines
         class_name = "ModelNew" if hasattr(module, "ModelNew") else "Model"
@@ -319,15 +453,17 @@ def load_reference(path: str, *, seed: int = KERNELBENCH_SEED, device: str | Non
     if device:
         model = model.to(device)
         inputs = _move(inputs, device)
-    model.train(train)
-    return ModelSide(model, inputs, init, path, class_name, seed, module, inputs_from or path)
+    if eval_mode:
+        model.eval()
+    return ModelSide(model, inputs, init, path, class_name, seed, module, inputs_from or path, src, eval_mode)
 
 
 def load_candidate_for_capture(cand_path: str, capture: Any, *, seed: int = KERNELBENCH_SEED,
-                               device: str | None = None, train: bool = False,
-                               sync: bool = True) -> tuple[ModelSide, WeightReport]:
-    """Build the candidate against a captured reference: its init inputs and forward inputs are the
-    capture's, and (with `sync`) the reference's parameters are copied into it by name."""
+                               device: str | None = None, eval_mode: bool = False,
+                               sync: bool = False) -> tuple[ModelSide, WeightReport]:
+    """Build the candidate against a captured reference as KernelBench would: its init inputs and
+    forward inputs are the capture's; its parameters are compared by name with the reference's
+    (copied into it only with `sync`)."""
     info = getattr(capture, "info", None) or {}
     module = exec_file(cand_path, "candidate")
     cls = _candidate_class(module, cand_path)
@@ -351,18 +487,21 @@ def load_candidate_for_capture(cand_path: str, capture: Any, *, seed: int = KERN
         model = model.to(dev)
         inputs = _move(inputs, dev)
     params = capture.parameters() if hasattr(capture, "parameters") else {}
-    weights = sync_weights(params, model) if sync and params else WeightReport()
-    model.train(train)
+    weights = (sync_weights(params, model) if sync else compare_weights(params, model)) if params else WeightReport()
+    if eval_mode:
+        model.eval()
     return ModelSide(model, _clone(inputs), init, cand_path, "ModelNew", seed, module,
-                     info.get("inputs_source", "")), weights
+                     info.get("inputs_source", ""), eval_mode=eval_mode), weights
 
 
 def load_pair(ref_path: str, cand_path: str, *, seed: int = KERNELBENCH_SEED, device: str | None = None,
-              train: bool = False, sync: bool = True, cand_class: str = "ModelNew") -> LoadedPair:
+              eval_mode: bool = False, sync: bool = False, cand_class: str = "ModelNew") -> LoadedPair:
     """Build both models the way KernelBench does and give each side its own copy of the inputs.
 
-    `seed` seeds ``get_inputs()`` (model construction always uses KernelBench's 42).  Models are
-    put in ``eval()`` unless `train`.  `device` moves models and inputs ("cpu", "cuda").
+    `seed` seeds ``get_inputs()`` (model construction always uses KernelBench's 42).  The models are
+    left as constructed (training mode), as KernelBench leaves them, unless `eval_mode`; nothing is
+    copied between them unless `sync` (the weight report says what differs either way).  `device`
+    moves models and inputs ("cpu", "cuda").
     """
     ref_mod = exec_file(ref_path, "reference")
     cand_mod = exec_file(cand_path, "candidate")
@@ -377,9 +516,10 @@ def load_pair(ref_path: str, cand_path: str, *, seed: int = KERNELBENCH_SEED, de
         ref = ref.to(device)
         cand = cand.to(device)
         inputs = _move(inputs, device)
-    weights = sync_weights(ref, cand) if sync else WeightReport()
-    ref.train(train)
-    cand.train(train)
+    weights = sync_weights(ref, cand) if sync else compare_weights(ref, cand)
+    if eval_mode:
+        ref.eval()
+        cand.eval()
     return LoadedPair(ref=ref, cand=cand, ref_inputs=_clone(inputs), cand_inputs=_clone(inputs),
                       init_inputs=init, weights=weights, ref_path=ref_path, cand_path=cand_path,
-                      ref_module=ref_mod, cand_module=cand_mod, seed=seed)
+                      ref_module=ref_mod, cand_module=cand_mod, seed=seed, device=device)

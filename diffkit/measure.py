@@ -1,8 +1,10 @@
 """Measure one aligned pair: how far the candidate tensor is from the reference tensor.
 
-All arithmetic is done in float64 on the tensors' device so the metric adds no error of its
-own; integer and bool tensors compare exactly.  A pair passes when every element satisfies
-``|c - r| <= atol + rtol * |r|`` and the candidate has no NaN/Inf the reference lacks.
+All arithmetic is done in float64 (complex128 for complex values) on the tensors' device so the
+metric adds no error of its own; integer and bool tensors compare exactly.  A pair passes as
+``torch.allclose(c, r, atol, rtol, equal_nan=False)`` would pass it (KernelBench's rule): every
+element satisfies ``|c - r| <= atol + rtol * |r|``, a NaN on either side is a mismatch, and
+infinities agree only when equal.
 """
 from __future__ import annotations
 
@@ -199,11 +201,36 @@ CHUNK = 1 << 20
 CHUNK_CUDA = 1 << 22
 
 
+def _numbers(t: torch.Tensor, cplx: bool) -> torch.Tensor:
+    return t.to(torch.complex128 if cplx else torch.float64)
+
+
+def compare_elements(rd: torch.Tensor, cd: torch.Tensor, atol: float, rtol: float):
+    """The elementwise rule, as ``torch.allclose(c, r, atol, rtol, equal_nan=False)`` applies it
+    (complex values by their modulus, so the real and imaginary parts both count):
+
+    diff      |c - r| where both are finite, else 0
+    bound     atol + rtol * |r|
+    special   either side NaN or infinite
+    disagree  a NaN on either side, or infinities that are not equal
+    bad       out of tolerance or disagreeing
+    """
+    r_nan, c_nan, r_inf, c_inf = torch.isnan(rd), torch.isnan(cd), torch.isinf(rd), torch.isinf(cd)
+    special = r_nan | c_nan | r_inf | c_inf
+    disagree = special & ~(r_inf & c_inf & (rd == cd))
+    rabs = rd.abs()
+    diff = torch.where(special, torch.zeros((), dtype=rabs.dtype, device=rd.device), (cd - rd).abs())
+    bound = atol + rtol * rabs
+    bad = (~special & (diff > bound)) | disagree
+    return diff, bound, special, disagree, bad, (r_nan, r_inf, c_nan, c_inf)
+
+
 def _partials(r: torch.Tensor, c: torch.Tensor, atol: float, rtol: float, exact: bool, offset: int) -> torch.Tensor:
     """One chunk's sufficient statistics, as a float64 vector (slots: `_Part`); `offset` is the
     chunk's first flat index."""
-    rd = r.to(torch.float64)
-    cd = c.to(torch.float64)
+    cplx = r.is_complex() or c.is_complex()
+    rd = _numbers(r, cplx)
+    cd = _numbers(c, cplx)
     zero = torch.zeros((), dtype=torch.float64, device=rd.device)
     if exact:
         diff = (cd - rd).abs()
@@ -211,31 +238,32 @@ def _partials(r: torch.Tensor, c: torch.Tensor, atol: float, rtol: float, exact:
         nan_bad = torch.zeros_like(bad)
         counts = {slot.name.lower(): zero for slot in _COUNTS}
         fr, fc = rd, cd
+        bound = atol + rtol * rd.abs()
     else:
-        r_nan_m, c_nan_m = torch.isnan(rd), torch.isnan(cd)
-        r_inf_m, c_inf_m = torch.isinf(rd), torch.isinf(cd)
-        # NaN where the reference has NaN, or the same infinity, is agreement; anything else is not
-        special = r_nan_m | c_nan_m | r_inf_m | c_inf_m
-        nan_bad = special & ~((r_nan_m & c_nan_m) | (r_inf_m & c_inf_m & (rd == cd)))
-        finite = ~special
-        diff = torch.where(finite, (cd - rd).abs(), zero)
-        bad = (finite & (diff > atol + rtol * rd.abs())) | nan_bad
+        diff, bound, special, nan_bad, bad, (r_nan_m, r_inf_m, c_nan_m, c_inf_m) = compare_elements(rd, cd, atol, rtol)
         counts = {"ref_nan": r_nan_m.sum(dtype=torch.float64), "ref_inf": r_inf_m.sum(dtype=torch.float64),
                   "cand_nan": c_nan_m.sum(dtype=torch.float64), "cand_inf": c_inf_m.sum(dtype=torch.float64)}
-        fr = torch.where(torch.isfinite(rd), rd, zero)
-        fc = torch.where(torch.isfinite(cd), cd, zero)
-    rel = torch.where((rd.abs() > 0) & torch.isfinite(rd) & torch.isfinite(cd), diff / rd.abs().clamp_min(1e-300), zero)
-    # an agreeing NaN must not win the argmax: it is no excess at all
-    excess = torch.nan_to_num(diff - (atol + rtol * rd.abs()), nan=float("-inf"))
+        fr = torch.where(torch.isfinite(rd), rd, torch.zeros((), dtype=rd.dtype, device=rd.device))
+        fc = torch.where(torch.isfinite(cd), cd, torch.zeros((), dtype=cd.dtype, device=cd.device))
+    rabs = rd.abs()
+    rel = torch.where((rabs > 0) & torch.isfinite(rd) & torch.isfinite(cd), diff / rabs.clamp_min(1e-300), zero)
+    # an agreeing value can never be the worst: NaN excess (inf - inf) counts as none at all
+    excess = torch.nan_to_num(diff - bound, nan=float("-inf"))
     i_ex, i_d = torch.argmax(excess), torch.argmax(diff)
     any_nb = nan_bad.any()
     first_nb = torch.where(any_nb, torch.argmax(nan_bad.to(torch.uint8)).to(torch.float64) + offset, float("inf"))
+    dot = (fr.conj() * fc).real.sum() if cplx else (fr * fc).sum()
     # `take`, not indexing: indexing with a device scalar waits for the device
     return _pack(_Part, mismatches=bad.sum(dtype=torch.float64), max_abs=diff.take(i_d),
                  max_abs_at=i_d.to(torch.float64) + offset, sum_abs=diff.sum(), max_rel=rel.max(),
-                 dot=(fr * fc).sum(), ref_sq=(fr * fr).sum(), cand_sq=(fc * fc).sum(), **counts,
+                 dot=dot, ref_sq=(fr.abs() ** 2).sum(), cand_sq=(fc.abs() ** 2).sum(), **counts,
                  max_excess=excess.take(i_ex), max_excess_at=i_ex.to(torch.float64) + offset,
                  first_disagree_at=first_nb, diff_sq=(diff * diff).sum())
+
+
+def _real(t: torch.Tensor) -> torch.Tensor:
+    """A value as a float64 number for a report (a complex value by its real part)."""
+    return (t.real if t.is_complex() else t).to(torch.float64)
 
 
 def measure_async(ref: torch.Tensor, cand: torch.Tensor, atol: float, rtol: float) -> PendingStats:
@@ -271,8 +299,8 @@ def measure_async(ref: torch.Tensor, cand: torch.Tensor, atol: float, rtol: floa
     packed = _pack(_Packed, mismatches=mism, max_abs=parts[:, _Part.MAX_ABS].max(),
                    mean_abs=parts[:, _Part.SUM_ABS].sum() / n, max_rel=parts[:, _Part.MAX_REL].max(), cosine=cosine,
                    **{slot.name.lower(): counts[k] for k, slot in enumerate(_COUNTS)},
-                   worst_at=flat.to(torch.float64), worst_ref=r.take(flat).to(torch.float64),
-                   worst_cand=c.take(flat).to(torch.float64),
+                   worst_at=flat.to(torch.float64), worst_ref=_real(r.take(flat)),
+                   worst_cand=_real(c.take(flat)),
                    rel_l2=parts[:, _Part.DIFF_SQ].sum().sqrt() / torch.where(nr > 0, nr, 1.0))
     return PendingStats(packed, shape, atol, rtol)
 
@@ -297,7 +325,7 @@ def worst_elements(ref: torch.Tensor, cand: torch.Tensor, atol: float, rtol: flo
     exceed their tolerance, ``|c - r| - (atol + rtol * |r|)``; when nothing is out of tolerance, by
     ``|c - r|``.  Float64 throughout, chunk by chunk.  Each row is ``{"index": [...], "ref", "cand",
     "abs_err", "excess"}`` as floats: ``abs_err`` is inf where only one side is finite (or the two
-    are different non-finite values) and 0 where both hold the same NaN/Inf."""
+    are different non-finite values) and 0 where both hold the same infinity."""
     if tuple(ref.shape) != tuple(cand.shape):
         raise ValueError(f"worst_elements needs equal shapes, got {tuple(ref.shape)} and {tuple(cand.shape)}")
     n = ref.numel()
@@ -311,17 +339,14 @@ def worst_elements(ref: torch.Tensor, cand: torch.Tensor, atol: float, rtol: flo
     by_excess, by_diff = [], []
     step = CHUNK_CUDA if r.is_cuda else CHUNK
     for start in range(0, n, step):
-        rd, cd = r[start:start + step].to(torch.float64), c[start:start + step].to(torch.float64)
+        cplx = r.is_complex() or c.is_complex()
+        rd, cd = _numbers(r[start:start + step], cplx), _numbers(c[start:start + step], cplx)
         if exact:
             diff = (cd - rd).abs()
             disagree = torch.zeros_like(diff, dtype=torch.bool)
             bad = r[start:start + step] != c[start:start + step]
         else:
-            r_nan, c_nan, r_inf, c_inf = torch.isnan(rd), torch.isnan(cd), torch.isinf(rd), torch.isinf(cd)
-            special = r_nan | c_nan | r_inf | c_inf
-            disagree = special & ~((r_nan & c_nan) | (r_inf & c_inf & (rd == cd)))
-            diff = torch.where(special, torch.zeros_like(rd), (cd - rd).abs())
-            bad = (~special & (diff > atol + rtol * rd.abs())) | disagree
+            diff, _, _, disagree, bad, _ = compare_elements(rd, cd, atol, rtol)
         excess = torch.nan_to_num(diff - (atol + rtol * rd.abs()), nan=-inf)
         excess = torch.where(disagree, torch.full_like(excess, inf), excess)
         any_bad = any_bad or bool(bad.any())
@@ -331,12 +356,12 @@ def worst_elements(ref: torch.Tensor, cand: torch.Tensor, atol: float, rtol: flo
     pool = by_excess if any_bad else by_diff
     _, top = _ranked(torch.cat([p[0] for p in pool]), torch.cat([p[1] for p in pool]), k)
     rows = []
-    for flat_i, rv, cv in zip(top.tolist(), r[top].to(torch.float64).tolist(), c[top].to(torch.float64).tolist()):
+    for flat_i, rv, cv in zip(top.tolist(), _real(r[top]).tolist(), _real(c[top]).tolist()):
         finite = rv - rv == 0 and cv - cv == 0  # neither NaN nor Inf
         if finite:
             abs_err = abs(cv - rv)
             excess = abs_err - (atol + rtol * abs(rv))
-        elif (rv != rv and cv != cv) or rv == cv:  # the same NaN or the same infinity: agreement
+        elif rv == cv:  # the same infinity: agreement (a NaN never agrees, as in torch.allclose)
             abs_err, excess = 0.0, -inf
         else:
             abs_err, excess = inf, inf

@@ -69,12 +69,17 @@ class Options:
     strict:        intermediate stages out of tolerance make the verdict "diverged" even when the
                    output passes (default: they are warnings, as KernelBench judges the output only).
     device:        run both models there ("cpu", "cuda"); None keeps where they are built.
-    seed:          the seed before ``get_inputs()`` (construction always uses KernelBench's 42).
-    train:         keep the models in training mode (default: eval()).
-    sync_weights:  copy reference parameters/buffers into the candidate by qualified name.
+    seed:          KernelBench's seed: each trial's input seed is drawn from it (see diffkit.trials);
+                   model construction always uses KernelBench's 42.
+    trials:        how many trials, each on fresh inputs (KernelBench's drivers run 5).
+    eval:          put both models in eval() (default: as constructed, like KernelBench: BatchNorm
+                   normalises with batch statistics, dropout is live).
+    sync_weights:  copy reference parameters/buffers into the candidate by qualified name (default:
+                   nothing is copied; KernelBench relies on the shared construction seed).
     reinit_zero:   give all-zero reference weight matrices random values (copied to the candidate).
     health:        run the reference twice to warn when it is random or degenerate.
-    rerun:         run the candidate again when it diverges, to tell a race from a deterministic bug.
+    rerun:         run the candidate twice on every trial's inputs: any bitwise difference is a
+                   `nondeterministic` finding (a race, an uninitialised read, randomness).
     no_grad:       run the forwards under torch.no_grad().
     streaming:     the bounded-memory two-pass diff (None: on when a budget, filter or stop is asked).
     max_memory:    bytes of captured values held on the device (CPU: in memory) when streaming.
@@ -88,8 +93,9 @@ class Options:
     strict: bool = False
     device: str | None = None
     seed: int = 42
-    train: bool = False
-    sync_weights: bool = True
+    trials: int = 5
+    eval: bool = False
+    sync_weights: bool = False
     reinit_zero: bool = False
     health: bool = True
     rerun: bool = True
@@ -102,6 +108,8 @@ class Options:
     stream_dir: str | None = None
 
     def __post_init__(self):
+        if isinstance(self.trials, bool) or not isinstance(self.trials, int) or self.trials < 1:
+            raise ValueError(f"trials must be a whole number >= 1, not {self.trials!r}")
         for name in ("max_memory", "host_memory"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 0):

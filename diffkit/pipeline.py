@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.utils._pytree as pytree
 
-from .align import Alignment, align, to_ref_layout
+from .align import Alignment, align, param_map, to_ref_layout
 from .capture import StopCapture, Trace, capture
 from .diagnose import diagnose
 from .locate import build_stages, locate
@@ -27,6 +27,7 @@ from .measure import measure
 from .options import Options
 from .result import ErrorInfo, Finding, Result, Values
 from .rootcause import analyse
+from .trials import Trial, bitwise_difference, difference_words, restore_state, seed_all, snapshot_state
 
 __all__ = ["ModelSource", "CaptureSource", "TraceSource", "run", "judge", "run_captured", "clone_inputs"]
 
@@ -48,10 +49,14 @@ def named_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 # ------------------------------------------------------------------------------------------ sources
 @dataclass
 class ModelSource:
-    """A live model and the inputs of its forward (cloned before every run)."""
+    """A live model and the inputs of its forward (cloned before every run).
+
+    `seed`: set before its captured forward (KernelBench seeds each trial before the forwards, so a
+    model that draws random numbers draws the same ones)."""
 
     model: torch.nn.Module
     inputs: Sequence[Any]
+    seed: int | None = None
 
     def params(self) -> dict[str, torch.Tensor]:
         return named_tensors(self.model)
@@ -129,8 +134,8 @@ def run_captured(model: torch.nn.Module, inputs: Sequence[Any], *, no_grad: bool
     try:
         with cm, cap:
             model(*inputs)
-    except (Exception, StopCapture):
-        pass  # recorded in trace.error (or trace.stopped) by capture's __exit__
+    except (Exception, SystemExit, StopCapture):
+        pass  # recorded in trace.error (or trace.stopped) by capture's __exit__ (sys.exit() in forward too)
     return cap.state.trace
 
 
@@ -160,6 +165,8 @@ class _Traces:
     meta: dict = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     cleanup: list[Callable[[], None]] = field(default_factory=list)
+    # each live model's buffers before and after its captured forward (extra runs restore them)
+    state: dict = field(default_factory=dict)
 
 
 def _device(source: Source) -> str:
@@ -170,15 +177,24 @@ def _full_traces(reference: Source, candidate: Source, options: Options, known: 
     """Both sides captured with every value in memory (or read from their capture files)."""
     sd = options.stream_dir
 
+    state: dict = {}
+
     def trace_of(src: Source, side: str) -> Trace:
         if not isinstance(src, ModelSource):
             return src.trace(values=True)
-        return run_captured(src.model, clone_inputs(list(src.inputs)), no_grad=options.no_grad,
-                            stream_to=os.path.join(sd, f"{side}.dkt") if sd else None)
+        before = snapshot_state(src.model)
+        if src.seed is not None:
+            seed_all(src.seed)
+        trace = run_captured(src.model, clone_inputs(list(src.inputs)), no_grad=options.no_grad,
+                             stream_to=os.path.join(sd, f"{side}.dkt") if sd else None)
+        state[side] = (before, snapshot_state(src.model))
+        return trace
+    rename = param_map(reference.params(), candidate.params())  # by value too: before a forward changes buffers
     ref = trace_of(reference, "ref")
     cand = trace_of(candidate, "cand")
     fixed = {k[1]: (k[0], k[2]) for k in known} if known else None
-    return _Traces(ref, cand, align(ref.records, cand.records, fixed=fixed), known=dict(known or {}))
+    return _Traces(ref, cand, align(ref.records, cand.records, fixed=fixed, rename=rename), known=dict(known or {}),
+                   state=state)
 
 
 def _lazy(store, device):
@@ -217,25 +233,35 @@ def _streaming_traces(reference: Source, candidate: ModelSource, options: Option
         journal = open(os.path.join(sd, "stats.jsonl"), "w", encoding="utf-8")
     keep_filter = name_filter(options.only)
     keep = TieredStore(keep_dev, keep_host)
+    state: dict = {}
+    rename = param_map(reference.params(), candidate.params())  # by value too: before a forward changes buffers
     if isinstance(reference, CaptureSource):  # captured in another process (with the same --only filter)
         ref_store = FileStore(reference.file)
         ref_trace = reference.file.load(values=False)
     else:
         ref_store = TieredStore(ref_dev, ref_host, meta=meta_ref)
+        ref_before = snapshot_state(reference.model)
+        if reference.seed is not None:
+            seed_all(reference.seed)
         ref_trace = run_captured(reference.model, clone_inputs(list(reference.inputs)), no_grad=options.no_grad,
                                  only=keep_filter, sink=ref_store)
+        state["ref"] = (ref_before, snapshot_state(reference.model))
     comparer = StreamComparer(ref_trace, ref_store, keep, options.tolerance.atol, options.tolerance.rtol,
                               window=STREAM_WINDOW, stop_at_first=options.stop_at_first, journal=journal,
-                              meta=meta_cand)
+                              meta=meta_cand, rename=rename)
+    cand_before = snapshot_state(candidate.model)
+    if candidate.seed is not None:
+        seed_all(candidate.seed)
     cand_trace = run_captured(candidate.model, clone_inputs(list(candidate.inputs)), no_grad=options.no_grad,
                               only=keep_filter, sink=comparer)
+    state["cand"] = (cand_before, snapshot_state(candidate.model))
     try:
         comparer.finish()
     except StopCapture:
         pass
     # leftovers are aligned by order and value afterwards, reading values lazily (a few at a time)
     alignment = align(ref_trace.records, cand_trace.records, fixed=comparer.pairs,
-                      ref_value=_lazy(ref_store, dev), cand_value=_lazy(keep, dev))
+                      ref_value=_lazy(ref_store, dev), cand_value=_lazy(keep, dev), rename=rename)
     known = dict(comparer.stats)
     for p in alignment.pairs:  # pairs made by order or value: measure them now, one at a time
         r, c = ref_trace.records[p.ref], cand_trace.records[p.cand]
@@ -267,7 +293,7 @@ def _streaming_traces(reference: Source, candidate: ModelSource, options: Option
                     ref_trace.records[ri].value = ref_store.get(ri, dev)  # on the device, as replays need
 
     out = _Traces(ref_trace, cand_trace, alignment, known=known, window=STREAM_WINDOW, fetch=fetch,
-                  cleanup=[ref_store.clear, keep.clear] + ([journal.close] if journal is not None else []))
+                  cleanup=[ref_store.clear, keep.clear] + ([journal.close] if journal is not None else []), state=state)
     out.meta.update({
         "mode": "streaming", "max_memory": budget, "host_memory": host,
         "peak_device_bytes": ref_dev.peak + keep_dev.peak, "peak_host_bytes": ref_host.peak + keep_host.peak,
@@ -310,6 +336,10 @@ def run(reference: Source, candidate: Source, options: Options | None = None, *,
         result.verdict = judge(result)
         return result
     finally:
+        # extra runs (health, the second run, replays) leave each model as its captured forward did
+        for side, src in (("ref", reference), ("cand", candidate)):
+            if side in traces.state and isinstance(src, ModelSource):
+                restore_state(src.model, traces.state[side][1])
         for fn in traces.cleanup:
             fn()
 
@@ -336,12 +366,22 @@ def _explain(traces: _Traces, reference: Source, candidate: Source, options: Opt
         apply_auto_tolerance(stages, ref, ref64)
         result.tolerance_mode = "auto"
     result.first_divergence = locate(stages)
+    result.output_structure = output_structure(ref, cand)
     out = result.output_stage
     result.output = out.stats if out is not None else None
-    if out is not None and tuple(out.ref.shape) != tuple(out.cand.shape):
-        result.output_shape_mismatch = (tuple(out.ref.shape), tuple(out.cand.shape))
+    shapes = [s for s in result.output_stages if tuple(s.ref.shape) != tuple(s.cand.shape)]
+    if shapes:
+        result.output_shape_mismatch = (tuple(shapes[0].ref.shape), tuple(shapes[0].cand.shape))
+    from .describe import output_shape_words, output_structure_words
+
+    if result.output_structure is not None:
+        result.findings.append(Finding("structure", output_structure_words(result.output_structure), 1.0))
+    for st in shapes:
+        f = Finding("shape", output_shape_words((st.ref.shape, st.cand.shape)), 1.0)
+        st.diagnosis.append(f)
+        result.findings.append(f)
     result.error = error or _trace_error(ref, cand)
-    if result.error is None and out is None and not cand.stopped:
+    if result.error is None and out is None and not cand.stopped and result.output_structure is None:
         missing = "candidate" if ref.output is not None else "reference"
         result.error = ErrorInfo(missing, "output", f"the {missing} returned no tensor output to compare", "")
     result.meta.update({"ref_records": len(ref.records), "cand_records": len(cand.records),
@@ -355,18 +395,19 @@ def _explain(traces: _Traces, reference: Source, candidate: Source, options: Opt
         result.meta["root_cause_window"] = traces.window
     for s in {id(x): x for x in (result.first_divergence, result.root_cause) if x is not None}.values():
         s.diagnosis = diagnose(s, ref, cand, ref_params, cand_params) + s.diagnosis
+        if any(f.kind == "nondeterministic" for f in s.diagnosis):  # the re-run disagreed with the run
+            _drop_statistical(s)
+            s.diagnosis.sort(key=lambda f: f.kind != "nondeterministic")
     if isinstance(reference, ModelSource) and options.health and tol.mode == "fixed" and not traces.window:
-        result.health = reference_health(reference.model, list(reference.inputs), ref, options.no_grad)
+        result.health = reference_health(reference.model, list(reference.inputs), ref, options.no_grad,
+                                         state=traces.state.get("ref", ({},))[0])
+    elif isinstance(reference, CaptureSource) and options.health:
+        health = reference.file.info.get("health")  # measured in the reference's own process
+        result.health = [str(h) for h in health] if isinstance(health, list) else []
     fd = result.first_divergence
-    if options.rerun and isinstance(candidate, ModelSource) and fd is not None and fd.cand is not None \
-            and result.error is None:
-        only = None
-        if traces.window is not None:
-            # the streaming diff re-captures the records of that name only (a filter sees names before
-            # their #k suffix, so the k-th of them gets the same name again)
-            bases = {n.split("#")[0] for n in fd.cand.names()}
-            only = lambda n: n.split("#")[0] in bases  # noqa: E731
-        _check_nondeterminism(result, cand, candidate.model, list(candidate.inputs), options.no_grad, only)
+    second = None
+    if options.rerun and isinstance(candidate, ModelSource) and result.error is None and not cand.stopped:
+        second = _check_nondeterminism(result, ref, cand, candidate, options, traces)
     elif isinstance(candidate, CaptureSource) and fd is not None and fd.cand is not None:
         # `diffkit capture` ran the forward twice and kept which records changed between the runs
         d = (candidate.file.info.get("rerun_differs") or {}).get(fd.cand.name)
@@ -376,12 +417,44 @@ def _explain(traces: _Traces, reference: Source, candidate: Source, options: Opt
         if s.failed and result.output is not None and not _output_failed(result.stages) and s is not out:
             result.warnings.append(f"stage {s.index} {s.ref_name} (candidate {s.cand_name}) out of tolerance: "
                                    f"max_abs={s.stats.max_abs:.3g}" if s.stats else f"stage {s.index} {s.note}")
+    result.trials = [_this_trial(result, candidate, second).to_dict()]
+    _batch_statistics_hint(result, reference)
     if result.fixed_verdict is not None:
         verdict = judge(result)
         if result.fixed_verdict != verdict:
             result.warnings.append(f"the fixed tolerance says {result.fixed_verdict}; against the float64 reference "
                                    f"the verdict is {verdict}")
     return result
+
+
+def _leaves(trace: Trace) -> dict[str, Any]:
+    """The output's tensors by their path in the returned structure ('' for a lone tensor)."""
+    out = {}
+    for r in trace.records:
+        if r.is_output:
+            path = r.name.split("#")[0]
+            out[path[len("output"):] if path.startswith("output") else path] = r
+    return out
+
+
+def _describe_leaves(leaves: dict[str, Any]) -> str:
+    if list(leaves) == [""]:
+        return f"a tensor {list(leaves[''].shape)}"
+    if not leaves:
+        return "no tensor"
+    paths = sorted(leaves)
+    return f"{len(leaves)} tensors at " + ", ".join(f"output{p} {list(leaves[p].shape)}" for p in paths[:6]) \
+        + (" …" if len(leaves) > 6 else "")
+
+
+def output_structure(ref: Trace, cand: Trace) -> tuple[str, str] | None:
+    """(reference, candidate) in words when the two outputs nest differently (a tensor against a
+    tuple, another number of tensors, other keys); None when their structures agree or a side
+    returned nothing (that is an error, not a divergence)."""
+    r, c = _leaves(ref), _leaves(cand)
+    if not r or not c or set(r) == set(c):
+        return None
+    return _describe_leaves(r), _describe_leaves(c)
 
 
 def _output_failed(stages) -> bool:
@@ -405,22 +478,27 @@ def judge(result: Result) -> str:
     error      a side failed to build, run or return an output (a forward stopped on purpose by
                --stop-at-first is not a failure)
     diverged   the output is out of tolerance or of another shape; or, with `strict`, any stage is;
-               or the output passed but compute-sanitizer reported errors, or a stage carries a
-               race / memory-error finding
+               or a KernelBench trial failed (another trial's inputs, or the candidate's second run on
+               the same inputs: see diffkit.trials); or the output passed but compute-sanitizer
+               reported errors, or a stage carries a race / memory-error finding
     match      otherwise (stages out of tolerance under a passing output are warnings)
     """
     if result.error is not None:
         return "error"
     stopped = bool(result.meta.get("stopped"))
-    out = result.output_stage
-    if out is None:
+    if result.output_structure is not None:
+        return "diverged"
+    outs = result.output_stages
+    if not outs:
         return "diverged" if stopped and result.first_divergence is not None else "error"
-    if result.output_shape_mismatch is not None or out.failed:
+    if result.output_shape_mismatch is not None or any(s.failed or s.stats is None for s in outs):
         return "diverged"
     if stopped and result.first_divergence is not None:
         return "diverged"
     if result.strict and any(s.failed for s in result.stages):
         return "diverged"
+    if result.tolerance_mode == "fixed" and any(not t.get("allclose", True) for t in result.trials):
+        return "diverged"  # a trial (or the candidate's second run on one) failed KernelBench's rule
     if result.meta.get("sanitizer_errors") or any(f.kind in ("race", "memory_error") for s in result.stages
                                                    for f in s.diagnosis):
         if not any("compute-sanitizer reported" in w for w in result.warnings):
@@ -477,8 +555,11 @@ def _to_float64(obj: Any) -> Any:
 
 
 # ------------------------------------------------------------------------------------------ evidence
-def reference_health(model: torch.nn.Module, inputs: list, trace: Trace, no_grad: bool) -> list[str]:
-    """Warnings about the reference itself: random, constant output, zero-initialised parameters."""
+def reference_health(model: torch.nn.Module, inputs: list, trace: Trace, no_grad: bool,
+                     state: dict | None = None) -> list[str]:
+    """Warnings about the reference itself: random (dropout live in training mode, randomness in its
+    forward), constant output, zero-initialised parameters.  `state`: its buffers before the
+    captured forward, restored for the second run (and the state after it put back)."""
     notes: list[str] = []
     out = trace.output
     if out is not None and out.value is not None and out.value.is_floating_point():
@@ -487,20 +568,38 @@ def reference_health(model: torch.nn.Module, inputs: list, trace: Trace, no_grad
             notes.append("the reference output is all zeros: a candidate returning zeros would pass")
         elif v.numel() > 1 and float(v.max() - v.min()) == 0:
             notes.append(f"the reference output is constant ({float(v.flatten()[0]):g}): a constant candidate would pass")
-        again = run_captured(model, clone_inputs(inputs), no_grad=no_grad)
-        if again.output is not None and again.output.value is not None and not torch.equal(again.output.value, v):
+        after = snapshot_state(model)
+        restore_state(model, state or {})
+        again = run_captured(model, clone_inputs(inputs), no_grad=no_grad)  # not re-seeded: randomness shows
+        restore_state(model, after)
+        if again.output is not None and again.output.value is not None and \
+                bitwise_difference(again.output.value, v) is not None:
             first = next((a.name for a, b in zip(trace.records, again.records)
                           if a.value is not None and b.value is not None and a.shape == b.shape
-                          and not torch.equal(a.value, b.value)), "?")
-            active = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Dropout) and m.training and m.p > 0]
-            why = f" (dropout active in {', '.join(active[:3])})" if active else ""
-            notes.append(f"the reference is random: two runs on the same inputs differ, first at {first}{why}")
+                          and bitwise_difference(a.value, b.value) is not None), "?")
+            notes.append(f"the reference is random: two runs on the same inputs differ, first at {first} "
+                         f"({stochastic_reason(model)}); its output depends on the random draw, so no candidate "
+                         f"can match it reliably (KernelBench never calls eval()); --eval turns dropout off")
     # weights (not norm biases, which start at zero by design) that are all zero
     zero = [n for n, p in model.named_parameters() if p.dim() >= 2 and bool((p == 0).all())]
     if zero:
         notes.append(f"parameters initialised to zero hide the paths through them: {', '.join(zero[:5])}"
                      + (" …" if len(zero) > 5 else "") + " (--reinit-zero gives them random values for the diff)")
     return notes
+
+
+def stochastic_reason(model: torch.nn.Module) -> str:
+    """Why a model's forward is random, in words: the dropout modules live in training mode, else
+    randomness drawn in its own code."""
+    drop = (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d, torch.nn.AlphaDropout,
+            torch.nn.FeatureAlphaDropout)
+    active = [f"{n or type(m).__name__} (p={m.p:g})" for n, m in model.named_modules()
+              if isinstance(m, drop) and m.training and m.p > 0]
+    mha = [n for n, m in model.named_modules() if isinstance(m, torch.nn.MultiheadAttention) and m.training
+           and m.dropout > 0]
+    if active or mha:
+        return "dropout live in training mode: " + ", ".join((active + [f"{n} (attention dropout)" for n in mha])[:4])
+    return "randomness drawn in its forward (torch.rand/randn/dropout in its code)"
 
 
 def reinit_zero_parameters(ref: torch.nn.Module, cand: torch.nn.Module | None = None, seed: int = 0) -> list[str]:
@@ -524,7 +623,7 @@ def _drop_statistical(stage) -> None:
 
 def rerun_differences(first: Trace, again: Trace, names: set[str] | None = None) -> dict[str, dict]:
     """Records (by name) whose values differ bitwise between two runs on the same inputs:
-    {name: {"elements", "numel", "max_abs"}}."""
+    {name: {"elements", "numel", "max_abs", "at"}} (see trials.bitwise_difference)."""
     by_name = {r.name: r for r in again.records}
     out: dict[str, dict] = {}
     for a in first.records:
@@ -532,29 +631,184 @@ def rerun_differences(first: Trace, again: Trace, names: set[str] | None = None)
         if (names is not None and a.name not in names) or b is None or a.value is None or b.value is None \
                 or a.shape != b.shape or a.kind == "input":
             continue
-        if torch.equal(torch.nan_to_num(a.value), torch.nan_to_num(b.value)):
-            continue
-        diff = torch.nan_to_num((a.value.double() - b.value.double()).abs(), nan=0.0)
-        out[a.name] = {"elements": int((diff > 0).sum()), "numel": diff.numel(), "max_abs": float(diff.max())}
+        d = bitwise_difference(a.value, b.value)
+        if d is not None:
+            out[a.name] = d
     return out
 
 
-def _nondeterministic(result: Result, fd, d: dict) -> None:
-    _drop_statistical(fd)  # run-to-run noise is the explanation; a rounding-size guess would be wrong
-    if result.root_cause is not None and result.root_cause is not fd:
-        _drop_statistical(result.root_cause)
-    fd.diagnosis.insert(0, Finding(
-        "nondeterministic", f"running the candidate twice on the same inputs gives different values here "
-        f"({d['elements']} of {d['numel']} elements, max difference {d['max_abs']:.3g}): a race, an uninitialised "
-        f"read or randomness in the kernel", 0.9))
+class _RerunComparer:
+    """Capture sink for the candidate's second run: each record is compared bitwise with the first
+    run's record at the same position as soon as it is made; only the differences are kept (and the
+    values of output records that differ, to judge the second run's output)."""
+
+    owns_values = True
+
+    def __init__(self, first: Trace):
+        self.first = first
+        self.records: list = []
+        self.found: dict[int, dict] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.error = None
+
+    def _partner(self, rec):
+        a = self.first.records[rec.index] if rec.index < len(self.first.records) else None
+        return a if a is not None and a.value is not None else None
+
+    def add(self, rec, tensor: torch.Tensor) -> None:
+        self.records.append(rec)
+        a = self._partner(rec)
+        if rec.kind == "input" or a is None:
+            return
+        d = bitwise_difference(a.value, tensor.detach())
+        if d is not None:
+            self.found[rec.index] = d
+            if rec.is_output:
+                self.outputs[rec.index] = tensor.detach().clone()
+
+    def update(self, rec, tensor: torch.Tensor | None = None) -> None:
+        # another name for a record already compared (the same tensor); it may turn out to be the output
+        if rec.is_output and rec.index in self.found and rec.index not in self.outputs and tensor is not None:
+            self.outputs[rec.index] = tensor.detach().clone()
+
+    def set_error(self, err) -> None:
+        self.error = err
+
+    def close(self) -> None:
+        pass
+
+    def differences(self) -> dict[str, tuple[dict, torch.Tensor]]:
+        """{first run's record name: (difference, second run's value)}; positions whose records no
+        longer correspond (another control flow) are left out."""
+        out = {}
+        for i, d in self.found.items():
+            a, b = self.first.records[i], self.records[i] if i < len(self.records) else None
+            if b is not None and b.name == a.name:
+                out[a.name] = (d, self.outputs.get(i))
+        return out
 
 
-def _check_nondeterminism(result: Result, cand_trace: Trace, model, inputs, no_grad: bool, only=None) -> None:
-    """Run the candidate again on the same inputs: a first divergence whose value changes between
-    the two runs is a race, an uninitialised read or randomness in the kernel."""
+def _nondeterministic(result: Result, stage, d: dict, drop: bool = True) -> None:
+    if drop:
+        _drop_statistical(stage)  # run-to-run noise is the explanation; a rounding-size guess would be wrong
+        if result.root_cause is not None and result.root_cause is not stage:
+            _drop_statistical(result.root_cause)
+    if any(f.kind == "nondeterministic" for f in stage.diagnosis):
+        return
+    stage.diagnosis.insert(0, Finding(
+        "nondeterministic", f"running the candidate twice on the same inputs gives different values here: "
+        f"{difference_words(d)} -- a race, an uninitialised read or randomness in the kernel", 0.9))
+
+
+def _check_nondeterminism(result: Result, ref: Trace, cand_trace: Trace, candidate: "ModelSource", options: Options,
+                          traces: _Traces) -> dict | None:
+    """Run the candidate a second time on the same inputs, from the same state (its buffers as they
+    were before its captured forward; not re-seeded, so randomness shows): any record whose value
+    differs bitwise is a `nondeterministic` finding on its stage, whatever the tolerance.  Returns
+    how the second run's output fares against the reference when it differs from the first's:
+    {"allclose", "max_abs", "mean_abs"}."""
+    model, inputs = candidate.model, list(candidate.inputs)
+    before = traces.state.get("cand", ({},))[0]
+    restore_state(model, before)
+    if traces.window is None:
+        sink = _RerunComparer(cand_trace)
+        run_captured(model, clone_inputs(inputs), no_grad=options.no_grad, sink=sink)
+        diffs = sink.differences()
+    else:
+        # streaming: the first run's values are kept for a few stages only -- re-capture those (the first
+        # divergence) and the output (a filter sees names before their #k suffix, so the k-th of them gets
+        # the same name again)
+        fd = result.first_divergence
+        wanted = {n for s in result.output_stages for n in s.cand.names()}
+        if fd is not None and fd.cand is not None:
+            wanted |= set(fd.cand.names())
+        bases = {n.split("#")[0] for n in wanted}
+        again = run_captured(model, clone_inputs(inputs), no_grad=options.no_grad,
+                             only=lambda n: n.split("#")[0] in bases)
+        by_name = {r.name: r for r in again.records}
+        diffs = {n: (d, by_name[n].value) for n, d in rerun_differences(cand_trace, again, wanted).items()}
+    result.meta["second_run"] = {"differs": len(diffs)}
+    if not diffs:
+        return None
+    result.meta["second_run"]["records"] = {n: d for n, (d, _) in list(diffs.items())[:20]}
+    by_cand = {s.cand.name: s for s in result.stages if s.cand is not None}
+    hit = sorted((by_cand[n] for n in diffs if n in by_cand), key=lambda s: s.index)
     fd = result.first_divergence
-    name = fd.cand.name
-    again = run_captured(model, clone_inputs(inputs), no_grad=no_grad, only=only)
-    d = rerun_differences(cand_trace, again, {name}).get(name)
-    if d is not None:
-        _nondeterministic(result, fd, d)
+    first = hit[0] if hit else None
+    if first is not None and first.failed:  # a passing stage keeps a clean row: the run-level finding names it
+        _nondeterministic(result, first, diffs[first.cand.name][0], drop=first is fd)
+    if fd is not None and fd.cand is not None and fd.cand.name in diffs and fd is not first:
+        _nondeterministic(result, fd, diffs[fd.cand.name][0])
+    second = None
+    for s in result.output_stages:
+        got = diffs.get(s.cand.name)
+        rv = ref.records[s.ref.index].value if s.ref is not None else None
+        if got is None or got[1] is None or rv is None or s.stats is None or \
+                tuple(got[1].shape) != tuple(s.cand.shape):
+            continue
+        st = measure(rv, to_ref_layout(got[1], tuple(s.ref.shape), s.pair_transform), s.stats.atol, s.stats.rtol)
+        if second is None or not st.ok:
+            second = {"allclose": st.ok, "max_abs": st.max_abs, "mean_abs": st.mean_abs, "stage": s.index}
+    where = f"stage {first.index} {first.ref_name or first.cand_name}" if first is not None else next(iter(diffs))
+    out_name = next((s.cand.name for s in result.output_stages if s.cand.name in diffs), None)
+    out_d = diffs[out_name][0] if out_name is not None else None
+    if out_d is not None:
+        result.meta["second_run"]["output"] = {**out_d, "where": out_name}
+    words = (f"running the candidate twice on the same inputs gives different values, first at {where}"
+             + (f"; output: {difference_words(out_d)}" if out_d is not None else "; the output is bitwise equal")
+             + " -- a race, an uninitialised read or randomness")
+    result.findings.append(Finding("nondeterministic", words, 0.9))
+    if not _output_failed(result.stages) and (second is None or second["allclose"]):
+        result.warnings.append(f"the candidate is nondeterministic: {words}; both runs are within tolerance, "
+                               f"another GPU or input may not be")
+    result.meta["second_run"]["first_difference"] = where
+    return second
+
+
+def _batch_statistics_hint(result: Result, reference: Source) -> None:
+    """A first divergence at a BatchNorm the reference runs in training mode: say that the reference
+    normalises with the batch's statistics there, the usual reason a candidate written for eval()
+    (running statistics) fails KernelBench's protocol."""
+    fd = result.first_divergence
+    if fd is None or fd.ref is None or "BatchNorm" not in (fd.ref.op or ""):
+        return
+    training = None
+    if isinstance(reference, ModelSource):
+        mod = dict(reference.model.named_modules()).get(fd.ref.name.split("#")[0])
+        training = getattr(mod, "training", None)
+    elif isinstance(reference, CaptureSource):
+        training = reference.file.info.get("training")
+    if training:
+        result.warnings.append(f"stage {fd.index} {fd.ref_name} is a {fd.ref.op.split('.')[-1]} in training mode: the "
+                               f"reference normalises with this batch's mean and variance (KernelBench never calls "
+                               f"eval()); a candidate using the running statistics differs exactly here (--eval "
+                               f"compares both models in eval mode)")
+
+
+def _this_trial(result: Result, candidate: Source, second: dict | None) -> Trial:
+    """This run as one KernelBench trial: did the output (of both of the candidate's runs) pass?"""
+    t = Trial(1, getattr(candidate, "seed", None), captured=True)
+    out = result.output
+    if out is not None:
+        t.max_abs, t.mean_abs = out.max_abs, out.mean_abs
+    outs = result.output_stages
+    if result.error is not None:
+        t.error, t.error_side = result.error.message, result.error.side
+    dtypes = [s for s in outs if s.ref.dtype != s.cand.dtype]
+    if dtypes:  # torch.allclose refuses mixed dtypes: KernelBench fails the trial
+        t.dtype_mismatch = [dtypes[0].ref.dtype, dtypes[0].cand.dtype]
+    if result.output_shape_mismatch is not None:
+        t.shape_mismatch = [list(x) for x in result.output_shape_mismatch]
+    passed = result.error is None and result.output_structure is None and bool(outs) and \
+        result.output_shape_mismatch is None and all(s.passed for s in outs) and not dtypes
+    t.failed_run = None if passed else 1
+    second_run = result.meta.get("second_run", {})
+    if second_run.get("output"):
+        t.nondeterministic = dict(second_run["output"])
+    elif second_run.get("records"):
+        name, d = next(iter(second_run["records"].items()))
+        t.nondeterministic = {**d, "where": name}
+    if passed and second is not None and not second["allclose"]:
+        passed, t.failed_run, t.max_abs, t.mean_abs = False, 2, second["max_abs"], second["mean_abs"]
+    t.allclose = passed
+    return t

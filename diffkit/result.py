@@ -355,7 +355,10 @@ class Result:
     weights:              load.WeightReport: what the weight step found by qualified name
     meta:                 how the diff ran (mode, record counts, memory, seed …)
     output_shape_mismatch: (reference shape, candidate shape) when the outputs' shapes differ
+    output_structure:     (reference, candidate) described in words when their nesting or leaf count differs
     tolerance_mode:       "fixed" | "auto"; fixed_verdict: with auto, what the fixed rule said
+    trials:               KernelBench's trials, one dict each: trial, seed, max_abs, mean_abs, allclose, … (see
+                          trials.Trial); the stages are those of the trial reported (the first failing one)
     """
 
     verdict: str
@@ -376,6 +379,9 @@ class Result:
     health: list[str] = field(default_factory=list)
     tolerance_mode: str = "fixed"
     fixed_verdict: str | None = None
+    output_structure: tuple[str, str] | None = None  # (reference, candidate) when the outputs nest differently
+    findings: list[Finding] = field(default_factory=list)  # about the run as a whole (output shape/structure …)
+    trials: list[dict] = field(default_factory=list)  # KernelBench's trials: trials.Trial.to_dict() each
 
     # ----------------------------------------------------------------- access
     def stage(self, name: str) -> Stage:
@@ -393,10 +399,16 @@ class Result:
         return [s for s in self.stages if s.failed]
 
     @property
+    def output_stages(self) -> list[Stage]:
+        """The stages pairing the two models' outputs (one per tensor of a nested output)."""
+        return [s for s in self.stages if s.cand is not None and s.cand.is_output and s.ref is not None
+                and s.ref.is_output]
+
+    @property
     def output_stage(self) -> Stage | None:
-        """The stage pairing the two models' outputs."""
-        return next((s for s in self.stages if s.cand is not None and s.cand.is_output and s.ref is not None
-                     and s.ref.is_output), None)
+        """The output pair that decides: the first failing one, else the last."""
+        outs = self.output_stages
+        return next((s for s in outs if s.failed or s.stats is None), outs[-1] if outs else None)
 
     def tolerance(self) -> dict:
         if self.atol is not None and self.rtol is not None:
@@ -429,9 +441,14 @@ class Result:
             "stages": [s.to_dict() for s in self.stages],
             "output": {"max_abs": _num(out.max_abs), "mean_abs": _num(out.mean_abs), "allclose": out.ok,
                        "passed": ostage.passed if ostage is not None else out.ok, "shape_mismatch": shape_mm,
+                       "structure_mismatch": list(self.output_structure) if self.output_structure else None,
                        "stats": stats_to_dict(out)}
             if out else ({"max_abs": None, "mean_abs": None, "allclose": False, "passed": False,
-                          "shape_mismatch": shape_mm, "stats": None} if shape_mm else None),
+                          "shape_mismatch": shape_mm,
+                          "structure_mismatch": list(self.output_structure) if self.output_structure else None,
+                          "stats": None} if shape_mm or self.output_structure else None),
+            "findings": [f.to_dict() for f in self.findings],
+            "trials": self.trials,
             "warnings": self.warnings,
             "strict": self.strict,
             "weights": self.weights.to_dict() if self.weights is not None else None,
@@ -460,7 +477,10 @@ class Result:
                    output_shape_mismatch=tuple(tuple(x) for x in out["shape_mismatch"])
                    if out.get("shape_mismatch") else None,
                    root_cause=stage_at(d.get("root_cause")), health=list(d.get("reference_health") or []),
-                   tolerance_mode=d.get("tolerance_mode") or "fixed", fixed_verdict=d.get("fixed_verdict"))
+                   tolerance_mode=d.get("tolerance_mode") or "fixed", fixed_verdict=d.get("fixed_verdict"),
+                   output_structure=tuple(out["structure_mismatch"]) if out.get("structure_mismatch") else None,
+                   findings=[Finding.from_dict(f) for f in d.get("findings") or []],
+                   trials=[dict(t) for t in d.get("trials") or [] if isinstance(t, dict)])
 
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent, allow_nan=False, default=str)

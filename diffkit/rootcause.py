@@ -13,10 +13,10 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from .align import Alignment, from_ref_layout, to_ref_layout
+from .align import Alignment, from_ref_layout, is_layout_op, to_ref_layout
 from .capture import Record, Ref, Trace
 from .measure import measure
-from .result import Result, Stage
+from .result import Finding, Result, Stage
 
 # a local error above this fraction of the reference's largest magnitude is not float32 rounding
 # (a correct fused kernel re-associating sums is ~1e-7 here)
@@ -51,20 +51,45 @@ def replay(stage: Stage, ref: Trace, cand: Trace, ref_of_cand: dict[int, tuple[i
     (kind, fn, tmpl), pos = rec.call
     if isinstance(pos, tuple) and pos and pos[0] == "arg":
         raise NotReplayable("the call writes into an argument (it mutates state); not re-run")
+    out = _rerun(rec, ref, cand, ref_of_cand, GLUE_DEPTH)
+    return to_ref_layout(out, tuple(stage.ref.shape), stage.pair_transform)
+
+
+GLUE_DEPTH = 4  # unpaired layout calls (view, contiguous …) re-run between a stage and its paired inputs
+
+
+def _input_value(index: int, ref: Trace, cand: Trace, ref_of_cand: dict, depth: int) -> torch.Tensor:
+    """The reference's value of a candidate record, in the candidate's layout: its counterpart's, or,
+    for an unpaired call that only re-lays out its inputs (``x.contiguous()``, ``x.view(…)``), that
+    call re-run on its inputs' reference values."""
+    src = cand.records[index]
+    hit = ref_of_cand.get(index)
+    if hit is None:
+        if depth > 0 and src.kind == "op" and is_layout_op(src) and src.call is not None:
+            return _rerun(src, ref, cand, ref_of_cand, depth - 1)
+        raise NotReplayable(f"its input {src.name} has no reference counterpart")
+    ref_rec = ref.records[hit[0]]
+    if ref_rec.value is None:
+        raise NotReplayable("reference values were not kept")
+    try:
+        v = from_ref_layout(ref_rec.value, tuple(src.shape), hit[1]).to(src.dtype)
+        # fresh memory laid out as the candidate's own argument was (its snapshot keeps the strides: a
+        # kernel may take another path for a transposed view than for a contiguous tensor)
+        like = src.value
+        if like is not None and tuple(like.shape) == tuple(v.shape) and like.layout == torch.strided:
+            return torch.empty_like(like, dtype=v.dtype, device=v.device).copy_(v)
+        return torch.empty(v.shape, dtype=v.dtype, device=v.device).copy_(v)
+    except Exception as e:
+        raise NotReplayable(f"cannot bring input {src.name} into the candidate's layout: {e}")
+
+
+def _rerun(rec, ref: Trace, cand: Trace, ref_of_cand: dict, depth: int) -> torch.Tensor:
+    """Re-run the call that made candidate record `rec` on the reference's values of its inputs."""
+    (kind, fn, tmpl), pos = rec.call
     values: dict[int, torch.Tensor] = {}
-    for r in rec.inputs:
-        src = cand.records[r.index]
-        hit = ref_of_cand.get(r.index)
-        if hit is None:
-            raise NotReplayable(f"its input {src.name} has no reference counterpart")
-        ref_rec = ref.records[hit[0]]
-        if ref_rec.value is None:
-            raise NotReplayable("reference values were not kept")
-        try:
-            v = from_ref_layout(ref_rec.value, tuple(src.shape), hit[1]).to(src.dtype)
-            values[r.index] = torch.empty(v.shape, dtype=v.dtype, device=v.device).copy_(v)  # fresh, contiguous
-        except Exception as e:
-            raise NotReplayable(f"cannot bring input {src.name} into the candidate's layout: {e}")
+    # the records the call's arguments held exactly (its dataflow inputs also name views and writes)
+    for r in dict.fromkeys(v for v in pytree.tree_leaves(tmpl) if isinstance(v, Ref)):
+        values[r.index] = _input_value(r.index, ref, cand, ref_of_cand, depth)
     args, kwargs = _substitute(tmpl, values)
     with torch.no_grad():
         try:
@@ -74,7 +99,7 @@ def replay(stage: Stage, ref: Trace, cand: Trace, ref_of_cand: dict[int, tuple[i
     out = _pick(out, pos)
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(rec.shape):
         raise NotReplayable("re-running it gave a different shape")
-    return to_ref_layout(out, tuple(stage.ref.shape), stage.pair_transform)
+    return out
 
 
 def analyse(result: Result, ref: Trace, cand: Trace, alignment: Alignment, window: int | None = None) -> None:
@@ -95,7 +120,8 @@ def analyse(result: Result, ref: Trace, cand: Trace, alignment: Alignment, windo
     for s in todo[:MAX_REPLAYS]:
         if s.cand.kind == "input":
             continue
-        ins = [stage_of_cand.get(i) for i in s.cand.inputs]
+        # the measured stages it reads, through records with no counterpart (glue like views, contiguous)
+        ins = upstream_stages(s, cand, stage_of_cand)
         errs = [x.stats.max_abs for x in ins if x is not None and x.stats is not None]
         s.inherited_max_abs = max(errs) if errs else 0.0
         ref_value = ref.records[s.ref.index].value
@@ -111,6 +137,9 @@ def analyse(result: Result, ref: Trace, cand: Trace, alignment: Alignment, windo
             s.replay_note = "not re-run: the reference value was not kept"
             continue
         s.local = measure(ref_value, out, s.stats.atol, s.stats.rtol)
+        disagreement = _replay_disagrees(s, ins, ref, cand, out)
+        if disagreement:
+            s.diagnosis.insert(0, Finding("nondeterministic", disagreement, 0.75))
         if not s.local.ok or _above_noise(s.local.max_abs, ref_value):
             introduced.append(s)
     if fd is None:
@@ -118,6 +147,15 @@ def analyse(result: Result, ref: Trace, cand: Trace, alignment: Alignment, windo
     before = [s for s in introduced if s.index <= fd.index]
     if before:
         result.root_cause = before[0]
+    elif fd.local is not None:
+        # it only inherits its error: follow the error upstream along the dataflow to where it starts,
+        # even where it is still inside tolerance (or below the noise bound above)
+        origin, note = walk_back(fd, ref, cand, stage_of_cand)
+        if origin is not None:
+            result.root_cause = origin
+            origin.replay_note = (origin.replay_note + "; " if origin.replay_note else "") + note
+        else:
+            fd.replay_note = (fd.replay_note + "; " if fd.replay_note else "") + note
     elif fd.local is None:
         # it could not be re-run; every stage before it that could was clean, so it is the earliest
         # suspect -- say so rather than pretend it was shown to introduce the error
@@ -126,8 +164,101 @@ def analyse(result: Result, ref: Trace, cand: Trace, alignment: Alignment, windo
         result.root_cause = fd
 
 
+def _replay_disagrees(stage: Stage, inputs: list, ref: Trace, cand: Trace, out: torch.Tensor) -> str:
+    """Words when the same call gave other outputs on the same inputs: its inputs in the run match
+    the reference's (bitwise, or to float32 noise) yet the re-run on them disagrees with what the
+    run produced (bitwise inputs: the two outputs differ beyond noise; noise-level inputs: the run
+    is out of tolerance, the re-run within).  "" when they agree."""
+    ref_value = ref.records[stage.ref.index].value
+    if stage.local is None or ref_value is None or not _inputs_clean(stage, inputs, ref):
+        return ""
+    captured = cand.records[stage.cand.index].value
+    exact = all(x.stats.max_abs == 0 for x in inputs)
+    if exact and captured is not None:
+        try:
+            a = to_ref_layout(captured, tuple(stage.ref.shape), stage.pair_transform).double()
+            b = out.double().to(a.device)
+            same = (a == b) | (torch.isnan(a) & torch.isnan(b))  # a NaN both runs make is no difference
+            gap = float(torch.where(same, 0.0, (a - b).abs().nan_to_num(nan=float("inf"))).max()) if a.numel() else 0.0
+        except Exception:
+            return ""
+        if not _above_noise(gap, ref_value):
+            return ""
+    elif stage.stats.ok or not stage.local.ok:
+        return ""
+    same = "bitwise equal to" if exact else f"within {stage.inherited_max_abs or 0:.3g} of"
+    return (f"the same call gives other outputs on the same inputs: its inputs were {same} the reference's, yet "
+            f"in the run it was off by max_abs {stage.stats.max_abs:.4g} and re-run alone on them by "
+            f"{stage.local.max_abs:.4g} -- a race, a read of memory it never wrote, or a dependence on its "
+            f"inputs' memory layout (the re-run gets fresh contiguous copies)")
+
+
+# Walking an inherited error upstream: an input "carries" error above this fraction of its reference's
+# largest magnitude (about 8 float32 ulps: more than one correct kernel's re-association leaves) ...
+CARRIES_REL = 1e-6
+# ... and a stage re-run alone "starts" the error when its own error is at least this share of its error
+# in the full run (the rest came in through its inputs)
+OWN_SHARE = 0.5
+WALK_VISITED = 512  # records visited looking for the measured stages upstream of one stage
+
+
+def _relative(stage: Stage, ref: Trace) -> float:
+    """A stage's max |error| relative to its reference's largest magnitude (absolute without a value)."""
+    v = ref.records[stage.ref.index].value if stage.ref is not None else None
+    if v is None or not v.numel() or not (v.is_floating_point() or v.is_complex()):
+        return stage.stats.max_abs
+    scale = float(v.detach().abs().max())
+    return stage.stats.max_abs / scale if scale > 0 else stage.stats.max_abs
+
+
+def upstream_stages(stage: Stage, cand: Trace, stage_of_cand: dict[int, Stage]) -> list[Stage]:
+    """The measured stages nearest upstream of `stage` along the candidate's dataflow (walking through
+    records with no reference counterpart)."""
+    out: dict[int, Stage] = {}
+    todo = [i for i in stage.cand.inputs]
+    seen: set[int] = set()
+    while todo and len(seen) < WALK_VISITED:
+        i = todo.pop()
+        if i in seen or not 0 <= i < len(cand.records):
+            continue
+        seen.add(i)
+        s = stage_of_cand.get(i)
+        if s is not None and s.stats is not None and s.ref is not None:
+            out[s.index] = s
+        else:
+            todo.extend(r.index for r in cand.records[i].inputs)
+    return [out[k] for k in sorted(out)]
+
+
+def walk_back(fd: Stage, ref: Trace, cand: Trace, stage_of_cand: dict[int, Stage]) -> tuple[Stage | None, str]:
+    """From a first divergence that only inherits its error, the stage upstream where the error starts:
+    step to the input stage carrying the largest relative error until a stage's own error (re-run on
+    the reference's inputs) is most of its error, or its inputs carry none (CARRIES_REL).  Returns
+    (that stage, or None when the error comes from records with no reference counterpart; a note)."""
+    cur, path = fd, [fd]
+    while len(path) <= WALK_VISITED:
+        carrying = [u for u in upstream_stages(cur, cand, stage_of_cand)
+                    if u.cand.kind != "input" and u.stats.max_abs > 0 and _relative(u, ref) > CARRIES_REL]
+        if not carrying:
+            break
+        cur = max(carrying, key=lambda u: (_relative(u, ref), u.index))
+        path.append(cur)
+        if cur.local is not None and cur.local.max_abs > 0 and cur.local.max_abs >= OWN_SHARE * cur.stats.max_abs:
+            break
+    if cur is fd:
+        unpaired = [cand.records[i].name for i in fd.cand.inputs if i not in stage_of_cand]
+        return None, ("the error it inherits comes from records with no reference counterpart"
+                      + (f" ({', '.join(unpaired[:3])})" if unpaired else ""))
+    chain = " ← ".join(f"{s.index} {s.ref_name}" for s in path)
+    own = (f"re-run alone it is off by max_abs {cur.local.max_abs:.3g} of its {cur.stats.max_abs:.3g}"
+           if cur.local is not None else "its inputs carry no error")
+    return cur, f"the error the first divergence inherits starts here, by dataflow ({chain}): {own}"
+
+
 def _above_noise(err: float, ref_value: torch.Tensor) -> bool:
-    scale = float(ref_value.detach().abs().max()) if ref_value.numel() else 0.0
+    v = ref_value.detach()
+    v = v.to(torch.uint8) if v.dtype == torch.bool else v  # bool has no abs()
+    scale = float(v.abs().max()) if v.numel() else 0.0
     return err > INTRODUCED_REL * max(scale, 1e-30)
 
 

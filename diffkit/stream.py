@@ -2,11 +2,12 @@
 
 Pass 1 runs the reference; a `TieredStore` keeps each record's value where the memory budget
 allows: on the tensor's device, then (for CUDA tensors) pinned host memory, then disk.  Pass 2
-runs the candidate; a `StreamComparer` pairs each record by name with its reference record the
-moment it is made, measures the pair on the device (no synchronisation: the scalars come back
-through pinned memory), and keeps the candidate's value only where the report needs it: a
+runs the candidate; a `StreamComparer` pairs each record the moment it is made, as align's name
+pass would (a reused variable's name only where dataflow confirms it), or else by the dataflow of
+its inputs paired already, measures the pair on the device (no synchronisation: the scalars come
+back through pinned memory), and keeps the candidate's value only where the report needs it: a
 window of the stages before the first divergence (where the root cause lies), the first few
-divergent stages, records without a name partner (for order/value alignment) and the output.
+divergent stages, records it could not pair (for align's later passes) and the output.
 Everything else is dropped as soon as its metrics are known.
 
 The objects that leave this module are the usual ones: two `Trace`s and a stats table that
@@ -17,6 +18,7 @@ from __future__ import annotations
 import collections
 import fnmatch
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -25,7 +27,8 @@ from typing import Any, Callable
 
 import torch
 
-from .align import NAME_MATCH_REL_ERR, best_layout, name_partner, names_index, reused_name, to_ref_layout
+from .align import NAME_MATCH_REL_ERR, Dataflow, _stage_params, best_layout, name_partner, names_index, \
+    rebound_pair_agrees, reused_name, same_layout, to_ref_layout
 from .capture import Record, StopCapture, Trace
 from .measure import PendingStats, Stats, measure_async, tolerances
 
@@ -38,12 +41,15 @@ def parse_size(text: str | int | None) -> int | None:
         return text
     t = str(text).strip().upper().replace("IB", "").rstrip("B")
     mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    bad = ValueError(f"cannot read {text!r} as a size: give a finite number of bytes >= 0 (examples: 512M, 2G, "
+                     f"1000000)")
     try:
-        if t and t[-1] in mult:
-            return int(float(t[:-1]) * mult[t[-1]])
-        return int(float(t))
+        value = float(t[:-1]) * mult[t[-1]] if t and t[-1] in mult else float(t)
     except ValueError:
-        raise ValueError(f"cannot read {text!r} as a size (examples: 512M, 2G, 1000000)") from None
+        raise bad from None
+    if not math.isfinite(value) or value < 0:
+        raise bad
+    return int(value)
 
 
 def _available_host() -> int:
@@ -312,8 +318,14 @@ class _Pending:
 class StreamComparer:
     """Capture sink for the candidate pass: pair by name, measure at once, keep little.
 
+    Pairs as align's name pass does (`align.pass_name`): a reused variable's name pairs only where
+    the dataflow confirms it (the candidate's graph is built as its records arrive); what it cannot
+    pair is kept for align's later passes; a record no name pairs may pair by the dataflow of its
+    inputs paired already (`_dataflow_partner`).  `pairs` maps a candidate index to (reference index,
+    transform, relative L2 error once measured, the pass that made it), as `align(fixed=...)` takes it.
     `stats` maps (ref index, cand index, transform) to Stats, as `build_stages(known=...)` wants.
-    `keep` holds the candidate values the report and root cause need (see the module doc)."""
+    `keep` holds the candidate values the report and root cause need (see the module doc).
+    `rename` maps the candidate's parameter names to the reference's (align.param_map)."""
 
     ref: Trace
     ref_store: Any  # TieredStore or FileStore
@@ -325,6 +337,7 @@ class StreamComparer:
     stop_at_first: bool = False
     journal: Any = None  # a text file: one JSON line per measured pair (crash insurance)
     meta: Any = None  # metadata-only CaptureWriter for the candidate
+    rename: dict = field(default_factory=dict)
     stats: dict = field(default_factory=dict)
     first: int | None = None  # candidate index of the first divergent pair, once known
     compared_bytes: int = 0
@@ -333,7 +346,10 @@ class StreamComparer:
     def __post_init__(self):
         self.names = names_index(self.ref.records)
         self.paired: set[int] = set()
-        self.pairs: dict[int, tuple[int, tuple]] = {}  # candidate index -> (reference index, transform)
+        self.pairs: dict[int, tuple] = {}  # candidate index -> (reference index, transform[, relative error])
+        self.ref_flow = Dataflow.of(self.ref.records)
+        self.flow = Dataflow.of([])  # the candidate's, record by record
+        self._by_inputs: dict | None = None  # reference records by the records they consumed
         self.queue: collections.deque[_Pending] = collections.deque()
         self.ring: collections.deque[int] = collections.deque()  # ok candidate values before the first divergence
         self.diverged: list[int] = []
@@ -343,20 +359,32 @@ class StreamComparer:
     # -- capture sink protocol
     def add(self, rec: Record, tensor: torch.Tensor) -> None:
         self.records.append(rec)
+        self.flow.append(rec, self.rename)
         if self.meta is not None:
             self.meta.add(rec)
         ri = name_partner(rec, self.ref.records, self.names, self.paired)  # as align's name pass pairs
+        r = self.ref.records[ri] if ri is not None else None
+        if r is not None and not same_layout(rec, r):
+            ri = r = None  # a name on a permuted tensor: align's dataflow pass decides first
+        weak = r is not None and reused_name(rec, r)
+        if weak:
+            agrees = rebound_pair_agrees(rec, r, self.flow, self.ref_flow, self._partner)
+            if agrees is False:
+                ri = None  # dataflow says another record may be its counterpart: align decides
+            weak = agrees is None  # without dataflow, the pair must also agree in value
+        via = "name"
+        if ri is None and rec.kind != "input":
+            ri, via = self._dataflow_partner(rec), "dataflow"
+            r = self.ref.records[ri] if ri is not None else None
         if ri is None:
             if rec.kind != "input":
-                self.keep.put(rec.index, tensor)  # align by order/value afterwards
+                self.keep.put(rec.index, tensor)  # align by dataflow/order/value afterwards
                 self.unmatched.append(rec.index)
             return
-        r = self.ref.records[ri]
         refv = self.ref_store.get(ri, tensor.device)
         if refv is None:
             return
         transform: tuple = ()
-        weak = reused_name(rec, r)  # the pair must also agree in value
         if tuple(r.shape) != tuple(tensor.shape):
             # as align does: the layout closest in value
             layout = best_layout(tensor.detach(), refv)
@@ -367,7 +395,7 @@ class StreamComparer:
                 return
             weak = False
         self.paired.add(ri)
-        self.pairs[rec.index] = (ri, transform)
+        self.pairs[rec.index] = (ri, transform, None, via)
         if weak or self.first is None or len(self.diverged) < self.keep_diverged:
             self.keep.put(rec.index, tensor)  # provisional: dropped once its metrics say it is not needed
         a, t = tolerances(self.atol, self.rtol, r.dtype)
@@ -390,6 +418,42 @@ class StreamComparer:
         if self.meta is not None:
             self.meta.close()
 
+    def _partner(self, ci: int) -> int | None:
+        hit = self.pairs.get(ci)
+        return None if hit is None else hit[0]
+
+    def _dataflow_partner(self, rec: Record) -> int | None:
+        """Dataflow from inputs paired already (cheap online): the one free reference record that
+        consumed the counterparts of exactly this record's inputs (weight preparation aside) and read
+        the same parameters, else the one that read some of them (a bias left out), in the same
+        shape.  None where that is not one record: align's dataflow pass decides afterwards."""
+        flow, rf = self.flow, self.ref_flow
+        i = rec.index
+        if flow.derived[i]:
+            return None
+        ins = frozenset(self._partner(j) for j in flow.inputs[i] if not flow.derived[j])
+        if not ins or None in ins:
+            return None
+        if self._by_inputs is None:
+            self._by_inputs = {}
+            for r in self.ref.records:
+                if r.kind != "input" and not rf.derived[r.index]:
+                    key = frozenset(j for j in rf.inputs[r.index] if not rf.derived[j])
+                    self._by_inputs.setdefault(key, []).append(r.index)
+        params = _stage_params(flow, i)
+        exact, partial = [], []
+        for ri in self._by_inputs.get(ins, ()):
+            r = self.ref.records[ri]
+            if ri in self.paired or not same_layout(rec, r):
+                continue
+            rp = _stage_params(rf, ri)
+            if rp == params:
+                exact.append(ri)
+            elif params & rp and (params <= rp or rp <= params):
+                partial.append(ri)
+        found = exact or partial
+        return found[0] if len(found) == 1 else None
+
     # -- resolution
     def drain(self, block: bool = False) -> None:
         """Collect the metrics that have arrived (all of them when `block`); decide what to keep."""
@@ -403,6 +467,8 @@ class StreamComparer:
                 self.unmatched.append(p.cand)
                 continue
             self.stats[(p.ref, p.cand, p.transform)] = st
+            if p.cand in self.pairs:
+                self.pairs[p.cand] = (p.ref, p.transform, p.stats.rel_l2, self.pairs[p.cand][3])
             if self.journal is not None:
                 self.journal.write(json.dumps({"ref": p.ref, "cand": p.cand, "transform": list(p.transform),
                                                "stats": st.to_dict()}) + "\n")

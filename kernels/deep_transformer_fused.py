@@ -32,7 +32,9 @@ class FusedBlock(_ref["Block"]):
 
 class ModelNew(_ref["Model"]):
     def __init__(self, depth, dim, heads, dtype):
-        super().__init__(depth, dim, heads, dtype)
+        # the reference's parameters, drawn in the reference's order (KernelBench copies no weights: the
+        # shared construction seed is what makes them equal)
+        nn.Module.__init__(self)
         self.blocks = nn.ModuleList([FusedBlock(dim, heads) for _ in range(depth)]).to(getattr(torch, dtype))
         for i, blk in enumerate(self.blocks):
             blk.buggy = i == BUG_BLOCK

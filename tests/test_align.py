@@ -41,6 +41,9 @@ def test_name_pass_takes_the_layout_closest_in_value_when_only_element_counts_ag
     x = torch.randn(4, 6)
     state = AlignState.start([_rec(0, "f:x", x)], [_rec(0, "f:x", x.t().contiguous())])
     pass_name(state)
+    # another shape under the same name may be another role: only proposed, for after the dataflow pass
+    assert not state.pairs and state.proposed == {0: 0}
+    A.pass_proposed(state)  # free still, and the values confirm the permuted layout
     p = state.pairs[0]
     assert p.via == "name" and p.transform[0] in ("permute", "unpermute")
     torch.testing.assert_close(A.to_ref_layout(state.cand[0].value, x.shape, p.transform), x)
@@ -161,11 +164,13 @@ def test_a_pass_inserted_into_passes_runs_in_its_place():
         state.add(0, 0, "dataflow", 0.8)  # deliberately "wrong": later passes must not undo it
 
     passes = list(A.PASSES)
-    assert passes == [pass_name, pass_outputs, pass_order, pass_value, pass_deferred]
+    assert passes == [pass_name, pass_outputs, A.pass_dataflow, A.pass_proposed, pass_order, pass_value,
+                      pass_deferred, A.pass_consistency]
     passes.insert(passes.index(pass_order), pass_first_to_last)
     al = align(ref, cand, passes=passes)
     assert seen == [{}]
-    assert [(p.ref, p.cand, p.via) for p in al.pairs] == [(0, 0, "dataflow"), (0, 1, "value")]
+    # the value pass is one-to-one: `x`'s reference record is taken, so the candidate's `x` stays unpaired
+    assert [(p.ref, p.cand, p.via) for p in al.pairs] == [(0, 0, "dataflow")] and al.cand_unmatched == [1]
     with pytest.raises(ValueError):
         Pair(ref=0, cand=0, via="name", confidence=0.0)
 
@@ -198,10 +203,15 @@ def test_every_pair_of_a_captured_model_records_its_pass_and_a_confidence():
         with capture(cand_m, inputs=(x,)) as ct:
             cand_m(x)
     al = align(rt.records, ct.records)
-    assert al.pairs and all(p.via in ("name", "order", "value") and 0 < p.confidence <= 1 for p in al.pairs)
+    assert al.pairs and all(p.via in ("name", "dataflow", "order", "value") and 0 < p.confidence <= 1
+                            for p in al.pairs)
     by_label = {ct.records[p.cand].label: p for p in al.pairs}
-    fused = by_label["fused_out"]
-    assert rt.records[fused.ref].label == "pair" and fused.via == "value" and fused.transform
+    # `h` names the projection and the ReLU in the reference: the candidate's `h` (the ReLU) pairs by
+    # dataflow with the ReLU, not by name with the projection
+    assert rt.records[by_label["h"].ref].op.endswith("relu") and by_label["h"].via == "dataflow"
+    # `pair` is computed by the candidate's `h * 3`; its transposed copy `fused_out` only re-lays it out
+    assert rt.records[by_label["h * 3"].ref].label == "pair" and by_label["h * 3"].via == "dataflow"
+    assert "fused_out" not in by_label
     assert any(ct.records[p.cand].is_output and rt.records[p.ref].is_output for p in al.pairs)
 
 

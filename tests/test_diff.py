@@ -196,7 +196,7 @@ def test_value_alignment_allows_reshape_and_permutation():
 
     class CandM(nn.Module):
         def forward(self, x):
-            fused_out = (x * 3).permute(0, 3, 1, 2).contiguous()
+            fused_out = x.permute(0, 3, 1, 2).contiguous() * 3  # computed in the kernel's own layout
             return fused_out.sum()
 
     x = torch.randn(2, 7, 7, 3)
@@ -207,7 +207,7 @@ def test_value_alignment_allows_reshape_and_permutation():
     al = align(rt.records, ct.records)
     by = {ct.records[p.cand].label: p for p in al.pairs}
     p = next(p for lbl, p in by.items() if lbl == "fused_out")
-    assert rt.records[p.ref].label == "pair" and p.paired_by == "value" and p.transform
+    assert rt.records[p.ref].label == "pair" and p.paired_by in ("dataflow", "value") and p.transform
 
 
 def test_load_pair_copies_weights_and_reports(tmp_path):
@@ -224,13 +224,13 @@ def test_load_pair_copies_weights_and_reports(tmp_path):
                     "    def __init__(self):\n        super().__init__(); self.extra = nn.Linear(3, 3); self.a = nn.Linear(3, 3)\n"
                     "        self.b = nn.Linear(3, 4)\n"
                     "    def forward(self, x):\n        x.mul_(0)\n        return self.b(self.a(x))[:, :2]\n")
-    pair = diffkit.load_pair(str(ref), str(cand))
+    pair = diffkit.load_pair(str(ref), str(cand), sync=True)  # --sync-weights (KernelBench copies nothing)
     w = pair.weights
     assert "a.weight" in w.copied and "a.bias" in w.copied  # created in another order: values differed
     assert ("b.weight", (2, 3), (4, 3)) in w.shape_mismatch
     assert "extra.weight" in w.cand_only
     torch.testing.assert_close(pair.cand.a.weight, pair.ref.a.weight)
-    assert not pair.ref.training and not pair.cand.training
+    assert pair.ref.training and pair.cand.training  # left as constructed, as KernelBench leaves them
     # each side has its own inputs: a candidate writing into its input cannot touch the reference's
     pair.cand(*pair.cand_inputs)
     assert pair.ref_inputs[0].abs().sum() > 0

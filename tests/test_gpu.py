@@ -70,3 +70,38 @@ def test_streaming_diff_on_gpu_same_answer(tmp_path):
     key = lambda d: (d["verdict"], (d["first_divergence"] or {}).get("ref_name"))
     assert key(da) == key(db) and db["meta"]["mode"] == "streaming"
     assert db["meta"]["peak_device_bytes"] <= 64 << 10 and da["verdict"] == "diverged"
+
+
+# ------------------------------------------------------------------ KernelBench's protocol on the GPU (issue 13)
+RACE = ("references/row_softmax_large.py", "kernels/row_softmax_cuda_race.py")
+
+
+@pytest.mark.cuda
+def test_block_reduction_race_is_found_by_the_trials(tmp_path):
+    """The read-then-overwrite race (thread 0 overwrites red[0] while other warps still read the maximum
+    from it): five trials, each running the candidate twice, find it without a sanitizer."""
+    out, data = _diff(*RACE, tmp_path)
+    assert out.returncode == 1 and data["verdict"] == "diverged", data["summary"]
+    assert len(data["trials"]) == 5 and [t["seed"] for t in data["trials"]][:2] == [734796314, 576165995]
+    failed = [t for t in data["trials"] if not t["allclose"]]
+    assert failed, data["trials"]
+    racy = [t for t in data["trials"] if t["nondeterministic"]]
+    assert racy, "the two runs of some trial differ bitwise"
+    kinds = {f["kind"] for f in data["findings"]} | {f["kind"] for s in data["stages"] for f in s["diagnosis"]}
+    assert "nondeterministic" in kinds, kinds
+
+
+@pytest.mark.cuda
+def test_sanitize_racecheck_names_kernel_shared_array_and_stage_in_minutes(tmp_path):
+    import time
+
+    t0 = time.monotonic()
+    out, data = _diff(*RACE, tmp_path, "--sanitize", "racecheck")
+    elapsed = time.monotonic() - t0
+    reports = data["meta"].get("sanitizer") or []
+    assert reports and all(r["kernel"] == "softmax_rows_kernel" for r in reports), reports  # only its own kernels
+    stage, finding = next((s, f) for s in data["stages"] for f in s["diagnosis"] if f["kind"] == "race")
+    assert stage["cand_op"].endswith("softmax_rows"), stage["cand_op"]
+    assert "softmax_rows_kernel" in finding["detail"] and "shared array red" in finding["detail"], finding
+    assert data["verdict"] == "diverged"
+    assert elapsed < 180, f"racecheck took {elapsed:.0f} s"

@@ -1,0 +1,512 @@
+"""Trials: KernelBench's correctness protocol, trial by trial, with the candidate run twice each time.
+
+KernelBench draws one seed per trial from its own seed (``torch.manual_seed(42)``, then one
+``torch.randint(0, 2**32 - 1, (1,))`` per trial), seeds each trial's ``get_inputs()`` with it, runs
+the same two model objects on those inputs and passes a trial when ``torch.allclose`` accepts the
+output.  diffkit runs the same trials:
+
+- trial 1 is diffed in full (every stage captured, root cause, diagnosis: `pipeline.run`);
+- every later trial compares outputs only, KernelBench's way;
+- the first trial that fails is captured in full and becomes the result reported ("diverges on
+  trial 3 of 5, seed …"); the others stay in ``result.trials``;
+- on every trial the candidate runs twice on the same inputs (its buffers restored in between):
+  any bitwise difference between the two runs is a ``nondeterministic`` finding, and a trial fails
+  when either run is out of tolerance -- a race that another GPU's scheduling would expose.
+
+Either side is live (`LiveReference`, `LiveCandidate`: the model, and the reference file's
+``get_inputs()``) or a capture (`CapturedTrials`): `capture_reference` captures trial 1 in the
+capture directory itself and every later trial, in full, in ``trial-K.dkt`` inside it, so a
+candidate process runs the trials -- and diffs a failing one stage by stage -- without the
+reference model, and two captures are diffed trial by trial without re-running anything.
+"""
+from __future__ import annotations
+
+import os
+import re
+import stat
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable
+
+import torch
+import torch.utils._pytree as pytree
+
+from .errors import DiffkitError
+from .measure import measure
+from .options import Options, Tolerance
+
+__all__ = ["KERNELBENCH_SEED", "KERNELBENCH_TRIALS", "trial_seeds", "seed_all", "Trial", "bitwise_difference",
+           "output_leaves", "snapshot_state", "restore_state", "LiveReference", "LiveCandidate", "CapturedTrials",
+           "run_trials", "write_trials"]
+
+KERNELBENCH_SEED = 42  # KernelBench's seed_num: construction and the trial seeds come from it
+KERNELBENCH_TRIALS = 5  # num_correct_trials in KernelBench's drivers
+TRIAL_SEED_HIGH = 2 ** 32 - 1  # torch.randint's exclusive upper bound in KernelBench's seed draw
+TRIAL_DIR = re.compile(r"trial-([0-9]{1,6})\.dkt")
+MAX_SHOWN = 4  # differing element indices named in a nondeterminism finding
+
+
+def trial_seeds(n: int, seed: int = KERNELBENCH_SEED) -> list[int]:
+    """KernelBench's per-trial input seeds: ``torch.manual_seed(seed)``, then one
+    ``torch.randint(0, 2**32 - 1, (1,)).item()`` per trial (drawn from a generator of its own, which
+    gives the same numbers without disturbing the global one)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [int(torch.randint(0, TRIAL_SEED_HIGH, (1,), generator=gen).item()) for _ in range(n)]
+
+
+def seed_all(seed: int) -> None:
+    """KernelBench's set_seed: the CPU generator and every CUDA device's."""
+    torch.manual_seed(seed)
+
+
+# ----------------------------------------------------------------------------------- trial outcomes
+@dataclass
+class Trial:
+    """One trial: its number (1-based), the seed before ``get_inputs()`` and what KernelBench's rule
+    said of the candidate's output (`allclose`: both of the candidate's runs within tolerance).
+
+    max_abs / mean_abs: the output's largest and mean |error| (the failing run's, if one failed)
+    shape_mismatch:     [reference shape, candidate shape] of the first output tensor that differs
+    dtype_mismatch:     [reference dtype, candidate dtype] (torch.allclose refuses mixed dtypes)
+    error, error_side:  a side that raised on this trial's inputs
+    nondeterministic:   the candidate's two runs differ bitwise: {"elements", "numel", "max_abs", "at",
+                        "where"} (where: the output tensor or stage)
+    failed_run:         1 or 2: which of the candidate's runs was out of tolerance first
+    captured:           this trial was diffed stage by stage (trial 1, and the first failing one)
+    """
+
+    trial: int
+    seed: int | None
+    max_abs: float | None = None
+    mean_abs: float | None = None
+    allclose: bool = False
+    shape_mismatch: list | None = None
+    dtype_mismatch: list | None = None
+    error: str = ""
+    error_side: str = ""
+    nondeterministic: dict | None = None
+    failed_run: int | None = None
+    captured: bool = False
+
+    @property
+    def failed(self) -> bool:
+        return not self.allclose
+
+    def to_dict(self) -> dict:
+        from .result import _num
+
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["max_abs"], d["mean_abs"] = _num(self.max_abs), _num(self.mean_abs)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Trial":
+        kw = {f.name: d[f.name] for f in fields(cls) if f.name in d}
+        return cls(**kw)
+
+
+def bitwise_difference(a: torch.Tensor, b: torch.Tensor) -> dict | None:
+    """None when `a` and `b` hold the same bits; else how many elements differ, where the first few
+    are, and the largest difference."""
+    if tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype:
+        return {"elements": max(a.numel(), b.numel()), "numel": max(a.numel(), b.numel()), "max_abs": float("inf"),
+                "at": [], "shape": [list(a.shape), list(b.shape)]}
+    a, b = a.detach(), b.detach().to(a.device)
+    if a.is_complex():
+        a, b = torch.view_as_real(a), torch.view_as_real(b)
+    if a.is_floating_point():
+        ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+        mask = a.contiguous().view(ints) != b.contiguous().view(ints)
+    else:
+        mask = a != b
+    if a.dim() and mask.dim() > a.dim():  # complex viewed as real: one flag per element
+        mask = mask.any(-1)
+    n = int(mask.sum())
+    if n == 0:
+        return None
+    at = [list(map(int, ix)) for ix in mask.nonzero()[:MAX_SHOWN].tolist()] if mask.dim() else [[]]
+    diff = torch.nan_to_num((a.double() - b.double()).abs(), nan=float("inf")) if a.is_floating_point() else \
+        (a.double() - b.double()).abs()
+    return {"elements": n, "numel": mask.numel(), "max_abs": float(diff.max()) if diff.numel() else 0.0, "at": at}
+
+
+def difference_words(d: dict) -> str:
+    """A bitwise difference in words: "37 of 4096 elements differ (first at [0, 3], …), max 0.42"."""
+    if d.get("shape"):
+        return f"the two runs returned other shapes ({d['shape'][0]} and {d['shape'][1]})"
+    at = d.get("at") or []
+    where = (" (first at " + ", ".join(str(x) for x in at) + (", …" if d["elements"] > len(at) else "") + ")") \
+        if at and at != [[]] else ""
+    return f"{d['elements']} of {d['numel']} elements differ{where}, max difference {d['max_abs']:.3g}"
+
+
+def output_leaves(out: Any) -> dict[str, torch.Tensor]:
+    """The tensors of a forward's result by path, named as capture names them: ``output`` for a lone
+    tensor (bare or inside a structure), ``output[0]``, ``output[1][key]`` … for several."""
+    from .capture import path_key
+
+    if isinstance(out, torch.Tensor):
+        return {"output": out}
+    flat = [(path, v) for path, v in pytree.tree_flatten_with_path(out)[0] if isinstance(v, torch.Tensor)]
+    if len(flat) == 1:  # capture names a lone tensor "output" wherever it sits
+        return {"output": flat[0][1]}
+    return {"output[" + "][".join(str(path_key(k)) for k in path) + "]": v for path, v in flat}
+
+
+def snapshot_state(model: torch.nn.Module | None) -> dict[str, torch.Tensor]:
+    """Copies of a model's buffers (BatchNorm's running statistics, counters …): an extra run
+    restores them afterwards so the trials see the state KernelBench's single run per trial leaves."""
+    if model is None:
+        return {}
+    return {n: b.detach().clone() for n, b in model.named_buffers() if isinstance(b, torch.Tensor)}
+
+
+def restore_state(model: torch.nn.Module | None, snap: dict[str, torch.Tensor]) -> None:
+    if model is None or not snap:
+        return
+    with torch.no_grad():
+        for n, b in model.named_buffers():
+            v = snap.get(n)
+            if v is not None and v.shape == b.shape:
+                b.copy_(v)
+
+
+def _clone(obj: Any) -> Any:
+    return pytree.tree_map(lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v, obj)
+
+
+def forward(model: torch.nn.Module, inputs: list, no_grad: bool = True) -> tuple[Any, str]:
+    """One plain forward (no capture, as KernelBench runs it) on a copy of `inputs`: (output, "") or
+    (None, what it raised)."""
+    import contextlib
+
+    try:
+        with torch.no_grad() if no_grad else contextlib.nullcontext():
+            out = model(*_clone(list(inputs)))
+        if any(isinstance(t, torch.Tensor) and t.is_cuda for t in pytree.tree_leaves(out)):
+            torch.cuda.synchronize()
+        return out, ""
+    except Exception as e:  # the model's own failure, reported as this trial's error
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        return None, f"{type(e).__name__}: {first}"[:500]
+
+
+def check_output(trial: Trial, ref: dict[str, torch.Tensor], cand: dict[str, torch.Tensor],
+                 tolerance: Tolerance) -> bool:
+    """KernelBench's rule on one run's output, into `trial` (numbers of the first failing run, or of
+    the passing one); True when it passes."""
+    if set(ref) != set(cand):
+        trial.shape_mismatch = trial.shape_mismatch or [sorted(ref), sorted(cand)]
+        return False
+    worst, total, count, ok = 0.0, 0.0, 0, True
+    for key, r in ref.items():
+        c = cand[key]
+        if tuple(r.shape) != tuple(c.shape):
+            trial.shape_mismatch = trial.shape_mismatch or [list(r.shape), list(c.shape)]
+            ok = False
+            continue
+        if r.dtype != c.dtype:  # torch.allclose raises on mixed dtypes, which fails the trial
+            trial.dtype_mismatch = trial.dtype_mismatch or [str(r.dtype).replace("torch.", ""),
+                                                            str(c.dtype).replace("torch.", "")]
+            ok = False
+        st = measure(r.to(c.device), c, *tolerance.for_dtype(r.dtype))
+        ok = ok and st.ok
+        worst = max(worst, st.max_abs) if st.max_abs == st.max_abs else float("nan")
+        total += st.mean_abs * st.numel
+        count += st.numel
+    trial.max_abs, trial.mean_abs = worst, (total / count if count else 0.0)
+    return ok
+
+
+def check_candidate(model: torch.nn.Module, inputs: list, ref: dict[str, torch.Tensor], trial: Trial,
+                    options: Options) -> Trial:
+    """Run the candidate on one trial's inputs (twice with `options.rerun`, its buffers restored
+    between the runs so both start from the same state) and judge its output(s) against `ref`."""
+    before = snapshot_state(model)
+    seed_all(trial.seed)
+    out, err = forward(model, inputs, options.no_grad)
+    if err:
+        trial.error, trial.error_side, trial.failed_run = err, "candidate", 1
+        return trial
+    first = output_leaves(out)
+    ok = check_output(trial, ref, first, options.tolerance)
+    trial.failed_run = None if ok else 1
+    if options.rerun:
+        after = snapshot_state(model)
+        restore_state(model, before)
+        out2, err2 = forward(model, inputs, options.no_grad)
+        restore_state(model, after)
+        if err2:
+            trial.error, trial.error_side = f"its second run on the same inputs raised {err2}", "candidate"
+            trial.failed_run = trial.failed_run or 2
+            ok = False
+        else:
+            second = output_leaves(out2)
+            for key in first:
+                d = bitwise_difference(first[key], second[key]) if key in second else None
+                if d is not None:
+                    trial.nondeterministic = {**d, "where": key}
+                    break
+            if trial.nondeterministic is not None:
+                again = Trial(trial.trial, trial.seed)
+                if not check_output(again, ref, second, options.tolerance) and ok:
+                    trial.failed_run, trial.max_abs, trial.mean_abs = 2, again.max_abs, again.mean_abs
+                    trial.shape_mismatch, trial.dtype_mismatch = again.shape_mismatch, again.dtype_mismatch
+                    ok = False
+    trial.allclose = ok
+    return trial
+
+
+# ----------------------------------------------------------------------------------- the two sides
+@dataclass
+class LiveReference:
+    """The reference model in this process: each trial's inputs from its file's ``get_inputs()``."""
+
+    model: torch.nn.Module
+    make_inputs: Callable[[int], list]
+    seeds: list[int]
+    no_grad: bool = True
+    _before: dict = field(default_factory=dict, repr=False)
+
+    def inputs(self, k: int) -> list:
+        return self.make_inputs(self.seeds[k - 1])
+
+    def output(self, k: int, inputs: list) -> tuple[dict[str, torch.Tensor] | None, str]:
+        self._before[k] = snapshot_state(self.model)
+        seed_all(self.seeds[k - 1])
+        out, err = forward(self.model, inputs, self.no_grad)
+        return (None, err) if err else ({n: v.detach() for n, v in output_leaves(out).items()}, "")
+
+    def source(self, k: int, inputs: list):
+        from .pipeline import ModelSource
+
+        if k in self._before:  # the full diff starts from the state this trial's run started from
+            restore_state(self.model, self._before.pop(k))
+        return ModelSource(self.model, inputs, seed=self.seeds[k - 1])
+
+
+@dataclass
+class LiveCandidate:
+    """The candidate model in this process, run twice on each trial's inputs."""
+
+    model: torch.nn.Module
+    options: Options
+    _before: dict = field(default_factory=dict, repr=False)
+
+    def check(self, k: int, inputs: list, ref: dict[str, torch.Tensor], trial: Trial) -> Trial:
+        self._before[k] = snapshot_state(self.model)
+        return check_candidate(self.model, inputs, ref, trial, self.options)
+
+    def source(self, k: int, inputs: list, seed: int | None):
+        from .pipeline import ModelSource
+
+        if k in self._before:
+            restore_state(self.model, self._before.pop(k))
+        return ModelSource(self.model, inputs, seed=seed)
+
+
+def _trial_dir(capture_path: str, name: Any) -> str | None:
+    """The directory of a stored trial, if `name` is a plain trial directory name inside the
+    capture and really is a directory there (not a link): a capture may come from a stranger."""
+    if not isinstance(name, str) or not TRIAL_DIR.fullmatch(name):
+        return None
+    path = os.path.join(capture_path, name)
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return path if stat.S_ISDIR(st.st_mode) else None
+
+
+@dataclass
+class CapturedTrials:
+    """A side captured by `capture_reference`: trial 1 in the capture itself, every later trial in
+    full in ``trial-K.dkt`` inside it (see the module doc).  Serves as the reference of a diff, or
+    as the candidate of a diff between two captures."""
+
+    path: str
+    info: dict
+    device: str = "cpu"
+    tolerance: Tolerance = field(default_factory=Tolerance)  # judging its outputs as a captured candidate
+
+    @property
+    def entries(self) -> list[dict]:
+        got = self.info.get("trials")
+        if not isinstance(got, list) or not got:
+            seed = self.info.get("input_seed", self.info.get("seed"))
+            return [{"trial": 1, "seed": seed if isinstance(seed, int) else None}]
+        return [e for e in got if isinstance(e, dict)]
+
+    @property
+    def seeds(self) -> list[int | None]:
+        return [e.get("seed") if isinstance(e.get("seed"), int) else None for e in self.entries]
+
+    def _where(self, k: int) -> str:
+        if k == 1:
+            return self.path
+        where = _trial_dir(self.path, self.entries[k - 1].get("capture"))
+        if where is None:
+            raise DiffkitError("reference", "read", f"the capture lists trial {k} but holds no trial-{k}.dkt "
+                               f"directory for it (its process stopped before it?)", self.path)
+        return where
+
+    def _load(self, k: int) -> tuple[list, dict[str, torch.Tensor], str]:
+        from .load import decode_values
+        from .store import CaptureFile
+
+        where = self._where(k)
+        cap = CaptureFile.open(where)
+        inputs_values, outputs = {}, {}
+        for r in cap.records():
+            if r.value is None:
+                continue
+            if r.kind == "input":
+                inputs_values[r.name] = r.value
+            elif r.is_output:
+                outputs[r.name.split("#")[0]] = r.value
+        enc = cap.info.get("inputs")
+        try:
+            inputs = decode_values(enc, inputs_values) if isinstance(enc, dict) else list(inputs_values.values())
+        except (KeyError, ValueError, IndexError, TypeError) as e:
+            raise DiffkitError("reference", "read", f"trial {k}'s inputs cannot be rebuilt: {e}", where) from e
+        err = cap.index.get("error") or {}
+        error = f"{err.get('type', 'Error')}: {err.get('message', '')}" if err else ""
+        move = (lambda v: v.to(self.device) if isinstance(v, torch.Tensor) else v)
+        return pytree.tree_map(move, inputs), {n: v.to(self.device) for n, v in outputs.items()}, error
+
+    def inputs(self, k: int) -> list:
+        return self._load(k)[0]
+
+    def output(self, k: int, inputs: list) -> tuple[dict[str, torch.Tensor] | None, str]:
+        _, out, err = self._load(k)
+        return (None, err) if err else (out, "")
+
+    def check(self, k: int, inputs: list, ref: dict[str, torch.Tensor], trial: Trial) -> Trial:
+        """As a captured candidate: its stored output of trial `k` against the reference's."""
+        out, err = self.output(k, inputs)
+        if err:
+            trial.error, trial.error_side, trial.failed_run = err, "candidate", 1
+            return trial
+        trial.allclose = check_output(trial, ref, out, self.tolerance)
+        trial.failed_run = None if trial.allclose else 1
+        return trial
+
+    def source(self, k: int, inputs: list, seed: int | None = None):
+        from .pipeline import CaptureSource
+
+        return CaptureSource(self._where(k), device=self.device)
+
+
+# ----------------------------------------------------------------------------------- writing
+def write_trials(capture_path: str, model: torch.nn.Module, make_inputs: Callable[[int], list], seeds: list[int],
+                 no_grad: bool = True, only=None, info: dict | None = None) -> list[dict]:
+    """Run the model on trials 2… and capture each one in full as ``trial-K.dkt`` inside the capture
+    directory (records, parameters, its inputs); returns the entries for the capture's
+    ``info["trials"]``."""
+    from .load import encode_values
+    from .pipeline import clone_inputs, run_captured
+
+    entries = [{"trial": 1, "seed": seeds[0]}]
+    for k, seed in enumerate(seeds[1:], start=2):
+        name = f"trial-{k}.dkt"
+        inputs = make_inputs(seed)
+        sub = {**(info or {}), "trial": k, "seed": seed, "inputs": encode_values(inputs, tensors=True)}
+        seed_all(seed)
+        trace = run_captured(model, clone_inputs(list(inputs)), no_grad=no_grad, only=only,
+                             stream_to=os.path.join(capture_path, name), info=sub)
+        entry = {"trial": k, "seed": seed, "capture": name}
+        if trace.error is not None:
+            entry["error"] = f"{trace.error.type}: {trace.error.message}"
+        entries.append(entry)
+    return entries
+
+
+# ----------------------------------------------------------------------------------- the driver
+def first_trial(result) -> Trial:
+    """The outcome `pipeline.run` recorded for its own run (trial 1, or a lone `compare`)."""
+    got = result.trials[0] if result.trials else {"trial": 1, "seed": None}
+    return Trial.from_dict(got)
+
+
+def run_trials(reference, candidate, first_inputs: list, options: Options, evidence=None):
+    """KernelBench's trials: `reference` (a LiveReference or CapturedTrials) against `candidate`
+    (a LiveCandidate, or CapturedTrials for two captures): trial 1 diffed in full, later trials by
+    their outputs, the first failing one then diffed in full; returns the judged Result of the
+    trial reported."""
+    from .pipeline import judge, run
+    from .result import ErrorInfo
+
+    if isinstance(candidate, CapturedTrials):
+        candidate.tolerance = options.tolerance
+    seeds = reference.seeds
+    n = min(options.trials, len(seeds))
+    if isinstance(candidate, CapturedTrials) and candidate.seeds[:n] != seeds[:n]:
+        n = 1  # captured with other seeds or trials: only the first one pairs up
+    reported = run(reference.source(1, first_inputs), candidate.source(1, first_inputs, seeds[0]), options)
+    outcomes = [first_trial(reported)]
+    outcomes[0].trial, outcomes[0].seed, outcomes[0].captured = 1, seeds[0], True
+    reported_trial = 1
+    if options.trials > n:
+        have = "the captures pair up on" if isinstance(candidate, CapturedTrials) else "the reference capture holds"
+        reported.warnings.append(f"{have} {n} trial(s); {options.trials} were asked: capture again with "
+                                 f"--trials {options.trials}")
+    stop = reported.error is not None or bool(reported.meta.get("stopped")) or outcomes[0].error
+    for k in range(2, n + 1):
+        if stop:
+            break
+        trial = Trial(k, seeds[k - 1])
+        try:
+            inputs = reference.inputs(k)
+            ref_out, ref_err = reference.output(k, inputs)
+        except DiffkitError as e:
+            reported.warnings.append(f"trial {k} was not run: {e.message}")
+            break
+        if ref_err:
+            trial.error, trial.error_side = ref_err, "reference"
+            outcomes.append(trial)
+            reported.error = reported.error or ErrorInfo("reference", "forward",
+                                                         f"on trial {k} (seed {trial.seed}) the reference raised "
+                                                         f"{ref_err}", "")
+            break
+        try:
+            candidate.check(k, inputs, ref_out, trial)
+        except DiffkitError as e:
+            reported.warnings.append(f"trial {k} was not run: {e.message}")
+            break
+        outcomes.append(trial)
+        if trial.failed and all(not o.failed for o in outcomes[:-1]):
+            full = run(reference.source(k, inputs), candidate.source(k, inputs, trial.seed), options)
+            trial.captured = True
+            if trial.error and full.error is None:
+                full.error = ErrorInfo("candidate", "forward", f"on trial {k} (seed {trial.seed}) the candidate "
+                                       f"raised {trial.error}", "")
+            full.warnings = [w for w in reported.warnings if "--trials" in w] + full.warnings
+            reported, reported_trial = full, k
+        if trial.error:
+            break  # KernelBench stops at a runtime error
+    _trial_notes(reported, outcomes)
+    reported.trials = [o.to_dict() for o in outcomes]
+    reported.meta["trials"] = {"asked": options.trials, "run": len(outcomes), "reported": reported_trial,
+                               "failed": sum(o.failed for o in outcomes), "seed": options.seed}
+    if evidence is not None:
+        evidence(reported)
+    reported.verdict = judge(reported)
+    return reported
+
+
+def _trial_notes(result, outcomes: list[Trial]) -> None:
+    """One finding (and, when those trials passed, a warning) for the later trials whose two runs of
+    the candidate differ bitwise (trial 1's are the pipeline's, on its stages)."""
+    from .result import Finding
+
+    racy = [o for o in outcomes[1:] if o.nondeterministic is not None]
+    if not racy:
+        return
+    first = racy[0].nondeterministic
+    which = ", ".join(f"{o.trial} (seed {o.seed})" for o in racy[:4]) + (" …" if len(racy) > 4 else "")
+    words = (f"on trial{'s' if len(racy) > 1 else ''} {which} running the candidate twice on the same inputs gives "
+             f"different values in {first.get('where', 'the output')}: {difference_words(first)}"
+             + (f" (trial {racy[0].trial}; the others alike)" if len(racy) > 1 else "")
+             + " -- a race, an uninitialised read or randomness")
+    result.findings.append(Finding("nondeterministic", words, 0.9))
+    if all(o.allclose for o in racy):
+        result.warnings.append(words + "; both runs are within tolerance there")

@@ -1,0 +1,352 @@
+"""KernelBench's correctness protocol (issue 13): models as constructed (no eval()), nothing copied,
+five trials on KernelBench's seeds, the candidate run twice per trial -- and diffkit's verdict equal
+to KernelBench's own procedure on every bundled candidate."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import diffkit
+from diffkit.load import describe_difference
+from diffkit.options import Options
+from diffkit.result import Result
+from diffkit.trials import trial_seeds
+
+from conftest import KERNELS, REFS, ROOT, candidates
+
+
+# ----------------------------------------------------------------------------- KernelBench, re-implemented
+def _exec(path):
+    ctx = {"__file__": path, "__name__": "kernelbench_" + os.path.splitext(os.path.basename(path))[0]}
+    with open(path, encoding="utf-8") as fh:
+        exec(compile(fh.read(), path, "exec"), ctx)
+    return ctx
+
+
+def kernelbench_passes(ref_path, cand_path, num_trials=5, seed=42):
+    """KernelBench's correctness check as field.md states it: seed 42 before get_init_inputs(), before
+    Model(*init) and before ModelNew(*init); no eval(), nothing copied; one seed per trial from
+    torch.manual_seed(42) and torch.randint(0, 2**32 - 1, (1,)); each trial seeds get_inputs(), runs
+    both models on the same inputs under no_grad and passes when torch.allclose accepts the output at
+    1e-4 (float32) / 1e-2 (half).  A candidate that fails to build or raises fails."""
+    ref = _exec(ref_path)
+    try:
+        cand = _exec(cand_path)
+        torch.manual_seed(seed)
+        init = ref["get_init_inputs"]()
+        with torch.no_grad():
+            torch.manual_seed(seed)
+            model = ref["Model"](*init)
+            torch.manual_seed(seed)
+            new = cand["ModelNew"](*init)
+    except Exception:
+        return False
+    torch.manual_seed(seed)
+    seeds = [torch.randint(0, 2 ** 32 - 1, (1,)).item() for _ in range(num_trials)]
+    passed = 0
+    with torch.no_grad():
+        for s in seeds:
+            torch.manual_seed(s)
+            inputs = ref["get_inputs"]()
+            torch.manual_seed(s)
+            out = model(*inputs)
+            try:
+                new_out = new(*inputs)
+                if out.shape != new_out.shape:
+                    return False
+                tol = 1e-2 if out.dtype in (torch.float16, torch.bfloat16) else 1e-4
+                passed += bool(torch.allclose(out, new_out, atol=tol, rtol=tol))
+            except Exception:
+                return False
+    return passed == num_trials
+
+
+CPU = candidates()
+
+
+@pytest.mark.parametrize("name,ref,cand,exp", CPU, ids=[c[0] for c in CPU])
+def test_verdict_agrees_with_kernelbench(name, ref, cand, exp, ops):
+    kernelbench = kernelbench_passes(ref, cand)
+    result = diffkit.diff_files(ref, cand)
+    assert (result.verdict == "match") == kernelbench, (kernelbench, result.summary_line())
+    assert len(result.trials) == 5 or result.verdict != "match"
+
+
+def test_trial_seeds_are_kernelbench_s_and_leave_the_global_generator_alone():
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    seeds = trial_seeds(5)
+    assert torch.equal(torch.get_rng_state(), before)
+    torch.manual_seed(42)
+    assert seeds == [torch.randint(0, 2 ** 32 - 1, (1,)).item() for _ in range(5)]
+    assert trial_seeds(3, seed=7) != seeds[:3]
+
+
+# ----------------------------------------------------------------------------- the CLI, as users run it
+def _cli(*args, tmp_path, name="r.json"):
+    out = tmp_path / name
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "cli.py"), "diff", *args, "--json", str(out),
+                           "--no-report"], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    data = json.loads(out.read_text()) if out.exists() else None
+    return proc, data
+
+
+def test_batchnorm_with_running_statistics_diverges_in_every_trial(tmp_path, ops):
+    ref, cand = os.path.join(REFS, "gemm_batchnorm_softmax.py"), os.path.join(KERNELS,
+                                                                            "gemm_batchnorm_softmax_running_stats.py")
+    proc, data = _cli(ref, cand, tmp_path=tmp_path)
+    assert proc.returncode == 1 and data["verdict"] == "diverged", proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert data["first_divergence"]["ref_name"] == "bn"
+    assert len(data["trials"]) == 5 and not any(t["allclose"] for t in data["trials"])
+    assert any("training mode" in w and "--eval" in w for w in data["warnings"])
+    # in eval mode both normalise with the running statistics: the same candidate passes
+    proc, data = _cli(ref, cand, "--eval", tmp_path=tmp_path, name="eval.json")
+    assert proc.returncode == 0 and data["verdict"] == "match", proc.stdout[-2000:]
+    assert data["meta"]["protocol"]["eval"] is True
+
+
+def test_constant_folded_into_a_bias_at_construction_matches(tmp_path):
+    ref, cand = os.path.join(REFS, "conv_tanh_pool.py"), os.path.join(KERNELS, "conv_tanh_pool_fused.py")
+    proc, data = _cli(ref, cand, tmp_path=tmp_path)
+    assert proc.returncode == 0 and data["verdict"] == "match", proc.stdout[-2000:] + proc.stderr[-2000:]
+    (differ,) = data["weights"]["differ"]
+    assert differ["name"] == "conv.bias" and differ["looks_like"].startswith("constant shift by -0.5")
+    assert not data["weights"]["copied"] and not data["weights"]["synced"]
+    assert any("conv.bias (constant shift by -0.5" in w for w in data["warnings"])
+    # copying the reference's weights over it (the old default) breaks it
+    proc, data = _cli(ref, cand, "--sync-weights", tmp_path=tmp_path, name="sync.json")
+    assert proc.returncode == 1 and data["verdict"] == "diverged"
+    assert data["weights"]["copied"] == ["conv.bias"]
+
+
+def _first_trial_with_input_below(ref_path, threshold, n=5):
+    """1-based number of the first trial whose inputs reach below `threshold` (from the reference's own
+    get_inputs() under KernelBench's seeds), and whether trial 1's do."""
+    ns = _exec(ref_path)
+    hits = []
+    for s in trial_seeds(n):
+        torch.manual_seed(s)
+        hits.append(bool((ns["get_inputs"]()[0] < threshold).any()))
+    return hits.index(True) + 1 if any(hits) else None, hits
+
+
+def test_bug_beyond_an_input_range_is_found_by_a_later_trial_and_named(tmp_path):
+    ref, cand = os.path.join(REFS, "gelu.py"), os.path.join(KERNELS, "gelu_tail_fast_path.py")
+    first, hits = _first_trial_with_input_below(ref, -3.0)
+    assert first is not None and not hits[0], "precondition: trial 1's inputs never reach the broken range"
+    proc, data = _cli(ref, cand, tmp_path=tmp_path)
+    assert proc.returncode == 1 and data["verdict"] == "diverged", proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert [not t["allclose"] for t in data["trials"]] == hits
+    seed = data["trials"][first - 1]["seed"]
+    assert data["meta"]["trials"]["reported"] == first
+    assert f"diverges on trial {first} of 5 (seed {seed})" in data["summary"]
+    assert data["first_divergence"]["ref_name"] == "output"
+    for t in data["trials"]:
+        assert set(t) >= {"seed", "max_abs", "mean_abs", "allclose"}
+    # one trial (the old protocol) does not see it
+    proc, data = _cli(ref, cand, "--trials", "1", tmp_path=tmp_path, name="one.json")
+    assert proc.returncode == 0 and data["verdict"] == "match" and len(data["trials"]) == 1
+
+
+def test_nondeterministic_candidate_diverges_or_is_warned():
+    racy = diffkit.diff_files(os.path.join(REFS, "transformer_block.py"),
+                              os.path.join(KERNELS, "transformer_block_racy_softmax.py"))
+    assert racy.verdict == "diverged" and racy.first_divergence.diagnosis[0].kind == "nondeterministic"
+    assert all(t["nondeterministic"] for t in racy.trials)
+    atomics = diffkit.diff_files(os.path.join(REFS, "row_softmax.py"), os.path.join(KERNELS, "row_softmax_fused.py"))
+    assert atomics.verdict == "match", atomics.summary_line()
+    assert any(f.kind == "nondeterministic" for f in atomics.findings)
+    assert any("nondeterministic" in w and "within tolerance" in w for w in atomics.warnings)
+    nd = [t["nondeterministic"] for t in atomics.trials if t["nondeterministic"]]
+    assert nd and all(d["elements"] > 0 and d["at"] for d in nd)  # names the elements that differ
+
+
+def test_nondeterministic_candidate_through_the_cli(tmp_path):
+    proc, data = _cli(os.path.join(REFS, "row_softmax.py"), os.path.join(KERNELS, "row_softmax_fused.py"),
+                      tmp_path=tmp_path)
+    assert proc.returncode == 0 and data["verdict"] == "match"
+    assert any(f["kind"] == "nondeterministic" for f in data["findings"])
+    assert "nondeterministic" in proc.stdout
+
+
+FIRST_CALL_WRONG = """
+#include <torch/extension.h>
+static int calls = 0;  // the first call reads a scratch value it never wrote; later calls are right
+torch::Tensor twice(torch::Tensor x) {
+    auto y = x * 2;
+    if (++calls == 1) y.add_(1.0);
+    return y;
+}
+"""
+
+
+def test_a_replay_that_disagrees_with_the_run_is_nondeterministic():
+    from torch.utils.cpp_extension import load_inline
+
+    from diffkit.capture import register_extension
+
+    ext = register_extension(load_inline(name="diffkit_test_first_call", cpp_sources=[FIRST_CALL_WRONG],
+                                         functions=["twice"]))
+
+    class Net(torch.nn.Module):
+        def __init__(self, fn):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+            self.fn = fn
+
+        def forward(self, x):
+            y = self.fn(self.lin(x))
+            return y.sum(-1)
+
+    torch.manual_seed(0)
+    ref = Net(lambda t: t * 2)
+    cand = Net(None)
+    cand.fn = lambda t: ext.twice(t)  # looked up at call time, so capture sees the extension call
+    cand.load_state_dict(ref.state_dict())
+    result = diffkit.compare(ref, cand, [torch.randn(4, 8)], rerun=False)
+    fd = result.first_divergence
+    assert result.verdict == "diverged" and fd.cand.op.endswith("twice"), result.summary_line()
+    assert fd.local is not None and fd.local.ok  # re-run alone on the same inputs it is right
+    assert fd.diagnosis[0].kind == "nondeterministic" and "same call gives other outputs" in fd.diagnosis[0].detail
+
+
+def test_stochastic_reference_is_named_with_eval_as_the_way_out(tmp_path):
+    ref = tmp_path / "drop.py"
+    ref.write_text("import torch, torch.nn as nn\n"
+                   "class Model(nn.Module):\n"
+                   "    def __init__(self):\n        super().__init__(); self.lin = nn.Linear(16, 16); "
+                   "self.drop = nn.Dropout(0.5)\n"
+                   "    def forward(self, x):\n        return self.drop(self.lin(x))\n"
+                   "def get_inputs():\n    return [torch.randn(8, 16)]\n"
+                   "def get_init_inputs():\n    return []\n")
+    cand = tmp_path / "cand.py"
+    cand.write_text(ref.read_text().replace("class Model(", "class ModelNew("))
+    result = diffkit.diff_files(str(ref), str(cand), trials=2)
+    assert any("reference is random" in h and "drop (p=0.5)" in h and "--eval" in h for h in result.health), \
+        result.health
+    calm = diffkit.diff_files(str(ref), str(cand), trials=2, eval=True)
+    assert calm.verdict == "match" and not any("random" in h for h in calm.health)
+
+
+def test_trials_must_be_positive(tmp_path):
+    with pytest.raises(ValueError):
+        Options(trials=0)
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "cli.py"), "diff", os.path.join(REFS, "gelu.py"),
+                           os.path.join(KERNELS, "gelu_tail_fast_path.py"), "--trials", "0"], capture_output=True,
+                          text=True, cwd=ROOT)
+    assert proc.returncode == 2 and "--trials" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_trials_survive_the_json_round_trip():
+    result = diffkit.diff_files(os.path.join(REFS, "gelu.py"), os.path.join(KERNELS, "gelu_tail_fast_path.py"),
+                                trials=3)
+    back = Result.from_dict(json.loads(result.to_json()))
+    assert back.trials == json.loads(result.to_json())["trials"] and len(back.trials) == 3
+    assert back.summary_line() == result.summary_line()
+
+
+def test_captured_reference_carries_its_trials(tmp_path):
+    ref, cand = os.path.join(REFS, "gelu.py"), os.path.join(KERNELS, "gelu_tail_fast_path.py")
+    dkt = tmp_path / "ref.dkt"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "cli.py"), "capture", ref, "-o", str(dkt)],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert sorted(p for p in os.listdir(dkt) if p.startswith("trial-")) == [f"trial-{k}.dkt" for k in range(2, 6)]
+    live = diffkit.diff_files(ref, cand)
+    captured = diffkit.diff_files(str(dkt), cand)
+    assert [t["allclose"] for t in captured.trials] == [t["allclose"] for t in live.trials]
+    assert captured.meta["trials"]["reported"] == live.meta["trials"]["reported"]
+    assert captured.summary_line() == live.summary_line()
+
+
+def test_captures_alone_carry_every_trial(tmp_path):
+    """The reference's file gone, and two captures with nothing re-run: the same trials, the same
+    failing trial diffed stage by stage, the same answer."""
+    from diffkit.compare import capture_reference
+
+    src = tmp_path / "gelu_ref.py"
+    src.write_text(open(os.path.join(REFS, "gelu.py"), encoding="utf-8").read())
+    cand = os.path.join(KERNELS, "gelu_tail_fast_path.py")
+    capture_reference(str(src), str(tmp_path / "ref.dkt"))
+    capture_reference(cand, str(tmp_path / "cand.dkt"), class_name="ModelNew", inputs_from=str(src), side="candidate")
+    live = diffkit.diff_files(str(src), cand)
+    os.remove(src)
+    against = diffkit.diff_files(str(tmp_path / "ref.dkt"), cand)
+    two = diffkit.diff_files(str(tmp_path / "ref.dkt"), str(tmp_path / "cand.dkt"))
+    for r in (against, two):
+        assert r.verdict == "diverged" and r.meta["trials"]["reported"] == live.meta["trials"]["reported"] > 1
+        assert [t["allclose"] for t in r.trials] == [t["allclose"] for t in live.trials]
+        assert r.summary_line() == live.summary_line()
+
+
+# ----------------------------------------------------------------------------- weights
+def test_weight_differences_are_described():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(6, 5, generator=g)
+    assert describe_difference(w, w + 0.25).startswith("constant shift by +0.25")
+    assert describe_difference(w, w * -2).startswith("scaled by -2")
+    sq = torch.randn(5, 5, generator=g)
+    assert describe_difference(sq, sq.t().contiguous()) == "transposed"
+    assert describe_difference(w, w[[1, 0, 2, 3, 4, 5]]).startswith("permuted along dim 0")
+    assert "another random draw" in describe_difference(w, torch.randn(6, 5, generator=g))
+    assert describe_difference(w, torch.zeros_like(w)) == "all zeros in the candidate"
+
+
+def test_nothing_is_copied_and_models_stay_as_constructed(tmp_path):
+    ref = tmp_path / "ref.py"
+    ref.write_text("import torch, torch.nn as nn\n"
+                   "class Model(nn.Module):\n"
+                   "    def __init__(self):\n        super().__init__(); self.a = nn.Linear(16, 16)\n"
+                   "    def forward(self, x):\n        return self.a(x)\n"
+                   "def get_inputs():\n    return [torch.randn(2, 16)]\n"
+                   "def get_init_inputs():\n    return []\n")
+    cand = tmp_path / "cand.py"
+    cand.write_text(ref.read_text().replace("class Model(", "class ModelNew(").replace(
+        "self.a = nn.Linear(16, 16)", "self.pad = nn.Parameter(torch.randn(1)); self.a = nn.Linear(16, 16)"))
+    pair = diffkit.load_pair(str(ref), str(cand))
+    assert pair.ref.training and pair.cand.training
+    assert not torch.equal(pair.ref.a.weight, pair.cand.a.weight)  # drawn after an extra parameter
+    assert {d["name"] for d in pair.weights.differ} == {"a.weight", "a.bias"} and not pair.weights.copied
+    assert "another random draw" in pair.weights.differ[0]["looks_like"]
+    result = diffkit.diff_files(str(ref), str(cand))
+    assert result.verdict == "diverged" and any("a.weight" in w for w in result.warnings)
+
+
+# ----------------------------------------------------------------------------- --sanitize: the candidate's kernels only
+def test_sanitizer_instruments_only_the_candidate_s_kernels(monkeypatch):
+    from diffkit import sanitize
+
+    assert sanitize.candidate_kernels(os.path.join(KERNELS, "row_softmax_cuda_race.py")) == ["softmax_rows_kernel"]
+    tri = sanitize.candidate_kernels(os.path.join(KERNELS, "transformer_block_triton.py"))
+    assert {"softmax_rows_kernel", "bias_gelu_kernel"} <= set(tri)
+    monkeypatch.setattr(sanitize, "find_tool", lambda: "/opt/cs/compute-sanitizer")
+    monkeypatch.setattr(sanitize, "tool_version", lambda exe: (2025, 1))
+    cmd = sanitize.wrap_command("racecheck", "/tmp/log", ["python", "x.py"], kernels=["k_one", "k_two"])
+    i = cmd.index("--kernel-name")
+    assert cmd[i + 1] == "regex=.*(k_one|k_two).*" and cmd[-2:] == ["python", "x.py"]
+    monkeypatch.setattr(sanitize, "tool_version", lambda exe: (2022, 4))
+    assert "--kernel-regex" in sanitize.wrap_command("racecheck", "/tmp/log", ["p"], kernels=["k_one"])
+
+
+def test_race_report_names_the_shared_array(tmp_path):
+    from diffkit.sanitize import parse, shared_array_of
+
+    src = open(os.path.join(KERNELS, "row_softmax_cuda.py"), encoding="utf-8").read()
+    cu = tmp_path / "cuda.cu"
+    cu.write_text(src.split('r"""', 1)[1].split('"""', 1)[0])
+    lines = cu.read_text().splitlines()
+    write = next(i for i, ln in enumerate(lines, 1) if "red[tid] = m;" in ln)
+    read = next(i for i, ln in enumerate(lines, 1) if "row_max = red[0]" in ln)
+    log = (f"========= Error: Race reported between Write access at softmax_rows_kernel(const float *, float *, int, "
+           f"int)+0x4a0 in {cu}:{write}\n"
+           f"=========     and Read access at softmax_rows_kernel(const float *, float *, int, int)+0x2c0 in "
+           f"{cu}:{read} [2040 hazards]\n")
+    (rep,) = parse(log, "racecheck")
+    assert rep.kernel == "softmax_rows_kernel" and rep.source.endswith(f":{write}") and rep.other_source.endswith(
+        f":{read}")
+    assert shared_array_of(rep, [cu.read_text()]).startswith("shared array red")
+    rep.source = rep.other_source = ""  # no line info: the kernel's only shared array
+    assert shared_array_of(rep, [cu.read_text()]) == "shared array red (the kernel's only one)"

@@ -1,0 +1,247 @@
+"""diffkit never crashes on the bugs it exists to find: generated output pairs of every kind go
+through the CLI (both isolation modes) and the exit code is what ``torch.allclose(equal_nan=False)``
+on every leaf says; flags are validated; signals leave nothing behind; sources are read as Python
+reads them."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import ROOT
+
+REF = """
+import torch, torch.nn as nn
+OUT = torch.load({path!r}, weights_only=True)
+class Model(nn.Module):
+    def forward(self, x):
+        return OUT
+def get_inputs():
+    return [torch.zeros(1)]
+def get_init_inputs():
+    return []
+"""
+CAND = REF.replace("class Model(", "class ModelNew(")
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.int32, torch.bool]
+SHAPES = [(), (0,), (3,), (2, 3), (0, 4), (2, 1, 3)]
+
+
+def _leaf(draw, dtype, shape):
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2 ** 31 - 1)))
+    if dtype == torch.bool:
+        return torch.rand(shape, generator=g) > 0.5
+    if dtype == torch.int32:
+        return torch.randint(-50, 50, shape, generator=g, dtype=torch.int32)
+    t = torch.randn(shape, generator=g, dtype=torch.float64)
+    if dtype.is_complex:
+        t = torch.complex(t, torch.randn(shape, generator=g, dtype=torch.float64))
+    t = t.to(dtype)
+    if t.numel() and draw(st.booleans()):  # NaN / Inf at a random place
+        flat = t.reshape(-1)
+        flat[draw(st.integers(0, flat.numel() - 1))] = draw(st.sampled_from([float("nan"), float("inf"), -float("inf")]))
+    return t
+
+
+def _perturb(draw, ref):
+    kind = draw(st.sampled_from(["same", "noise", "off", "nan", "shape"]))
+    c = ref.clone()
+    if kind == "shape":
+        return torch.cat([c.reshape(-1), c.reshape(-1)[:1]]) if c.numel() else torch.zeros(1, dtype=c.dtype)
+    if c.numel() == 0 or kind == "same":
+        return c
+    if c.dtype == torch.bool:
+        flat = c.reshape(-1)
+        flat[0] = ~flat[0]
+        return c
+    if c.dtype == torch.int32:
+        return c + (kind != "noise")
+    flat = c.reshape(-1)
+    i = draw(st.integers(0, flat.numel() - 1))
+    if kind == "noise":  # well inside the dtype's tolerance
+        flat[i] = flat[i] * (1 + 1e-6) if c.dtype in (torch.float32, torch.float64, torch.complex64) else flat[i]
+    elif kind == "off":
+        flat[i] = flat[i] + 1.5
+    else:
+        flat[i] = float("nan")
+    return c
+
+
+@st.composite
+def output_pairs(draw):
+    n = draw(st.integers(1, 3))
+    dtypes = [draw(st.sampled_from(DTYPES)) for _ in range(n)]
+    refs = [_leaf(draw, d, draw(st.sampled_from(SHAPES))) for d in dtypes]
+    cands = [_perturb(draw, r) for r in refs]
+    nest = draw(st.sampled_from(["plain", "tuple", "dict", "nested"]))
+    if nest == "plain" or n == 1 and nest != "nested":
+        pack = (lambda xs: xs[0]) if n == 1 else tuple
+    elif nest == "tuple":
+        pack = tuple
+    elif nest == "dict":
+        pack = lambda xs: {f"k{i}": x for i, x in enumerate(xs)}  # noqa: E731
+    else:
+        pack = lambda xs: (xs[0], {"rest": list(xs[1:])})  # noqa: E731
+    ref, cand = pack(refs), pack(cands)
+    if draw(st.integers(0, 9)) == 0:  # now and then another structure altogether
+        cand = (cand, cands[0])
+    return ref, cand
+
+
+def _leaves(obj, path=""):
+    if isinstance(obj, torch.Tensor):
+        return {path: obj}
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj)
+    out = {}
+    for k, v in items:
+        out.update(_leaves(v, f"{path}[{k}]"))
+    return out
+
+
+def _kernelbench_passes(ref, cand) -> bool:
+    """torch.allclose(equal_nan=False) on every leaf, with KernelBench's per-dtype tolerance."""
+    r, c = _leaves(ref), _leaves(cand)
+    if set(r) != set(c):
+        return False
+    for k in r:
+        a, b = c[k], r[k]
+        if a.shape != b.shape:
+            return False
+        if b.dtype == torch.bool or not (b.is_floating_point() or b.is_complex()):
+            if not torch.equal(a, b):
+                return False
+            continue
+        tol = 1e-2 if b.dtype in (torch.float16, torch.bfloat16) else 1e-4
+        if not torch.allclose(a.to(torch.complex128 if b.is_complex() else torch.float64),
+                              b.to(torch.complex128 if b.is_complex() else torch.float64), atol=tol, rtol=tol,
+                              equal_nan=False):
+            return False
+    return True
+
+
+def _strict_json(text: str):
+    def no_constant(name):
+        raise ValueError(f"non-standard JSON constant {name}")
+    return json.loads(text, parse_constant=no_constant)
+
+
+def _run(ref_out, cand_out, isolate: bool):
+    with tempfile.TemporaryDirectory() as d:
+        for side, out, tmpl in (("ref", ref_out, REF), ("cand", cand_out, CAND)):
+            torch.save(out, os.path.join(d, f"{side}.pt"))
+            with open(os.path.join(d, f"{side}.py"), "w") as fh:
+                fh.write(tmpl.format(path=os.path.join(d, f"{side}.pt")))
+        args = [sys.executable, os.path.join(ROOT, "cli.py"), "diff", os.path.join(d, "ref.py"),
+                os.path.join(d, "cand.py"), "--json", os.path.join(d, "r.json"), "--report-dir", os.path.join(d, "rep")]
+        proc = subprocess.run(args + ([] if isolate else ["--no-isolate"]), capture_output=True, text=True, cwd=d)
+        data = _strict_json(open(os.path.join(d, "r.json")).read()) if os.path.exists(os.path.join(d, "r.json")) else None
+        for name in ("result.json",):
+            _strict_json(open(os.path.join(d, "rep", name)).read())
+        return proc, data
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("isolate", [False, True], ids=["in-process", "isolated"])
+@settings(max_examples=10, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@given(pair=output_pairs())
+def test_generated_outputs_give_kernelbench_exit_codes(isolate, pair):
+    ref, cand = pair
+    proc, data = _run(ref, cand, isolate)
+    out = proc.stdout + proc.stderr
+    assert "Traceback" not in out, out[-3000:]
+    expected = 0 if _kernelbench_passes(ref, cand) else 1
+    assert proc.returncode == expected, (expected, out[-3000:])
+    assert data is not None and data["verdict"] == {0: "match", 1: "diverged"}[expected]
+
+
+def _cli(*args, **kw):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "cli.py"), *args], capture_output=True, text=True, **kw)
+
+
+@pytest.fixture()
+def files(tmp_path):
+    ref = tmp_path / "ref.py"
+    ref.write_text("import torch, torch.nn as nn\nclass Model(nn.Module):\n    def forward(self, x):\n"
+                   "        return x * 2\ndef get_inputs():\n    return [torch.ones(3)]\n")
+    return tmp_path, ref
+
+
+@pytest.mark.parametrize("flag", [["--atol", "nan"], ["--atol", "-1"], ["--rtol", "inf"], ["--max-memory", "inf"],
+                                  ["--max-memory", "-3G"], ["--timeout", "-1"], ["--max-memory", "lots"]])
+def test_bad_flags_are_usage_errors(files, flag):
+    tmp, ref = files
+    proc = _cli("diff", str(ref), str(ref), "--no-report", *flag)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and "Error" in proc.stderr, proc.stderr[-800:]
+
+
+def test_unwritable_json_is_a_clear_error(files):
+    tmp, ref = files
+    cand = tmp / "cand.py"
+    cand.write_text(ref.read_text().replace("class Model(", "class ModelNew("))
+    proc = _cli("diff", str(ref), str(cand), "--no-report", "--no-isolate", "--json", "/proc/no/such/dir/r.json")
+    assert proc.returncode == 2 and "Traceback" not in proc.stdout + proc.stderr
+    assert "could not write" in proc.stderr
+
+
+def test_sys_exit_in_forward_is_an_error_of_that_side(files):
+    tmp, ref = files
+    cand = tmp / "cand.py"
+    cand.write_text("import sys, torch, torch.nn as nn\nclass ModelNew(nn.Module):\n    def forward(self, x):\n"
+                    "        sys.exit(0)\n")
+    proc = _cli("diff", str(ref), str(cand), "--no-report", "--no-isolate")
+    assert proc.returncode == 2 and "SystemExit" in proc.stdout, proc.stdout[-800:]
+
+
+def test_source_with_a_pep263_coding_line_is_read(files):
+    tmp, ref = files
+    cand = tmp / "cand.py"
+    cand.write_bytes("# -*- coding: latin-1 -*-\n# café\nimport torch, torch.nn as nn\n"
+                     "class ModelNew(nn.Module):\n    def forward(self, x):\n        return x * 2\n".encode("latin-1"))
+    proc = _cli("diff", str(ref), str(cand), "--no-report", "--no-isolate")
+    assert proc.returncode == 0, proc.stdout[-800:] + proc.stderr[-800:]
+
+
+def test_internal_error_exits_3_and_says_it_is_diffkits_fault(files, monkeypatch):
+    tmp, ref = files
+    cand = tmp / "cand.py"
+    cand.write_text(ref.read_text().replace("class Model(", "class ModelNew("))
+    # a bug planted in diffkit itself (not in the user's files): the diagnosis step raises
+    sitecustom = tmp / "plant"
+    sitecustom.mkdir()
+    (sitecustom / "sitecustomize.py").write_text(
+        "import diffkit.pipeline as p\n"
+        "def boom(*a, **k):\n    raise ZeroDivisionError('planted')\n"
+        "p.judge = boom\n")
+    env = dict(os.environ, PYTHONPATH=str(sitecustom) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for mode in (["--no-isolate"], []):
+        proc = _cli("diff", str(ref), str(cand), "--no-report", *mode, env=env)
+        assert proc.returncode == 3, (mode, proc.stdout[-800:], proc.stderr[-800:])
+        assert "bug in diffkit" in proc.stderr
+
+
+def test_sigterm_stops_the_children_and_removes_temp_dirs(files):
+    tmp, ref = files
+    cand = tmp / "cand.py"
+    cand.write_text("import torch, torch.nn as nn\nclass ModelNew(nn.Module):\n    def forward(self, x):\n"
+                    "        while True:\n            pass\n")
+    env = dict(os.environ, TMPDIR=str(tmp))
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "cli.py"), "diff", str(ref), str(cand), "--no-report"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    deadline = time.time() + 60
+    while time.time() < deadline and not any(n.startswith("diffkit-") for n in os.listdir(tmp)):
+        time.sleep(0.2)
+    time.sleep(5)  # the candidate's child is in its endless forward by now
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=30)
+    assert proc.returncode == 128 + signal.SIGTERM
+    time.sleep(1)
+    left = subprocess.run(["pgrep", "-f", str(cand)], capture_output=True, text=True).stdout.split()
+    assert not left, f"children still running: {left}"
+    assert not [n for n in os.listdir(tmp) if n.startswith("diffkit-")]
