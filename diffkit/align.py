@@ -562,7 +562,9 @@ def rebound_pair_agrees(c: Record, r: Record, c_flow: Dataflow, r_flow: Dataflow
     r_in = {j for j in r_flow.inputs[r.index] if not r_flow.derived[j]}
     c_params = c_flow.params[c.index].union(*(c_flow.params[j] for j in c_flow.inputs[c.index] if c_flow.derived[j]))
     r_params = r_flow.params[r.index].union(*(r_flow.params[j] for j in r_flow.inputs[r.index] if r_flow.derived[j]))
-    return None not in c_in and c_in == r_in and c_params == r_params
+    if None in c_in:  # an input with no counterpart (an unpaired reshape, say): dataflow cannot tell
+        return None
+    return c_in == r_in and c_params == r_params
 
 
 @dataclass

@@ -370,16 +370,21 @@ def _explain(traces: _Traces, reference: Source, candidate: Source, options: Opt
     out = result.output_stage
     result.output = out.stats if out is not None else None
     shapes = [s for s in result.output_stages if tuple(s.ref.shape) != tuple(s.cand.shape)]
-    if shapes:
-        result.output_shape_mismatch = (tuple(shapes[0].ref.shape), tuple(shapes[0].cand.shape))
+    # an output tensor whose shape differs may be left unpaired (its element count differs): compare
+    # the two outputs path by path, as KernelBench compares them
+    r_leaves, c_leaves = _leaves(ref), _leaves(cand)
+    differing = [(tuple(r_leaves[p].shape), tuple(c_leaves[p].shape)) for p in sorted(set(r_leaves) & set(c_leaves))
+                 if tuple(r_leaves[p].shape) != tuple(c_leaves[p].shape)]
+    if differing:
+        result.output_shape_mismatch = differing[0]
     from .describe import output_shape_words, output_structure_words
 
     if result.output_structure is not None:
         result.findings.append(Finding("structure", output_structure_words(result.output_structure), 1.0))
     for st in shapes:
-        f = Finding("shape", output_shape_words((st.ref.shape, st.cand.shape)), 1.0)
-        st.diagnosis.append(f)
-        result.findings.append(f)
+        st.diagnosis.append(Finding("shape", output_shape_words((st.ref.shape, st.cand.shape)), 1.0))
+    for mismatch in differing:
+        result.findings.append(Finding("shape", output_shape_words(mismatch), 1.0))
     result.error = error or _trace_error(ref, cand)
     if result.error is None and out is None and not cand.stopped and result.output_structure is None:
         missing = "candidate" if ref.output is not None else "reference"

@@ -28,7 +28,7 @@ from typing import Any, Callable
 import torch
 
 from .align import NAME_MATCH_REL_ERR, Dataflow, _stage_params, best_layout, name_partner, names_index, \
-    rebound_pair_agrees, reused_name, same_layout, to_ref_layout
+    _refines, rebound_pair_agrees, reused_name, same_layout, to_ref_layout
 from .capture import Record, StopCapture, Trace
 from .measure import PendingStats, Stats, measure_async, tolerances
 
@@ -364,8 +364,10 @@ class StreamComparer:
             self.meta.add(rec)
         ri = name_partner(rec, self.ref.records, self.names, self.paired)  # as align's name pass pairs
         r = self.ref.records[ri] if ri is not None else None
-        if r is not None and not same_layout(rec, r):
-            ri = r = None  # a name on a permuted tensor: align's dataflow pass decides first
+        if r is not None and not (same_layout(rec, r) or _refines(tuple(rec.shape), tuple(r.shape))
+                                  or _refines(tuple(r.shape), tuple(rec.shape))):
+            ri = r = None  # a name on a permuted tensor: align's dataflow pass decides first (a plain
+            # reshape, [b*s, d] for [b, s, d], is measured now: a crashing child keeps its numbers)
         weak = r is not None and reused_name(rec, r)
         if weak:
             agrees = rebound_pair_agrees(rec, r, self.flow, self.ref_flow, self._partner)

@@ -258,7 +258,7 @@ def _special_pair(shared_specials: bool, shared_nan: bool = False, within_tolera
         c[2, 0] += 1e-3  # out of tolerance, by less
     r[0, 2] = c[0, 2] = float("inf")  # the same infinity: agreement
     if shared_nan:
-        r[2, 5] = c[2, 5] = float("nan")  # NaN on both sides: agreement
+        r[2, 5] = c[2, 5] = float("nan")  # NaN on both sides: a mismatch (equal_nan=False)
     elif shared_specials:
         r[2, 5] = c[2, 5] = -float("inf")
     else:
@@ -298,6 +298,8 @@ def test_measure_named_packing_round_trips_against_a_float64_brute_force(monkeyp
     assert repr(M.measure(r, c, atol, rtol)) == repr(st)  # repr: NaN == NaN
 
 
-def test_measure_worst_element_skips_a_nan_both_sides_share():
+def test_measure_a_nan_both_sides_share_is_a_mismatch_and_the_worst():
     r, c = _special_pair(True, shared_nan=True)
-    assert M.measure(r, c, 1e-4, 1e-4).worst.index == (1, 4)
+    s = M.measure(r, c, 1e-4, 1e-4)
+    assert s.worst.index == (2, 5) and s.mismatches == 3  # the shared NaN plus two out of tolerance
+    assert not torch.allclose(c, r, atol=1e-4, rtol=1e-4, equal_nan=False)

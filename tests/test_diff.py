@@ -169,10 +169,14 @@ def test_match_with_failing_intermediate_is_a_warning_unless_strict():
 
 def test_nan_in_candidate_is_a_divergence():
     r = torch.tensor([1.0, float("nan"), 3.0])
-    assert measure(r, r.clone(), 1e-4, 1e-4).ok  # NaN where the reference has NaN agrees
+    # torch.allclose(equal_nan=False), KernelBench's rule: a NaN never agrees, not even with a NaN
+    same = measure(r, r.clone(), 1e-4, 1e-4)
+    assert not same.ok and same.mismatches == 1 and same.worst.index == (1,)
+    inf = torch.tensor([1.0, float("inf")])
+    assert measure(inf, inf.clone(), 1e-4, 1e-4).ok  # equal infinities do agree
     c = torch.tensor([1.0, float("nan"), float("nan")])
     s = measure(r, c, 1e-4, 1e-4)
-    assert not s.ok and s.cand_nan == 2 and s.worst.index == (2,)
+    assert not s.ok and s.cand_nan == 2 and s.mismatches == 2 and s.worst.index == (1,)
     i = torch.tensor([1, 2, 3])
     s = measure(i, torch.tensor([1, 2, 4]), 10.0, 10.0)
     assert s.mismatches == 1  # integers compare exactly, whatever the tolerance
