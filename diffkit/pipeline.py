@@ -173,6 +173,17 @@ def _device(source: Source) -> str:
     return source.device() if isinstance(source, ModelSource) else source.device
 
 
+def _run_side(src: ModelSource, options: Options, state: dict, side: str, **capture) -> Trace:
+    """One side's captured forward as a trial runs it: seeded with the trial's seed, its parameters and
+    buffers recorded before and after (`state[side]`), since a training-mode forward changes buffers."""
+    before = snapshot_state(src.model)
+    if src.seed is not None:
+        seed_all(src.seed)
+    trace = run_captured(src.model, clone_inputs(list(src.inputs)), no_grad=options.no_grad, **capture)
+    state[side] = (before, snapshot_state(src.model))
+    return trace
+
+
 def _full_traces(reference: Source, candidate: Source, options: Options, known: dict | None) -> _Traces:
     """Both sides captured with every value in memory (or read from their capture files)."""
     sd = options.stream_dir
@@ -182,13 +193,7 @@ def _full_traces(reference: Source, candidate: Source, options: Options, known: 
     def trace_of(src: Source, side: str) -> Trace:
         if not isinstance(src, ModelSource):
             return src.trace(values=True)
-        before = snapshot_state(src.model)
-        if src.seed is not None:
-            seed_all(src.seed)
-        trace = run_captured(src.model, clone_inputs(list(src.inputs)), no_grad=options.no_grad,
-                             stream_to=os.path.join(sd, f"{side}.dkt") if sd else None)
-        state[side] = (before, snapshot_state(src.model))
-        return trace
+        return _run_side(src, options, state, side, stream_to=os.path.join(sd, f"{side}.dkt") if sd else None)
     rename = param_map(reference.params(), candidate.params())  # by value too: before a forward changes buffers
     ref = trace_of(reference, "ref")
     cand = trace_of(candidate, "cand")
@@ -240,21 +245,11 @@ def _streaming_traces(reference: Source, candidate: ModelSource, options: Option
         ref_trace = reference.file.load(values=False)
     else:
         ref_store = TieredStore(ref_dev, ref_host, meta=meta_ref)
-        ref_before = snapshot_state(reference.model)
-        if reference.seed is not None:
-            seed_all(reference.seed)
-        ref_trace = run_captured(reference.model, clone_inputs(list(reference.inputs)), no_grad=options.no_grad,
-                                 only=keep_filter, sink=ref_store)
-        state["ref"] = (ref_before, snapshot_state(reference.model))
+        ref_trace = _run_side(reference, options, state, "ref", only=keep_filter, sink=ref_store)
     comparer = StreamComparer(ref_trace, ref_store, keep, options.tolerance.atol, options.tolerance.rtol,
                               window=STREAM_WINDOW, stop_at_first=options.stop_at_first, journal=journal,
                               meta=meta_cand, rename=rename)
-    cand_before = snapshot_state(candidate.model)
-    if candidate.seed is not None:
-        seed_all(candidate.seed)
-    cand_trace = run_captured(candidate.model, clone_inputs(list(candidate.inputs)), no_grad=options.no_grad,
-                              only=keep_filter, sink=comparer)
-    state["cand"] = (cand_before, snapshot_state(candidate.model))
+    cand_trace = _run_side(candidate, options, state, "cand", only=keep_filter, sink=comparer)
     try:
         comparer.finish()
     except StopCapture:

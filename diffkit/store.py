@@ -607,6 +607,15 @@ def _list_field(m: dict, k: str) -> list:
     return v
 
 
+def _str_list_field(m: dict, k: str, what: str) -> list:
+    """A list field whose items must be strings of bounded length."""
+    items = _list_field(m, k)
+    for v in items:
+        if not isinstance(v, str) or len(v) > MAX_STR:
+            raise _Bad(k, f"must hold {what}, not {_show(v)}")
+    return items
+
+
 def _check_record(m: Any, i: int, n: int) -> dict:
     """Record `i` of `n`, every field checked; the normalised metadata (known fields only)."""
     if not isinstance(m, dict):
@@ -640,11 +649,7 @@ def _check_record(m: Any, i: int, n: int) -> dict:
     if not isinstance(dt, str) or dt not in _DTYPES:
         raise _Bad("dtype", f"is {_show(dt)}, not a dtype a capture holds ({', '.join(_DTYPES)})")
     out["dtype"] = dt
-    aliases = _list_field(m, "aliases")
-    for a in aliases:
-        if not isinstance(a, str) or len(a) > MAX_STR:
-            raise _Bad("aliases", f"must hold strings, not {_show(a)}")
-    out["aliases"] = aliases
+    out["aliases"] = _str_list_field(m, "aliases", "strings")
     out["is_output"] = _bool_field(m, "is_output")
     out["rebound"] = _bool_field(m, "rebound")
     inputs = _list_field(m, "inputs")
@@ -652,11 +657,7 @@ def _check_record(m: Any, i: int, n: int) -> dict:
         if not _is_int(j) or not 0 <= j < n:
             raise _Bad("inputs", f"holds {_show(j)}, not the index of a record (0…{n - 1})")
     out["inputs"] = inputs
-    params = _list_field(m, "params")
-    for p in params:
-        if not isinstance(p, str) or len(p) > MAX_STR:
-            raise _Bad("params", f"must hold parameter names (strings), not {_show(p)}")
-    out["params"] = params
+    out["params"] = _str_list_field(m, "params", "parameter names (strings)")
     if "key" in m or "shard" in m:
         key, shard = m.get("key"), m.get("shard")
         if not isinstance(key, str) or not key or len(key) > 1024 or key == "__metadata__":
