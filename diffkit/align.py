@@ -46,6 +46,8 @@ from typing import NamedTuple
 import torch
 
 from .capture import Record
+from .measure import _FAST_DTYPES as _FAST
+from .measure import measure_async, tolerances
 
 __all__ = ["Pair", "Alignment", "AlignState", "align", "PASSES", "pass_name", "pass_outputs", "pass_dataflow",
            "pass_proposed", "pass_order", "pass_value", "pass_deferred", "pass_consistency", "to_ref_layout",
@@ -116,6 +118,8 @@ class Alignment:
     ref_unmatched: list[int] = field(default_factory=list)
     cand_unmatched: list[int] = field(default_factory=list)
     dropped: list[Pair] = field(default_factory=list)  # pairs `pass_consistency` undid (two different roles)
+    # full metrics measured while pairing (ref, cand, transform) -> measure.Stats, for locate to reuse
+    measured: dict = field(default_factory=dict)
 
     def by_cand(self) -> dict[int, Pair]:
         return {p.cand: p for p in self.pairs}
@@ -598,6 +602,10 @@ class AlignState:
     superseded: set = field(default_factory=set)  # candidate records whose stage a continuation took over
     errors: dict[int, float] = field(default_factory=dict)  # candidate index -> its pair's relative L2 error
     dropped: list[Pair] = field(default_factory=list)
+    # (atol, rtol) by reference dtype: a pair whose error is asked for is measured in full once, and
+    # locate reuses those metrics (`measured`: (ref, cand, transform) -> Stats)
+    tolerance: Callable[[torch.dtype], tuple[float, float]] | None = None
+    measured: dict = field(default_factory=dict)
     _flows: tuple | None = field(default=None, repr=False)
 
     @classmethod
@@ -715,7 +723,18 @@ class AlignState:
         v = self.ref_value(r) if w is not None else None
         if v is None or not (v.is_floating_point() or v.is_complex()):
             return None
-        err = _rel_err(to_ref_layout(w, tuple(r.shape), p.transform).to(v.device), v)
+        cv = to_ref_layout(w, tuple(r.shape), p.transform).to(v.device)
+        err = None
+        if v.is_floating_point() and cv.is_floating_point() and v.dtype in _FAST and cv.dtype in _FAST:
+            # the pair's full metrics in one go (the stage will need them), its relative error with them
+            atol, rtol = (self.tolerance or (lambda d: tolerances(None, None, d)))(v.dtype)
+            pending = measure_async(v, cv, atol, rtol)
+            st = pending.result()
+            if not (st.ref_nan or st.ref_inf or st.cand_nan or st.cand_inf):
+                self.measured[(p.ref, ci, p.transform)] = st
+                err = pending.rel_l2
+        if err is None:
+            err = _rel_err(cv, v)
         self.errors[ci] = err
         return err
 
@@ -739,7 +758,7 @@ class AlignState:
         self.errors[ci] = layout.rel_err
 
     def alignment(self) -> Alignment:
-        return Alignment(pairs=[self.pairs[ci] for ci in sorted(self.pairs)],
+        return Alignment(measured=self.measured, pairs=[self.pairs[ci] for ci in sorted(self.pairs)],
                          ref_unmatched=[r.index for r in self.ref if r.index not in self.paired_ref],
                          cand_unmatched=[c.index for c in self.cand if c.index not in self.pairs],
                          dropped=list(self.dropped))
@@ -1396,7 +1415,8 @@ def align(ref: list[Record], cand: list[Record], value_match: bool = True, *,
           passes: Sequence[Callable[[AlignState], None]] | None = None,
           ref_params: dict[str, torch.Tensor] | None = None,
           cand_params: dict[str, torch.Tensor] | None = None,
-          rename: dict[str, str] | None = None) -> Alignment:
+          rename: dict[str, str] | None = None,
+          tolerance: Callable[[torch.dtype], tuple[float, float]] | None = None) -> Alignment:
     """Pair the candidate's records with the reference's by running `passes` (default `PASSES`).
 
     `fixed` (candidate index → (reference index, transform[, relative error])) are pairs made already
@@ -1405,11 +1425,13 @@ def align(ref: list[Record], cand: list[Record], value_match: bool = True, *,
     `cand_params` (the models' parameters and buffers by name) let a candidate that renamed its
     modules be matched by the parameters it reads (`param_map`; or give that map as `rename`, made
     before the forwards changed any buffer); without them names must agree.  `value_match=False` skips
-    the value pass."""
+    the value pass.  `tolerance` ((atol, rtol) by reference dtype) is the diff's: pairs whose error a
+    pass asks for are measured in full once, and `Alignment.measured` hands those metrics on."""
     if rename is None and cand_params:
         rename = param_map(ref_params, cand_params)
     state = AlignState.start(ref, cand, value_match, fixed=fixed, ref_value=ref_value, cand_value=cand_value,
                              rename=rename)
+    state.tolerance = tolerance
     for run_pass in PASSES if passes is None else passes:
         run_pass(state)
     return state.alignment()

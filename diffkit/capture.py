@@ -8,8 +8,14 @@ Three mechanisms are combined (see shared/design/capture.md for what each can se
 * functions of C++/CUDA extensions (``load_inline`` / ``load``) are wrapped for the duration of
   the capture, whether they were built before or during it.
 
-``tap(name, tensor)`` names a tensor explicitly.  Every record holds a snapshot (a clone taken
-when the value was produced), so later in-place writes do not change what was captured.
+``tap(name, tensor)`` names a tensor explicitly.  Every record holds the value the tensor had when
+it was produced, so later in-place writes do not change what was captured.  A torch op's output is
+not copied when it is made: the record holds the tensor itself and copies it only when something is
+about to write into its memory (an in-place op or ``out=`` seen by the function mode, an extension
+or Triton kernel given a tensor on that memory) or, when the capture ends, if anything besides the
+capture still holds that memory (a buffer the model keeps, the returned output, a list the user
+kept).  An intermediate the forward dropped is therefore never copied.  Kernel outputs (extension
+and Triton) are copied at once: raw writes into memory a kernel keeps are invisible to PyTorch.
 
 Every record also keeps its dataflow: `Record.inputs`, the earlier records its call's tensor
 arguments came from (a tensor itself; a view made where capture was quiet maps to its base's or its
@@ -235,8 +241,30 @@ def _looks_like_extension(mod: Any) -> bool:
 
 def _tensors(obj: Any) -> list[tuple[tuple, torch.Tensor]]:
     """Tensors inside (nested) tuples, lists and dicts, with their positions (indices and keys)."""
+    if isinstance(obj, torch.Tensor):  # the common case, without a tree walk
+        return [((), obj)]
+    if obj is None or isinstance(obj, (int, float, bool, str)):
+        return []
     flat, _ = pytree.tree_flatten_with_path(obj)
     return [(tuple(path_key(k) for k in path), v) for path, v in flat if isinstance(v, torch.Tensor)]
+
+
+def _map_tensors(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
+    """`pytree.tree_map(fn, obj)` applied to tensors only, with plain tuples, lists and dicts walked
+    directly (a call's arguments, once per recorded op: the generic walk costs more than the rest
+    of recording); other containers (named tuples, registered nodes) go through pytree."""
+    t = type(obj)
+    if t is tuple:
+        return tuple(_map_tensors(fn, o) for o in obj)
+    if t is list:
+        return [_map_tensors(fn, o) for o in obj]
+    if t is dict:
+        return {k: _map_tensors(fn, v) for k, v in obj.items()}
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if obj is None or t in (int, float, bool, str, torch.dtype, torch.device, slice):
+        return obj
+    return pytree.tree_map(lambda o: fn(o) if isinstance(o, torch.Tensor) else o, obj)
 
 
 def path_key(k: Any) -> Any:
@@ -257,6 +285,30 @@ def _storage_key(t: torch.Tensor) -> int | None:
 
 def _snapshot(t: torch.Tensor) -> torch.Tensor:
     return t.detach().clone()
+
+
+# records made by torch (an op, or a torch.nn module's output) are held without a copy until written;
+# kernel outputs, writes, taps and inputs are copied when recorded
+_LAZY_KINDS = ("op", "module")
+
+
+def _holders(t: torch.Tensor) -> int | None:
+    """How many tensors (views included) hold `t`'s memory, or None when that cannot be told."""
+    try:
+        # the storage object made here holds one reference of its own
+        return torch._C._storage_Use_Count(t.untyped_storage()._cdata) - 1
+    except (AttributeError, RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
+def _may_write(fname: str, kwargs: dict) -> bool:
+    """Whether a torch function of this name may write into one of its tensor arguments."""
+    if "out" in kwargs:
+        return True
+    if fname.startswith("__"):
+        return fname == "__setitem__" or (fname.startswith("__i") and fname not in ("__index__", "__int__",
+                                                                                   "__invert__", "__iter__"))
+    return fname.endswith("_")
 
 
 def _func_name(func: Callable) -> str:
@@ -289,6 +341,9 @@ class _State:
         self.calls: dict[str, int] = {}
         self.used: dict[str, int] = {}
         self.tracked: dict[int, tuple[Any, int, int]] = {}  # id(tensor) -> (weakref, record index, version)
+        # records holding a torch op's output itself, not a copy yet: storage pointer -> [(record, version)]
+        self.lazy: dict[int, list[tuple[Record, int]]] = {}
+        self.lost: list[str] = []  # records whose memory was written where capture could not see it
         # dataflow through memory: the latest record holding each storage (a view made where capture
         # was quiet still maps to it) and the records that wrote into a storage in place
         self.storage_owner: dict[int, tuple[Any, int]] = {}  # storage pointer -> (weakref, record index)
@@ -305,6 +360,10 @@ class _State:
                 if key is not None:
                     start = t.data_ptr()
                     self.param_storage.setdefault(key, []).append((start, start + t.numel() * t.element_size(), name))
+        # a what-if run (diffkit.whatif): the mistake planted at one record; `current_call` is the live
+        # call whose result is being recorded, (kind, function or module, args, kwargs)
+        self.mutator: Any = None
+        self.current_call: tuple | None = None
         self.returns_none: dict[str, bool] = {}
         self.error_scope: str | None = None
         self.failing_call: str | None = None
@@ -319,6 +378,58 @@ class _State:
         n = self.used.get(name, 0) + 1
         self.used[name] = n
         return name if n == 1 else f"{name}#{n}"
+
+    # -- values held without a copy (see the module docstring)
+    def keep(self, rec: Record, tensor: torch.Tensor) -> None:
+        key = _storage_key(tensor)
+        if key is None or type(tensor) not in (torch.Tensor, torch.nn.Parameter):
+            rec.value = _snapshot(tensor)
+            return
+        rec.value = tensor.detach()
+        self.lazy.setdefault(key, []).append((rec, tensor._version))
+
+    def _copy(self, key: int) -> None:
+        """Copy the values of the records held on storage `key` (about to be written, or shared)."""
+        for rec, version in self.lazy.pop(key, ()):
+            if rec.value is None:
+                continue
+            if rec.value._version != version:
+                # written by something the capture did not see (the version counter says so): the value
+                # it had is gone, so the record keeps none rather than a wrong one
+                self.lost.append(rec.name)
+                rec.value = None
+            else:
+                rec.value = rec.value.clone()
+
+    def before_write(self, args: Any, kwargs: Any = None) -> None:
+        """Called before a call that may write into its tensor arguments: copy what records hold there."""
+        if not self.lazy or self.busy:
+            return
+        self.busy = True  # the copies are diffkit's own ops, not the model's
+        try:
+            def check(t: torch.Tensor) -> torch.Tensor:
+                key = _storage_key(t)
+                if key in self.lazy:
+                    self._copy(key)
+                return t
+
+            _map_tensors(check, (args, kwargs))
+        finally:
+            self.busy = False
+
+    def seal(self) -> None:
+        """The capture ends: copy every value whose memory something else still holds (or may write)."""
+        for key in list(self.lazy):
+            held = self.lazy[key]
+            mine = sum(1 for rec, _ in held if rec.value is not None)
+            holders = _holders(held[0][0].value) if held[0][0].value is not None else None
+            if holders is None or holders > mine or any(rec.value is not None and rec.value._version != v
+                                                        for rec, v in held):
+                self._copy(key)
+        self.lazy.clear()
+        if self.lost:
+            warnings.warn(f"diffkit: {len(self.lost)} captured value(s) were overwritten in place by code capture "
+                          f"could not see and are not compared: {', '.join(self.lost[:5])}")
 
     def track(self, t: torch.Tensor, index: int) -> None:
         try:
@@ -404,7 +515,7 @@ class _State:
                         params.append(n)
             return exact if exact is not None else o
 
-        tmpl = pytree.tree_map(read, obj)
+        tmpl = _map_tensors(read, obj)
         return tmpl, tuple(Ref(i) for i in inputs), tuple(params)
 
     def params_of_module(self, module: torch.nn.Module) -> tuple[str, ...]:
@@ -425,6 +536,10 @@ class _State:
             return None
         # the same tensor, unchanged since it was recorded: give the record another name instead
         hit = self.tracked.get(id(tensor))
+        if self.mutator is not None and self.current_call is not None and kind in ("op", "module") and not (
+                hit is not None and hit[0]() is tensor and hit[2] == tensor._version and kind == "module"):
+            # a what-if run: this record's value is replaced (in place, so the rest of the forward reads it)
+            self.mutator.plant(len(self.trace.records), self.current_call, tensor)
         if hit is not None and hit[0]() is tensor and hit[2] == tensor._version and kind in ("module", "tap"):
             rec = self.trace.records[hit[1]]
             if rec.shape == tuple(tensor.shape):
@@ -449,10 +564,12 @@ class _State:
             index=len(self.trace.records), name=self.unique(name), kind=kind,
             scope=self.scope if scope is None else scope, label=label, function=function, file=file,
             line=line, op=op, shape=tuple(tensor.shape), dtype=tensor.dtype, device=str(tensor.device),
-            value=_snapshot(tensor) if self.snapshot and not owns else None, is_output=is_output,
+            value=_snapshot(tensor) if self.snapshot and not owns and kind not in _LAZY_KINDS else None, is_output=is_output,
             call=call, inputs=inputs, rebound=rebound, params=tuple(params),
         )
         rec.aliases += [a for a in aliases or () if a != rec.name]
+        if self.snapshot and not owns and kind in _LAZY_KINDS:
+            self.keep(rec, tensor)
         self.trace.records.append(rec)
         # written in place: the tensor was recorded before and has changed since (a kernel's raw write
         # does not bump the version, so a write record or an extension handing back its argument counts)
@@ -505,6 +622,7 @@ class _State:
         tmpl, refs, params = self.template((args, kwargs))
         call = ("op", func, tmpl)
         op = _func_name(func)
+        self.current_call = ("op", func, args, kwargs) if self.mutator is not None else None
         for i, (pos, t) in enumerate(found):
             label = site.label(i, len(found))
             self.add(name=self.op_name(self.scope, site.function, label), rebound=label in site.rebound, kind="op", label=label,
@@ -561,8 +679,10 @@ class _Mode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
         st = self.state
+        if st.lazy and not st.busy and _may_write(getattr(func, "__name__", ""), kwargs):
+            st.before_write(args, kwargs)
+        out = func(*args, **kwargs)
         if st.busy or st.opaque:
             return out
         st.busy = True
@@ -601,6 +721,8 @@ def _pre_hook(module, args):
     st.stack.append((path, opaque, (site, args)))
     if opaque:
         st.opaque += 1
+    if st.mutator is not None:
+        st.mutator.before_module(module, args)
     return None
 
 
@@ -638,6 +760,7 @@ def _post_hook(module, args, *rest):
         # module's output is usually a record made inside it (which keeps what its own call read),
         # and only when nothing inside was recorded does the new record stand for the whole module
         params = st.params_of_module(module) if not is_root else ()
+        st.current_call = ("module", module, margs, {}) if st.mutator is not None else None
         for i, (pos, t) in enumerate(found):
             name = base if len(found) == 1 else f"{base}[{']['.join(map(str, pos))}]"
             label = top_path.rsplit(".", 1)[-1] if top_path else "output"
@@ -725,6 +848,7 @@ class _ExtensionPatch:
         st = self.state
 
         def wrapper(*args, **kwargs):
+            st.before_write(args, kwargs)  # a kernel may write into any tensor it is given
             if st.busy or st.opaque:
                 return fn(*args, **kwargs)
             before = None
@@ -833,6 +957,7 @@ class _TritonPatch:
                 st.busy = True  # also the re-entrancy guard: nested launches are the same user launch
                 try:
                     tensors = [(i, a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+                    st.before_write(args, kwargs)
                     before = [(i, a.detach().clone()) for i, a in tensors]
                     out = _launch(st, f"triton:{name}", launch, args, kwargs)
                     f = naming.user_frame(sys._getframe(1))
@@ -897,6 +1022,7 @@ class capture:
         finally:
             if _ACTIVE and _ACTIVE[-1] is self.state:
                 _ACTIVE.pop()
+            self.state.seal()
             for h in self._handles:
                 h.remove()
             self._patch.remove()

@@ -271,6 +271,28 @@ def _finding_line(f) -> str:
     return f"  diagnosis [{f.kind}, confidence {fmt(f.confidence, '.2f')}]: {f.detail}"
 
 
+def what_if_lines(result, limit: int = 3) -> list[str]:
+    """The what-if block (diffkit.whatif): which planted mistake makes the reference reproduce the
+    candidate, or, honestly, that none does and which came nearest."""
+    found = [w for w in (result.what_if or []) if isinstance(w, dict)]
+    info = (result.meta or {}).get("what_if") or {}
+    if not found:
+        return ["", f"what-if: {info['skipped']}"] if info.get("skipped") else []
+    runs = f" ({info.get('forwards')} what-if runs of the reference, {fmt(info.get('seconds'), '.2g')} s)" \
+        if info.get("forwards") else ""
+    best = found[0]
+    if best.get("explains"):
+        out = ["", f"what-if{runs}: the candidate matches the reference with {best.get('detail')}: "
+                   f"max error {fmt(best.get('max_abs_after'))}, was {fmt(best.get('max_abs_before'))}"]
+        rest = [w for w in found[1:limit] if w.get("explains")]
+        out += [f"  also within tolerance: {w.get('detail')} (max error {fmt(w.get('max_abs_after'))})" for w in rest]
+        return out
+    out = ["", f"what-if{runs}: no single mistake in the catalogue reproduces the candidate within tolerance; nearest:"]
+    out += [f"  {w.get('detail')}: max error {fmt(w.get('max_abs_after'))}, was {fmt(w.get('max_abs_before'))}"
+            for w in found[:limit]]
+    return out
+
+
 def divergence_lines(result) -> list[str]:
     """The terminal's detail block under the stage table: the first divergence (records, layout,
     numbers, worst element, NaN/Inf, re-run, diagnosis), the root cause and the error.  Each block
@@ -299,6 +321,7 @@ def divergence_lines(result) -> list[str]:
         if rerun:
             out.append(f"  {rerun}")
         out += [_finding_line(f) for f in fd.diagnosis]
+    out += what_if_lines(result)
     rc = result.root_cause
     if rc is not None and rc is not fd:
         line = f"root cause: stage {rc.index} {rc.ref_name} (candidate {rc.cand_name}) introduces the error"
@@ -352,6 +375,7 @@ def assertion_message(result) -> str:
         else:
             lines.append(f"Not compared: {not_compared_reason(fd)}")
         lines += [f"Diagnosis ({f.kind}): {f.detail}" for f in fd.diagnosis]
+        lines += [x.strip() for x in what_if_lines(result) if x.strip()]
     elif result.verdict == "diverged" and result.output is not None:
         lines.append("Output:")
         lines += _closeness_lines(result.output)

@@ -494,6 +494,45 @@ def load_candidate_for_capture(cand_path: str, capture: Any, *, seed: int = KERN
                      info.get("inputs_source", ""), eval_mode=eval_mode), weights
 
 
+def load_reference_for_capture(capture: Any, *, device: str | None = None) -> ModelSide | None:
+    """The captured side rebuilt live from the capture's own record of how it was made (its source
+    file, class, init inputs and inputs), with the capture's parameters and buffers loaded into it so
+    it computes exactly what was captured; None when the capture does not say enough or its source
+    file is gone (what-if runs of the reference need it live)."""
+    info = getattr(capture, "info", None) or {}
+    source, cls_name = info.get("source"), info.get("class") or "Model"
+    if not source or not os.path.exists(source) or info.get("init_inputs") is None:
+        return None
+    module = exec_file(source, "reference")
+    cls = _need(module, cls_name, "reference", source) if cls_name != "ModelNew" else _candidate_class(module, source)
+    model = _construct(cls, decode_values(info["init_inputs"]), "reference", source, cls_name)
+    records = {r.name: r.value for r in capture.records() if r.kind == "input"}
+    try:
+        inputs = decode_values(info["inputs"], records) if info.get("inputs") else \
+            [records[n] for n in sorted(records, key=lambda n: int(re.findall(r"\d+", n)[0]))]
+    except (KeyError, ValueError, IndexError):
+        return None
+    params = capture.parameters() if hasattr(capture, "parameters") else {}
+    own = dict(model.named_parameters())
+    own.update(dict(model.named_buffers()))
+    with torch.no_grad():
+        for name, t in params.items():
+            mine = own.get(name)
+            if mine is not None and tuple(mine.shape) == tuple(t.shape):
+                mine.copy_(t.to(mine.dtype))
+    dev = device or info.get("device") or "cpu"
+    if dev != "cpu" or device:
+        model = model.to(dev)
+        inputs = _move(inputs, dev)
+    if info.get("eval"):
+        model.eval()
+    elif info.get("training") is False:
+        model.eval()
+    return ModelSide(model, _clone(inputs), decode_values(info["init_inputs"]), source, cls_name,
+                     int(info.get("seed", info.get("input_seed", KERNELBENCH_SEED))), module, source,
+                     eval_mode=bool(info.get("eval")))
+
+
 def load_pair(ref_path: str, cand_path: str, *, seed: int = KERNELBENCH_SEED, device: str | None = None,
               eval_mode: bool = False, sync: bool = False, cand_class: str = "ModelNew") -> LoadedPair:
     """Build both models the way KernelBench does and give each side its own copy of the inputs.

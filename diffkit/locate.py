@@ -7,10 +7,11 @@ pipeline.judge reads the statuses this module sets.
 from __future__ import annotations
 
 import bisect
+from typing import Any
 
 from .align import Alignment, to_ref_layout
 from .capture import Record, Trace
-from .measure import PendingStats, measure_async
+from .measure import measure_async, measure_many
 from .options import Tolerance
 from .result import RecordInfo, Stage
 
@@ -22,7 +23,9 @@ def build_stages(ref: Trace, cand: Trace, alignment: Alignment, tolerance: Toler
     `known` maps (ref index, cand index, transform) to Stats already measured (streaming mode).
     Every pair is measured on its device first and the scalars gathered afterwards, so a GPU
     diff waits for the device once, not once per stage."""
-    pending: list[tuple[Stage, PendingStats]] = []
+    # (stage, PendingStats) on the CPU, measured at once; (stage, (ref, cand, atol, rtol)) on CUDA,
+    # measured together below (batched launches, one copy back)
+    pending: list[tuple[Stage, Any]] = []
     by_cand = alignment.by_cand()
     rows: list[Stage] = []
     ref_after: dict[int, list[int]] = {}
@@ -53,8 +56,9 @@ def build_stages(ref: Trace, cand: Trace, alignment: Alignment, tolerance: Toler
             rows.append(_measured(r, c, p, tolerance, pending, (known or {}).get((r.index, c.index, p.transform))))
         for ri in ref_after.get(c.index, []):
             rows.append(Stage(index=0, ref=RecordInfo.of(ref.records[ri]), cand=None, note="no candidate counterpart"))
-    for st, ps in pending:
-        st.stats = ps.result()
+    batched = iter(measure_many([item for _, item in pending if isinstance(item, tuple)]))
+    for st, item in pending:
+        st.stats = (next(batched) if isinstance(item, tuple) else item).result()
         st.status = "ok" if st.stats.ok else "diverged"
     for i, s in enumerate(rows):
         s.index = i
@@ -72,14 +76,15 @@ def _measured(r: Record, c: Record, pair, tolerance: Tolerance, pending: list, k
         return stage
     if c.dtype != r.dtype:
         stage.note = f"dtype {str(c.dtype).replace('torch.', '')} compared against {str(r.dtype).replace('torch.', '')}"
-    if known is not None:
+    if known is not None and (known.atol, known.rtol) == (a, t):
         stage.stats = known
         stage.status = "ok" if known.ok else "diverged"
         return stage
     if r.value is None or c.value is None:
         stage.note = "values not captured"
         return stage
-    pending.append((stage, measure_async(r.value, to_ref_layout(c.value, r.shape, pair.transform), a, t)))
+    cv = to_ref_layout(c.value, r.shape, pair.transform)
+    pending.append((stage, (r.value, cv, a, t) if r.value.is_cuda else measure_async(r.value, cv, a, t)))
     return stage
 
 

@@ -150,12 +150,13 @@ class PendingStats:
     a CUDA event, so measuring many pairs costs no synchronisation until `result()` is asked for."""
 
     def __init__(self, packed: torch.Tensor | None, shape: tuple[int, ...], atol: float, rtol: float,
-                 ready: Stats | None = None):
+                 ready: Stats | None = None, batch: tuple["_HostBatch", int] | None = None):
         self.shape, self.atol, self.rtol = shape, atol, rtol
         self._stats = ready
         self.rel_l2 = 0.0  # ||c - r|| / ||r|| over finite elements, once `result()` has been read
         self._event = None
         self._host = None
+        self._batch = batch
         if packed is not None:
             if packed.is_cuda:
                 self._host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
@@ -166,13 +167,18 @@ class PendingStats:
                 self._host = packed
 
     def done(self) -> bool:
+        if self._batch is not None and self._stats is None:
+            return self._batch[0].done()
         return self._stats is not None or self._event is None or self._event.query()
 
     def result(self) -> Stats:
         if self._stats is None:
-            if self._event is not None:
-                self._event.synchronize()
-            host = self._host.tolist()
+            if self._batch is not None:
+                host = self._batch[0].row(self._batch[1])
+            else:
+                if self._event is not None:
+                    self._event.synchronize()
+                host = self._host.tolist()
             self.rel_l2 = host[_Packed.REL_L2]
             worst_ref, worst_cand = host[_Packed.WORST_REF], host[_Packed.WORST_CAND]
             abs_err = abs(worst_cand - worst_ref)
@@ -188,6 +194,60 @@ class PendingStats:
                 atol=self.atol, rtol=self.rtol)
             self._host = None
         return self._stats
+
+
+class _HostBatch:
+    """The packed vectors of a batch of pairs ([pairs, len(_Packed)] on a CUDA device), copied to
+    pinned host memory in one transfer behind one event; read row by row."""
+
+    def __init__(self, packed: torch.Tensor):
+        self._host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+        self._host.copy_(packed, non_blocking=True)
+        self._event = torch.cuda.Event()
+        self._event.record()
+        self._rows: list | None = None
+
+    def done(self) -> bool:
+        return self._rows is not None or self._event.query()
+
+    def row(self, i: int) -> list[float]:
+        if self._rows is None:
+            self._event.synchronize()
+            self._rows = self._host.tolist()
+        return self._rows[i]
+
+
+# pairs per launch of the batched CUDA kernel
+BATCH_PAIRS = 4096
+
+
+def measure_many(items: list[tuple[torch.Tensor, torch.Tensor, float, float]]) -> list[PendingStats]:
+    """`measure_async` for many pairs ``(ref, cand, atol, rtol)`` at once: on CUDA, the pairs that
+    share a device, dtypes and tolerance are measured by one launch of the metric kernel per batch
+    (and come back in one copy); the rest one by one."""
+    out: list[PendingStats | None] = [None] * len(items)
+    groups: dict[tuple, list[int]] = {}
+    for i, (r, c, atol, rtol) in enumerate(items):
+        if (r.is_cuda and c.device == r.device and tuple(r.shape) == tuple(c.shape) and r.numel() > 0
+                and r.dtype in _FAST_DTYPES and c.dtype in _FAST_DTYPES):
+            groups.setdefault((r.device, r.dtype, c.dtype, atol, rtol), []).append(i)
+        else:
+            out[i] = measure_async(r, c, atol, rtol)
+    if groups:
+        from . import metrics_kernel
+
+        for (_, _, _, atol, rtol), idx in groups.items():
+            if not metrics_kernel.available():
+                for i in idx:
+                    out[i] = measure_async(*items[i])
+                continue
+            for lo in range(0, len(idx), BATCH_PAIRS):
+                part = idx[lo:lo + BATCH_PAIRS]
+                flat = [(items[i][0].detach().reshape(-1), items[i][1].detach().reshape(-1)) for i in part]
+                batch = _HostBatch(metrics_kernel.packed_batch(flat, atol, rtol))
+                for k, i in enumerate(part):
+                    out[i] = PendingStats(None, tuple(items[i][0].shape), atol, rtol, batch=(batch, k))
+    return out  # type: ignore[return-value]
 
 
 def measure(ref: torch.Tensor, cand: torch.Tensor, atol: float, rtol: float) -> Stats:
@@ -266,9 +326,20 @@ def _real(t: torch.Tensor) -> torch.Tensor:
     return (t.real if t.is_complex() else t).to(torch.float64)
 
 
+def _empty(shape, atol, rtol) -> PendingStats:
+    return PendingStats(None, shape, atol, rtol, ready=Stats(
+        numel=0, max_abs=0.0, mean_abs=0.0, max_rel=0.0, mismatches=0, cosine=1.0, ref_nan=0, ref_inf=0,
+        cand_nan=0, cand_inf=0, worst=None, atol=atol, rtol=rtol))
+
+
 def measure_async(ref: torch.Tensor, cand: torch.Tensor, atol: float, rtol: float) -> PendingStats:
     """`measure` without waiting for the device: every scalar is reduced on the device into one
-    vector, chunk by chunk, so the temporary memory does not grow with the tensor."""
+    vector, chunk by chunk, so the temporary memory does not grow with the tensor.
+
+    Three ways, one answer: on CUDA, the fused single-pass kernel of `diffkit.metrics_kernel` when
+    Triton is there; on the CPU, `_measure_host` (a handful of passes over cache-sized chunks in the
+    tensors' own precision); otherwise, and for integer, complex and non-finite values, the exact
+    float64 reductions of `_partials`."""
     if tuple(ref.shape) != tuple(cand.shape):
         raise ValueError(f"measure needs equal shapes, got {tuple(ref.shape)} and {tuple(cand.shape)}")
     if cand.device != ref.device:
@@ -276,12 +347,24 @@ def measure_async(ref: torch.Tensor, cand: torch.Tensor, atol: float, rtol: floa
     n = ref.numel()
     shape = tuple(ref.shape)
     if n == 0:
-        return PendingStats(None, shape, atol, rtol, ready=Stats(
-            numel=0, max_abs=0.0, mean_abs=0.0, max_rel=0.0, mismatches=0, cosine=1.0, ref_nan=0, ref_inf=0,
-            cand_nan=0, cand_inf=0, worst=None, atol=atol, rtol=rtol))
+        return _empty(shape, atol, rtol)
     r = ref.detach().reshape(-1)
     c = cand.detach().reshape(-1)
-    exact = not (ref.is_floating_point() or ref.is_complex()) and not (c.is_floating_point() or c.is_complex())
+    floating = _FAST_DTYPES.get(r.dtype) is not None and _FAST_DTYPES.get(c.dtype) is not None
+    if floating and r.is_cuda:
+        from . import metrics_kernel
+
+        if metrics_kernel.available():
+            return PendingStats(metrics_kernel.packed(r, c, atol, rtol), shape, atol, rtol)
+    if floating and r.device.type == "cpu":
+        return _measure_host(r, c, atol, rtol, shape)
+    return PendingStats(_packed_exact(r, c, atol, rtol), shape, atol, rtol)
+
+
+def _packed_exact(r: torch.Tensor, c: torch.Tensor, atol: float, rtol: float) -> torch.Tensor:
+    """The float64 way (any dtype, any device): `_partials` per chunk, combined on the device."""
+    n = r.numel()
+    exact = not (r.is_floating_point() or r.is_complex()) and not (c.is_floating_point() or c.is_complex())
     step = CHUNK_CUDA if r.is_cuda else CHUNK
     parts = torch.stack([_partials(r[i:i + step], c[i:i + step], atol, rtol, exact, i) for i in range(0, n, step)])
     # combine the chunks (argmax takes the first of equal maxima, as one pass over the whole would)
@@ -296,13 +379,114 @@ def measure_async(ref: torch.Tensor, cand: torch.Tensor, atol: float, rtol: floa
     # the most (all passing: the largest error)
     flat = torch.where(first_nb < n, first_nb, torch.where(mism > 0, by_excess, by_diff)).to(torch.int64)
     counts = parts[:, _COUNTS[0]:_COUNTS[-1] + 1].sum(0)
-    packed = _pack(_Packed, mismatches=mism, max_abs=parts[:, _Part.MAX_ABS].max(),
-                   mean_abs=parts[:, _Part.SUM_ABS].sum() / n, max_rel=parts[:, _Part.MAX_REL].max(), cosine=cosine,
-                   **{slot.name.lower(): counts[k] for k, slot in enumerate(_COUNTS)},
-                   worst_at=flat.to(torch.float64), worst_ref=_real(r.take(flat)),
-                   worst_cand=_real(c.take(flat)),
-                   rel_l2=parts[:, _Part.DIFF_SQ].sum().sqrt() / torch.where(nr > 0, nr, 1.0))
-    return PendingStats(packed, shape, atol, rtol)
+    return _pack(_Packed, mismatches=mism, max_abs=parts[:, _Part.MAX_ABS].max(),
+                 mean_abs=parts[:, _Part.SUM_ABS].sum() / n, max_rel=parts[:, _Part.MAX_REL].max(), cosine=cosine,
+                 **{slot.name.lower(): counts[k] for k, slot in enumerate(_COUNTS)},
+                 worst_at=flat.to(torch.float64), worst_ref=_real(r.take(flat)),
+                 worst_cand=_real(c.take(flat)),
+                 rel_l2=parts[:, _Part.DIFF_SQ].sum().sqrt() / torch.where(nr > 0, nr, 1.0))
+
+
+# the working precision of the fast paths: half types are widened to float32 chunk by chunk (their
+# difference is not exact in their own precision), float32 and float64 are used as they are
+_FAST_DTYPES = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.float32: torch.float32,
+                torch.float64: torch.float64}
+# elements per step of the host path: two float32 chunks and their temporaries stay in a core's cache
+CHUNK_HOST = 1 << 16
+
+
+def _measure_host(r: torch.Tensor, c: torch.Tensor, atol: float, rtol: float, shape) -> PendingStats:
+    """The CPU path: per cache-sized chunk, d = |c - r| and e = d - rtol * |r| in the working
+    precision, their maxima, and the sums of d, d², r², c² accumulated in float64 — about a dozen
+    vectorised passes that each read data already in cache.  Where an element is out of tolerance
+    the chunk also counts them; a chunk holding a NaN or an infinity takes the exact float64 path
+    (`_partials`, which owns the NaN/Inf rules).  The worst element's index is looked up once, in
+    the chunk that holds it.  Same numbers as `_packed_exact` up to float32 rounding of single
+    terms (cosine from ||r||², ||c||², ||c - r||²)."""
+    n = r.numel()
+    work = torch.float64 if torch.float64 in (r.dtype, c.dtype) else torch.float32
+    f64 = torch.float64
+    mism = 0
+    sum_abs = diff_sq = ref_sq = cand_sq = dot = 0.0
+    max_abs = max_rel = 0.0
+    max_abs_chunk = max_exc_chunk = None  # the first chunk holding the maximum
+    max_exc = -math.inf
+    exact_parts: list[tuple[int, list[float]]] = []  # chunks with NaN/Inf, measured by `_partials`
+    step = CHUNK_HOST
+    for start in range(0, n, step):
+        a, b = r[start:start + step], c[start:start + step]
+        if a.dtype != work:
+            a = a.to(work)
+        if b.dtype != work:
+            b = b.to(work)
+        d = torch.sub(b, a).abs_()
+        dmax = float(d.amax())
+        if not math.isfinite(dmax):
+            p = _partials(r[start:start + step], c[start:start + step], atol, rtol, False, start).tolist()
+            exact_parts.append((start, p))
+            continue
+        ra = a.abs()
+        e = torch.add(d, ra, alpha=-rtol)  # |c - r| - rtol |r|: out of tolerance where > atol
+        emax = float(e.amax()) - atol
+        if emax > 0:
+            mism += int(torch.count_nonzero(e > atol))
+        rel = torch.div(d, ra).nan_to_num_(nan=0.0, posinf=0.0)  # over r != 0 only
+        max_rel = max(max_rel, float(rel.amax()))
+        sum_abs += float(d.sum(dtype=f64))
+        dd = float(torch.linalg.vecdot(d, d) if work == f64 else d.square().sum(dtype=f64))
+        rr = float(a.square().sum(dtype=f64))
+        cc = float(b.square().sum(dtype=f64))
+        diff_sq, ref_sq, cand_sq, dot = diff_sq + dd, ref_sq + rr, cand_sq + cc, dot + (rr + cc - dd) / 2
+        if max_abs_chunk is None or dmax > max_abs:
+            max_abs, max_abs_chunk = dmax, start
+        if max_exc_chunk is None or emax > max_exc:
+            max_exc, max_exc_chunk = emax, start
+    counts = [0, 0, 0, 0]
+    first_nb = math.inf
+    by_abs = by_exc = None  # (value, flat index) found in the exact chunks
+    for start, p in exact_parts:
+        mism += int(p[_Part.MISMATCHES])
+        sum_abs += p[_Part.SUM_ABS]
+        diff_sq += p[_Part.DIFF_SQ]
+        ref_sq += p[_Part.REF_SQ]
+        cand_sq += p[_Part.CAND_SQ]
+        dot += p[_Part.DOT]
+        max_rel = max(max_rel, p[_Part.MAX_REL])
+        counts = [x + int(p[s]) for x, s in zip(counts, _COUNTS)]
+        first_nb = min(first_nb, p[_Part.FIRST_DISAGREE_AT])
+        if (max_abs_chunk is None or p[_Part.MAX_ABS] > max_abs
+                or (p[_Part.MAX_ABS] == max_abs and start < max_abs_chunk)):
+            max_abs, max_abs_chunk, by_abs = p[_Part.MAX_ABS], start, int(p[_Part.MAX_ABS_AT])
+        if (max_exc_chunk is None or p[_Part.MAX_EXCESS] > max_exc
+                or (p[_Part.MAX_EXCESS] == max_exc and start < max_exc_chunk)):
+            max_exc, max_exc_chunk, by_exc = p[_Part.MAX_EXCESS], start, int(p[_Part.MAX_EXCESS_AT])
+    exact_starts = {start for start, _ in exact_parts}
+
+    def locate(chunk: int, excess: bool) -> int:
+        """The flat index of the first maximum of d (or e) in the chunk at `chunk`."""
+        a, b = r[chunk:chunk + step].to(work), c[chunk:chunk + step].to(work)
+        d = torch.sub(b, a).abs_()
+        key = torch.add(d, a.abs(), alpha=-rtol) if excess else d
+        return chunk + int(torch.argmax(key))
+
+    if first_nb < n:
+        flat = int(first_nb)
+    elif mism > 0:
+        flat = by_exc if max_exc_chunk in exact_starts else locate(max_exc_chunk, True)
+    else:
+        flat = by_abs if max_abs_chunk in exact_starts else locate(max_abs_chunk, False)
+    nr, nc = math.sqrt(ref_sq), math.sqrt(cand_sq)
+    cosine = max(-1.0, min(1.0, dot / (nr * nc))) if nr * nc > 0 else float(nr == nc)
+    wr, wc = float(_real(r[flat])), float(_real(c[flat]))
+    abs_err = abs(wc - wr)
+    if abs_err != abs_err:
+        abs_err = math.inf
+    stats = Stats(numel=n, max_abs=max_abs, mean_abs=sum_abs / n, max_rel=max_rel, mismatches=mism, cosine=cosine,
+                  ref_nan=counts[0], ref_inf=counts[1], cand_nan=counts[2], cand_inf=counts[3],
+                  worst=Worst(index=_unravel(flat, shape), ref=wr, cand=wc, abs_err=abs_err), atol=atol, rtol=rtol)
+    pending = PendingStats(None, shape, atol, rtol, ready=stats)
+    pending.rel_l2 = math.sqrt(diff_sq) / (nr if nr > 0 else 1.0)
+    return pending
 
 
 def _ranked(key: torch.Tensor, flat: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

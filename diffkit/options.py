@@ -87,6 +87,10 @@ class Options:
     only:          comma-separated globs on record names; only those are captured (streaming).
     stop_at_first: end the candidate's forward at its first divergent record (streaming).
     stream_dir:    where an isolated child writes its crash insurance (capture journals, stats).
+    explain:       what-if runs of the reference (diffkit.whatif) on a divergence: True always, False
+                   never, None (default) when the divergent candidate record covers more than one
+                   reference stage (a fused kernel).
+    explain_budget: forwards of the reference a what-if search may spend.
     """
 
     tolerance: Tolerance = field(default_factory=Tolerance)
@@ -106,10 +110,14 @@ class Options:
     only: str | None = None
     stop_at_first: bool = False
     stream_dir: str | None = None
+    explain: bool | None = None
+    explain_budget: int = 400
 
     def __post_init__(self):
         if isinstance(self.trials, bool) or not isinstance(self.trials, int) or self.trials < 1:
             raise ValueError(f"trials must be a whole number >= 1, not {self.trials!r}")
+        if isinstance(self.explain_budget, bool) or not isinstance(self.explain_budget, int) or self.explain_budget < 0:
+            raise ValueError(f"explain_budget must be a whole number >= 0, not {self.explain_budget!r}")
         for name in ("max_memory", "host_memory"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 0):

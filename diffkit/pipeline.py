@@ -198,8 +198,8 @@ def _full_traces(reference: Source, candidate: Source, options: Options, known: 
     ref = trace_of(reference, "ref")
     cand = trace_of(candidate, "cand")
     fixed = {k[1]: (k[0], k[2]) for k in known} if known else None
-    return _Traces(ref, cand, align(ref.records, cand.records, fixed=fixed, rename=rename), known=dict(known or {}),
-                   state=state)
+    alignment = align(ref.records, cand.records, fixed=fixed, rename=rename, tolerance=options.tolerance.for_dtype)
+    return _Traces(ref, cand, alignment, known={**alignment.measured, **(known or {})}, state=state)
 
 
 def _lazy(store, device):
@@ -329,6 +329,7 @@ def run(reference: Source, candidate: Source, options: Options | None = None, *,
         if evidence is not None:
             evidence(result)
         result.verdict = judge(result)
+        what_if(result, traces, reference, options)
         return result
     finally:
         # extra runs (health, the second run, replays) leave each model as its captured forward did
@@ -400,7 +401,9 @@ def _explain(traces: _Traces, reference: Source, candidate: Source, options: Opt
             s.diagnosis.sort(key=lambda f: f.kind != "nondeterministic")
     if isinstance(reference, ModelSource) and options.health and tol.mode == "fixed" and not traces.window:
         result.health = reference_health(reference.model, list(reference.inputs), ref, options.no_grad,
-                                         state=traces.state.get("ref", ({},))[0])
+                                         state=traces.state.get("ref", ({},))[0],
+                                         rerun=result.first_divergence is not None or _output_failed(result.stages)
+                                         or may_be_random(reference.model, ref))
     elif isinstance(reference, CaptureSource) and options.health:
         health = reference.file.info.get("health")  # measured in the reference's own process
         result.health = [str(h) for h in health] if isinstance(health, list) else []
@@ -425,6 +428,108 @@ def _explain(traces: _Traces, reference: Source, candidate: Source, options: Opt
             result.warnings.append(f"the fixed tolerance says {result.fixed_verdict}; against the float64 reference "
                                    f"the verdict is {verdict}")
     return result
+
+
+def _live_reference(reference: Source, options: Options) -> tuple[ModelSource, dict] | None:
+    """The reference as a live model for what-if runs, with its buffers as they were before its
+    captured forward: the model itself, or rebuilt from a capture that says how it was made."""
+    if isinstance(reference, ModelSource):
+        return reference, {}
+    if isinstance(reference, CaptureSource):
+        from .load import load_reference_for_capture
+
+        try:
+            side = load_reference_for_capture(reference.file, device=reference.device)
+        except Exception:  # a reference that cannot be rebuilt here: no what-if, the diff stands
+            return None
+        if side is None:
+            return None
+        return ModelSource(side.model, side.inputs, seed=side.seed), snapshot_state(side.model)
+    return None
+
+
+def what_if(result: Result, traces: _Traces, reference: Source, options: Options,
+            progress: Callable[[int, int], None] | None = None) -> None:
+    """Explain a divergence by what-if runs of the reference (`diffkit.whatif`): on by default when
+    the divergent candidate record covers more than one reference stage (`options.explain` None),
+    always with True, never with False.  Fills `result.what_if` (best first) and
+    `result.meta["what_if"]` (forwards, seconds, window; or why none ran)."""
+    from . import whatif
+
+    fd = result.first_divergence
+    if options.explain is False or fd is None or fd.ref is None or fd.cand is None or fd.stats is None:
+        return
+    if result.error is not None or options.explain_budget == 0:
+        return
+    win = whatif.window(result.stages, traces.ref, fd)
+    if options.explain is None and len(win) <= 1 and isinstance(reference, ModelSource):
+        return
+    cand_value = fd.cand_value
+    if cand_value is None:
+        result.meta["what_if"] = {"skipped": "the candidate's value at the divergence is not at hand"}
+        return
+    live = _live_reference(reference, options)
+    if live is None:
+        result.meta["what_if"] = {"skipped": "the reference cannot be run here (no model, or its capture does not "
+                                             "say how to rebuild it)"}
+        return
+    src, rebuilt_state = live
+    before = traces.state.get("ref", (rebuilt_state,))[0] if isinstance(reference, ModelSource) else rebuilt_state
+    after = snapshot_state(src.model)
+    keep = None
+    if options.is_streaming:
+        from .stream import name_filter
+
+        keep = name_filter(options.only)
+    cm = torch.no_grad if options.no_grad else contextlib.nullcontext
+
+    def run_once(model, inputs, sink, mutator):
+        restore_state(model, before)
+        if src.seed is not None:
+            seed_all(src.seed)
+        ins = clone_inputs(list(inputs))
+        cap = capture(model, inputs=tuple(ins), only=keep, sink=sink)
+        cap.state.mutator = mutator
+        try:
+            with cm(), cap:
+                model(*ins)
+        except (Exception, SystemExit, StopCapture):
+            pass
+
+    records = traces.ref.records
+    if not isinstance(reference, ModelSource):
+        # a captured reference keeps no calls to plant into: capture the rebuilt one (values not kept)
+        # and use its records, if it makes the same records under the same names
+        restore_state(src.model, before)
+        if src.seed is not None:
+            seed_all(src.seed)
+        ins = clone_inputs(list(src.inputs))
+        cap = capture(src.model, inputs=tuple(ins), only=keep, snapshot=False)
+        try:
+            with cm(), cap:
+                src.model(*ins)
+        except (Exception, SystemExit, StopCapture):
+            pass
+        records = cap.state.trace.records
+        if [r.name for r in records[:fd.ref.index + 1]] != [r.name for r in traces.ref.records[:fd.ref.index + 1]]:
+            result.meta["what_if"] = {"skipped": "the reference rebuilt from its capture does not record the same "
+                                                 "stages as the capture (its source changed?)"}
+            return
+        win = whatif.window(result.stages, cap.state.trace, fd)
+        if options.explain is None and len(win) <= 1:
+            return
+    target = to_ref_layout(cand_value, tuple(fd.ref.shape), fd.pair_transform)
+    search = whatif.Search(model=src.model, inputs=list(src.inputs), run=run_once, target=fd.ref.index,
+                           cand_value=target, atol=fd.stats.atol, rtol=fd.stats.rtol, window=win,
+                           budget=options.explain_budget, progress=progress)
+    try:
+        found = whatif.search(search, whatif.model_constants(src.model), records)
+    finally:
+        restore_state(src.model, after)
+    result.what_if = [w.to_dict(fd.stats) for w in found[:5]]
+    result.meta["what_if"] = {"forwards": search.forwards, "seconds": round(search.seconds, 3),
+                              "variants": search.tried, "window": len(win), "stage": fd.ref.name,
+                              "explained": bool(found and found[0].explains)}
 
 
 def _leaves(trace: Trace) -> dict[str, Any]:
@@ -556,10 +661,12 @@ def _to_float64(obj: Any) -> Any:
 
 # ------------------------------------------------------------------------------------------ evidence
 def reference_health(model: torch.nn.Module, inputs: list, trace: Trace, no_grad: bool,
-                     state: dict | None = None) -> list[str]:
+                     state: dict | None = None, rerun: bool = True) -> list[str]:
     """Warnings about the reference itself: random (dropout live in training mode, randomness in its
     forward), constant output, zero-initialised parameters.  `state`: its buffers before the
-    captured forward, restored for the second run (and the state after it put back)."""
+    captured forward, restored for the second run (and the state after it put back).  The second run
+    (randomness) only with `rerun`: a diff runs it when the candidate diverged, the only answer a
+    random reference can explain."""
     notes: list[str] = []
     out = trace.output
     if out is not None and out.value is not None and out.value.is_floating_point():
@@ -568,6 +675,8 @@ def reference_health(model: torch.nn.Module, inputs: list, trace: Trace, no_grad
             notes.append("the reference output is all zeros: a candidate returning zeros would pass")
         elif v.numel() > 1 and float(v.max() - v.min()) == 0:
             notes.append(f"the reference output is constant ({float(v.flatten()[0]):g}): a constant candidate would pass")
+    if rerun and out is not None and out.value is not None and out.value.is_floating_point():
+        v = out.value
         after = snapshot_state(model)
         restore_state(model, state or {})
         again = run_captured(model, clone_inputs(inputs), no_grad=no_grad)  # not re-seeded: randomness shows
@@ -586,6 +695,20 @@ def reference_health(model: torch.nn.Module, inputs: list, trace: Trace, no_grad
         notes.append(f"parameters initialised to zero hide the paths through them: {', '.join(zero[:5])}"
                      + (" …" if len(zero) > 5 else "") + " (--reinit-zero gives them random values for the diff)")
     return notes
+
+
+_RANDOM_OPS = ("dropout", "rand", "randn", "randint", "rand_like", "randn_like", "randint_like", "randperm",
+               "bernoulli", "multinomial", "normal", "poisson", "uniform", "exponential", "geometric", "cauchy",
+               "log_normal", "feature_dropout", "alpha_dropout", "feature_alpha_dropout", "rrelu")
+
+
+def may_be_random(model: torch.nn.Module, trace: Trace) -> bool:
+    """Whether a forward may draw random numbers: a dropout module live in training mode, or a record
+    made by a sampling function (the second-run check confirms it)."""
+    if "dropout" in stochastic_reason(model):
+        return True
+    return any(r.kind in ("op", "module") and r.op.rsplit(".", 1)[-1].lower().rstrip("_") in _RANDOM_OPS
+               for r in trace.records)
 
 
 def stochastic_reason(model: torch.nn.Module) -> str:
@@ -710,6 +833,12 @@ def _check_nondeterminism(result: Result, ref: Trace, cand_trace: Trace, candida
     model, inputs = candidate.model, list(candidate.inputs)
     before = traces.state.get("cand", ({},))[0]
     restore_state(model, before)
+    # a plain second forward first: only when its output differs from the first run's bitwise does the
+    # record that first changed matter, and only then is the candidate captured a third time to find it
+    if not _second_output_differs(model, inputs, cand_trace, options):
+        result.meta["second_run"] = {"differs": 0}
+        return None
+    restore_state(model, before)
     if traces.window is None:
         sink = _RerunComparer(cand_trace)
         run_captured(model, clone_inputs(inputs), no_grad=options.no_grad, sink=sink)
@@ -763,6 +892,26 @@ def _check_nondeterminism(result: Result, ref: Trace, cand_trace: Trace, candida
                                f"another GPU or input may not be")
     result.meta["second_run"]["first_difference"] = where
     return second
+
+
+def _second_output_differs(model: torch.nn.Module, inputs: list, first: Trace, options: Options) -> bool:
+    """Run the candidate once more, uncaptured, on the same inputs: does any output leaf differ bitwise
+    from the captured run's?  (An error or a missing value counts as a difference: the captured
+    rerun that follows reports it.)"""
+    from .trials import output_leaves
+
+    try:
+        with torch.no_grad() if options.no_grad else contextlib.nullcontext():
+            out = model(*clone_inputs(inputs))
+    except Exception:
+        return True
+    again = output_leaves(out)
+    recs = {n: r for r in first.records if r.is_output for n in r.names()}
+    for name, value in again.items():
+        rec = recs.get(name)
+        if rec is None or rec.value is None or bitwise_difference(rec.value, value) is not None:
+            return True
+    return not again
 
 
 def _batch_statistics_hint(result: Result, reference: Source) -> None:

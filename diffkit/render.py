@@ -247,6 +247,9 @@ def summary_markdown(result, limit: int = 15) -> str:
                   f"- {md_escape(numbers)}"]
         lines += findings(fd)
         lines.append("")
+    wi = [x.strip() for x in describe.what_if_lines(result) if x.strip()]
+    if wi:
+        lines += ["### What-if runs of the reference", ""] + [f"- {md_escape(x)}" for x in wi] + [""]
     rc = result.root_cause
     if rc is not None and rc is not fd:
         lines += ["### Root cause", "",

@@ -97,6 +97,8 @@ def html_report(result: Result, max_stages: int = MAX_STAGES) -> str:
         title=title, result=result, written=time.strftime("%Y-%m-%d %H:%M:%S"), banner=banner(result),
         warnings=list(result.warnings) + list(result.health), weights=weights, profile=_profile(result),
         sections=[_section(s, heading) for s, heading in chosen], left_out=left_out, table=stage_table(result),
+        what_if=[w for w in (result.what_if or []) if isinstance(w, dict)],
+        what_if_info=(result.meta or {}).get("what_if") or {},
         traceback=(error.traceback or "")[-TRACEBACK_CHARS:] if error is not None else "")
 
 

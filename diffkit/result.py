@@ -359,6 +359,9 @@ class Result:
     tolerance_mode:       "fixed" | "auto"; fixed_verdict: with auto, what the fixed rule said
     trials:               KernelBench's trials, one dict each: trial, seed, max_abs, mean_abs, allclose, … (see
                           trials.Trial); the stages are those of the trial reported (the first failing one)
+    what_if:              what-if runs of the reference (diffkit.whatif), best first: {"kind", "stage", "detail",
+                          "max_abs_before", "max_abs_after", "explains", "mismatches_after", "rel_l2_after",
+                          "mutations"}; empty when none ran (`meta["what_if"]` says why or how the search went)
     """
 
     verdict: str
@@ -382,6 +385,7 @@ class Result:
     output_structure: tuple[str, str] | None = None  # (reference, candidate) when the outputs nest differently
     findings: list[Finding] = field(default_factory=list)  # about the run as a whole (output shape/structure …)
     trials: list[dict] = field(default_factory=list)  # KernelBench's trials: trials.Trial.to_dict() each
+    what_if: list[dict] = field(default_factory=list)  # what-if runs, best first (see above)
 
     # ----------------------------------------------------------------- access
     def stage(self, name: str) -> Stage:
@@ -449,6 +453,7 @@ class Result:
                           "stats": None} if shape_mm or self.output_structure else None),
             "findings": [f.to_dict() for f in self.findings],
             "trials": self.trials,
+            "what_if": self.what_if,
             "warnings": self.warnings,
             "strict": self.strict,
             "weights": self.weights.to_dict() if self.weights is not None else None,
@@ -480,7 +485,8 @@ class Result:
                    tolerance_mode=d.get("tolerance_mode") or "fixed", fixed_verdict=d.get("fixed_verdict"),
                    output_structure=tuple(out["structure_mismatch"]) if out.get("structure_mismatch") else None,
                    findings=[Finding.from_dict(f) for f in d.get("findings") or []],
-                   trials=[dict(t) for t in d.get("trials") or [] if isinstance(t, dict)])
+                   trials=[dict(t) for t in d.get("trials") or [] if isinstance(t, dict)],
+                   what_if=[dict(w) for w in d.get("what_if") or [] if isinstance(w, dict)])
 
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent, allow_nan=False, default=str)

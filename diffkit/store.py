@@ -466,7 +466,10 @@ class CaptureWriter:
         if rec.value is not None and self.values:
             key = f"r{rec.index:06d}"
             v = rec.value.detach()
-            self.pending[key] = v.to("cpu").contiguous()
+            host = v.to("cpu").contiguous()
+            if host.data_ptr() == v.data_ptr():  # the record may hold live memory (capture copies on write)
+                host = host.clone()
+            self.pending[key] = host
             meta["key"] = key
             self.pending_bytes += v.numel() * v.element_size()
         self.pending_meta.append(meta)

@@ -1,0 +1,105 @@
+"""The fast metric paths (CPU host path; the Triton kernel on CUDA) give the exact path's answer."""
+import math
+
+import pytest
+import torch
+
+from diffkit import measure as M
+
+
+def _exact(r, c, atol, rtol):
+    shape = tuple(r.shape)
+    pending = M.PendingStats(M._packed_exact(r.reshape(-1), c.reshape(-1), atol, rtol), shape, atol, rtol)
+    return pending.result(), pending
+
+
+def _pair(kind: str, n: int, dtype: torch.dtype, cand_dtype: torch.dtype, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    r = torch.randn(n, generator=g, dtype=torch.float64) * 3
+    c = r + 1e-5 * torch.randn(n, generator=g, dtype=torch.float64)
+    if kind in ("bad", "specials"):
+        idx = torch.randint(0, n, (max(1, n // 50),), generator=g)
+        c[idx] += torch.randn(idx.numel(), generator=g, dtype=torch.float64)
+    if kind == "zeros":
+        r[: n // 3] = 0.0
+        c[: n // 5] = 0.0
+    if kind == "specials":
+        r[n // 2] = c[n // 2] = math.inf
+        c[n // 3] = math.nan
+        r[n - 1] = -math.inf
+    return r.to(dtype), c.to(cand_dtype)
+
+
+@pytest.mark.parametrize("kind", ["close", "bad", "zeros", "specials"])
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.float16, torch.float16),
+                                    (torch.bfloat16, torch.float32), (torch.float64, torch.float32)],
+                         ids=["f32", "f16", "bf16-f32", "f64-f32"])
+@pytest.mark.parametrize("n", [1, 37, 5000])
+def test_host_path_agrees_with_the_exact_path(monkeypatch, kind, dtypes, n):
+    monkeypatch.setattr(M, "CHUNK_HOST", 512)  # several chunks at n=5000, and a short last one
+    r, c = _pair(kind, n, *dtypes, seed=n)
+    atol, rtol = 1e-4, 1e-3
+    got = M.measure_async(r, c, atol, rtol)
+    st = got.result()
+    want, wp = _exact(r, c, atol, rtol)
+    # counts are exact (the working precision of the rule is the tensors' own, as torch.allclose's)
+    assert (st.ref_nan, st.ref_inf, st.cand_nan, st.cand_inf) == (want.ref_nan, want.ref_inf, want.cand_nan,
+                                                                  want.cand_inf)
+    assert abs(st.mismatches - want.mismatches) <= max(1, want.mismatches // 1000)
+    for f in ("max_abs", "mean_abs", "max_rel", "cosine"):
+        assert getattr(st, f) == pytest.approx(getattr(want, f), rel=1e-5, abs=1e-12), f
+    assert got.rel_l2 == pytest.approx(wp.rel_l2, rel=1e-4, abs=1e-12)
+    assert st.worst.index == want.worst.index
+    assert st.ok == want.ok
+
+
+def test_host_path_reads_every_element_once_per_pass_in_cache_sized_chunks():
+    """A tensor far larger than a chunk: the largest error sits in the last chunk and is found."""
+    r = torch.zeros(3 * M.CHUNK_HOST + 5)
+    c = r.clone()
+    c[-2] = 0.25
+    st = M.measure(r, c, 1e-4, 1e-4)
+    assert st.max_abs == 0.25 and st.mismatches == 1 and st.worst.index == (r.numel() - 2,)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", ["close", "bad", "zeros", "specials"])
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.float16, torch.float16),
+                                    (torch.bfloat16, torch.float32)], ids=["f32", "f16", "bf16-f32"])
+@pytest.mark.parametrize("n", [1, 37, 100_003])
+def test_triton_kernel_agrees_with_the_exact_path(kind, dtypes, n):
+    from diffkit import metrics_kernel
+
+    if not metrics_kernel.available():
+        pytest.skip("no Triton")
+    r, c = _pair(kind, n, *dtypes, seed=n)
+    r, c = r.cuda(), c.cuda()
+    atol, rtol = 1e-4, 1e-3
+    got = M.measure_async(r, c, atol, rtol)
+    st = got.result()
+    want, wp = _exact(r, c, atol, rtol)
+    assert (st.ref_nan, st.ref_inf, st.cand_nan, st.cand_inf) == (want.ref_nan, want.ref_inf, want.cand_nan,
+                                                                  want.cand_inf)
+    assert abs(st.mismatches - want.mismatches) <= max(1, want.mismatches // 1000)
+    for f in ("max_abs", "mean_abs", "max_rel", "cosine"):
+        assert getattr(st, f) == pytest.approx(getattr(want, f), rel=1e-5, abs=1e-12), f
+    assert got.rel_l2 == pytest.approx(wp.rel_l2, rel=1e-4, abs=1e-12)
+    assert st.worst.index == want.worst.index
+
+
+@pytest.mark.cuda
+def test_triton_batch_measures_many_small_pairs_in_one_launch():
+    from diffkit import metrics_kernel
+
+    if not metrics_kernel.available():
+        pytest.skip("no Triton")
+    pairs = []
+    for i in range(50):
+        r, c = _pair("bad" if i % 3 == 0 else "close", 10 + 37 * i, torch.float32, torch.float32, seed=i)
+        pairs.append((r.cuda(), c.cuda()))
+    batch = M.measure_many([(r, c, 1e-4, 1e-3) for r, c in pairs])
+    for (r, c), got in zip(pairs, batch):
+        want, _ = _exact(r, c, 1e-4, 1e-3)
+        st = got.result()
+        assert st.mismatches == want.mismatches and st.worst.index == want.worst.index
+        assert st.max_abs == pytest.approx(want.max_abs, rel=1e-6)
