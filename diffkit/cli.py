@@ -79,8 +79,9 @@ def _options(atol, rtol, tolerance, **rest) -> Options:
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--max-memory")
     stream = rest.pop("stream")
+    stat = rest.pop("stat", "elementwise")
     try:
-        tol = Tolerance(atol, rtol, tolerance)
+        tol = Tolerance(atol, rtol, tolerance, stat)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--atol/--rtol")
     streaming = True if (stream or max_bytes is not None or rest.get("only") or rest.get("stop_at_first")) else None
@@ -148,10 +149,21 @@ def main() -> None:
 @click.option("--stream-dir", type=click.Path(file_okay=False), default=None, hidden=True)
 @click.option("--side-only", type=click.Choice(["ref"]), default=None, hidden=True)
 @click.option("--ref-capture", type=click.Path(file_okay=False), default=None, hidden=True)
+@click.option("--explain/--no-explain", "explain", default=None,
+              help="what-if runs of the reference on a divergence: plant one plausible kernel mistake at a time "
+                   "(no bias, wrong axis, missing scale, transposed weight, unwritten tail …) and name the one that "
+                   "reproduces the candidate (default: on when the divergent kernel covers several reference stages)")
+@click.option("--stat", "stat", type=click.Choice(["elementwise", "max", "mean", "median"]), default="elementwise",
+              show_default=True,
+              help="which statistic of the error must stay within tolerance, per stage and for the output: every "
+                   "element (torch.allclose's rule, KernelBench's), or max/mean/median |c - r| <= atol + rtol x the "
+                   "same statistic of |r|")
+@click.option("--explain-budget", type=click.IntRange(min=0), default=400, show_default=True,
+              help="forwards of the reference the what-if search may spend")
 def diff(ref_path, cand_path, atol, rtol, seed, device, json_path, csv_path, strict, train, full, tolerance,
          reinit_zero, report_dir, no_report, html_path, md_path, junit_path, no_isolate, timeout, max_memory, stream,
          only, stop_at_first, sanitize, stream_dir, side_only, ref_capture, trials=5, eval_mode=False,
-         sync_weights=False):
+         sync_weights=False, explain=None, explain_budget=400, stat="elementwise"):
     """Compare candidate CAND (a ModelNew file) with reference REF (a Model file), stage by stage.
 
     Either side may instead be a capture directory written by `diffkit capture -o`: a candidate file
@@ -161,7 +173,8 @@ def diff(ref_path, cand_path, atol, rtol, seed, device, json_path, csv_path, str
         _diff(ref_path, cand_path, atol, rtol, seed, device, json_path, csv_path, strict, train, full, tolerance,
               reinit_zero, report_dir, no_report, html_path, md_path, junit_path, no_isolate, timeout, max_memory,
               stream, only, stop_at_first, sanitize, stream_dir, side_only, ref_capture,
-              protocol={"trials": trials, "eval": eval_mode, "sync_weights": sync_weights})
+              protocol={"trials": trials, "eval": eval_mode, "sync_weights": sync_weights, "explain": explain,
+                        "explain_budget": explain_budget, "stat": stat})
     except Terminated as t:
         sys.exit(128 + t.signum)
 
@@ -305,6 +318,26 @@ def _stop(proc) -> None:
             continue
 
 
+# the reference child hands its values over through shared memory (tmpfs) when there is room for them
+SHM = "/dev/shm"
+SHM_MIN_FREE = 1 << 30
+
+
+def _handoff_dir(options: Options) -> str | None:
+    """Where the reference child writes its capture for the candidate child: the shared-memory
+    filesystem (the values never touch a disk) when it is there, writable and has room (at least
+    SHM_MIN_FREE, and the streaming budget when one is set); else the default temporary directory."""
+    try:
+        if not (os.path.isdir(SHM) and os.access(SHM, os.W_OK)):
+            return None
+        st = os.statvfs(SHM)
+        free = st.f_bavail * st.f_frsize
+    except OSError:
+        return None
+    need = max(SHM_MIN_FREE, options.max_memory or 0) if options.max_memory != float("inf") else SHM_MIN_FREE
+    return SHM if free >= need else None
+
+
 def _isolated(argv, ref_path, cand_path, options: Options, timeout, out: _Outputs, sanitize=None) -> int:
     """Run each side in its own child process (the reference captured to a file, then the candidate
     diffed against that capture); if a child crashes or hangs, diff what was captured before it."""
@@ -316,7 +349,7 @@ def _isolated(argv, ref_path, cand_path, options: Options, timeout, out: _Output
     from .pipeline import CaptureSource, TraceSource, run
     from .capture import Trace
 
-    with tempfile.TemporaryDirectory(prefix="diffkit-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="diffkit-", dir=_handoff_dir(options)) as tmp:
         env = dict(os.environ, CUDA_LAUNCH_BLOCKING="1", DIFFKIT_BREADCRUMB=os.path.join(tmp, "breadcrumb"))
         base = [sys.executable, "-m", "diffkit.cli", *argv, "--no-isolate", "--stream-dir", tmp]
         given = is_capture(ref_path)
@@ -452,6 +485,9 @@ def capture_cmd(model_path, side, seed, trials, device, eval_mode, train, inputs
         click.echo(f"saved {len(trace)} records to {output}")
     sys.exit(2 if trace.error else 0)
 
+
+from .suite import suite  # noqa: E402  (the suite command; its logic is all in suite.py)
+main.add_command(suite)
 
 if __name__ == "__main__":
     main()

@@ -60,8 +60,20 @@ def transform_text(stage) -> str:
     return (stage.transform or "") if stage.stats is not None else ""
 
 
-def tolerance_text(atol, rtol) -> str:
-    return f"atol={fmt(atol, 'g')} rtol={fmt(rtol, 'g')}"
+def tolerance_text(atol, rtol, stat: str = "elementwise") -> str:
+    text = f"atol={fmt(atol, 'g')} rtol={fmt(rtol, 'g')}"
+    return text if stat in ("elementwise", None) else f"{text} on the {stat} error (--stat {stat})"
+
+
+def judged_text(stats) -> str:
+    """How a pair fares against its tolerance: the share of elements out of it (the elementwise rule),
+    or, with --stat max/mean/median, that statistic of |error| against its bound."""
+    share = f"{pct(stats.mismatch_fraction)} of {stats.numel} elements out of {tolerance_text(stats.atol, stats.rtol)}"
+    if getattr(stats, "stat", "elementwise") == "elementwise" or stats.stat_error is None:
+        return share
+    verdict = "within" if stats.ok else "over"
+    return (f"{stats.stat} |error| {fmt(stats.stat_error, '.4g')} {verdict} its bound {fmt(stats.stat_bound, '.4g')} "
+            f"(atol + rtol x {stats.stat} |reference|, --stat {stats.stat}); elementwise {share}")
 
 
 def output_shape_words(mismatch) -> str:
@@ -89,8 +101,7 @@ def not_compared_reason(stage) -> str:
 
 def stats_summary(stats) -> str:
     """One sentence of a pair's numbers: largest and mean error and the share out of tolerance."""
-    return (f"max |error| {fmt(stats.max_abs, '.4g')}, mean {fmt(stats.mean_abs, '.4g')}, "
-            f"{pct(stats.mismatch_fraction)} of {stats.numel} elements out of {tolerance_text(stats.atol, stats.rtol)}")
+    return f"max |error| {fmt(stats.max_abs, '.4g')}, mean {fmt(stats.mean_abs, '.4g')}, {judged_text(stats)}"
 
 
 def worst_summary(worst) -> str:
@@ -204,7 +215,7 @@ def _trial_headline(result) -> str:
 def headline(result) -> str:
     """The one-line answer: verdict, where it first went wrong, by how much and what it looks like."""
     tol = _tolerance(result)
-    tol_s = tolerance_text(tol["atol"], tol["rtol"])
+    tol_s = tolerance_text(tol["atol"], tol["rtol"], tol.get("stat", "elementwise"))
     n = len(result.compared)
     fd = result.first_divergence
     if result.verdict == "error":
@@ -245,8 +256,7 @@ def headline(result) -> str:
 def _diverged_headline(result, fd) -> str:
     s = fd.stats
     if s is not None:
-        numbers = (f"max_abs={fmt(s.max_abs)} mean_abs={fmt(s.mean_abs)} ({pct(s.mismatch_fraction)} of {s.numel} "
-                   f"elements out of {tolerance_text(s.atol, s.rtol)});")
+        numbers = f"max_abs={fmt(s.max_abs)} mean_abs={fmt(s.mean_abs)} ({judged_text(s)});"
         if s.worst:
             numbers += (f" worst at {list(s.worst.index)}: ref {fmt(s.worst.ref, '.6g')} vs "
                         f"cand {fmt(s.worst.cand, '.6g')};")
@@ -312,6 +322,8 @@ def divergence_lines(result) -> list[str]:
             out.append(f"  max_abs {fmt(s.max_abs, '.4g')}  mean_abs {fmt(s.mean_abs, '.4g')}  "
                        f"max_rel {fmt(s.max_rel, '.4g')}  cosine {fmt(s.cosine, '.6f')}  "
                        f"{s.mismatches}/{s.numel} elements out of {tolerance_text(s.atol, s.rtol)}")
+            if getattr(s, "stat", "elementwise") != "elementwise" and s.stat_error is not None:
+                out.append(f"  judged by --stat {s.stat}: {judged_text(s)}")
             if s.worst:
                 out.append(f"  worst element {worst_summary(s.worst)}")
             if s.cand_nan or s.cand_inf:

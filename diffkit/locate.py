@@ -11,7 +11,7 @@ from typing import Any
 
 from .align import Alignment, to_ref_layout
 from .capture import Record, Trace
-from .measure import measure_async, measure_many
+from .measure import apply_stat, measure_async, measure_many
 from .options import Tolerance
 from .result import RecordInfo, Stage
 
@@ -23,8 +23,8 @@ def build_stages(ref: Trace, cand: Trace, alignment: Alignment, tolerance: Toler
     `known` maps (ref index, cand index, transform) to Stats already measured (streaming mode).
     Every pair is measured on its device first and the scalars gathered afterwards, so a GPU
     diff waits for the device once, not once per stage."""
-    # (stage, PendingStats) on the CPU, measured at once; (stage, (ref, cand, atol, rtol)) on CUDA,
-    # measured together below (batched launches, one copy back)
+    # (stage, (PendingStats, values)) on the CPU, measured at once; (stage, (ref, cand, atol, rtol)) on
+    # CUDA, measured together below (batched launches, one copy back)
     pending: list[tuple[Stage, Any]] = []
     by_cand = alignment.by_cand()
     rows: list[Stage] = []
@@ -56,9 +56,12 @@ def build_stages(ref: Trace, cand: Trace, alignment: Alignment, tolerance: Toler
             rows.append(_measured(r, c, p, tolerance, pending, (known or {}).get((r.index, c.index, p.transform))))
         for ri in ref_after.get(c.index, []):
             rows.append(Stage(index=0, ref=RecordInfo.of(ref.records[ri]), cand=None, note="no candidate counterpart"))
-    batched = iter(measure_many([item for _, item in pending if isinstance(item, tuple)]))
+    batched = iter(measure_many([item for _, item in pending if len(item) == 4]))
     for st, item in pending:
-        st.stats = (next(batched) if isinstance(item, tuple) else item).result()
+        got, values = (next(batched), item) if len(item) == 4 else item
+        st.stats = got.result()
+        if tolerance.stat != "elementwise":
+            apply_stat(st.stats, values[0], values[1], tolerance.stat)
         st.status = "ok" if st.stats.ok else "diverged"
     for i, s in enumerate(rows):
         s.index = i
@@ -77,6 +80,8 @@ def _measured(r: Record, c: Record, pair, tolerance: Tolerance, pending: list, k
     if c.dtype != r.dtype:
         stage.note = f"dtype {str(c.dtype).replace('torch.', '')} compared against {str(r.dtype).replace('torch.', '')}"
     if known is not None and (known.atol, known.rtol) == (a, t):
+        if tolerance.stat != known.stat and r.value is not None and c.value is not None:
+            apply_stat(known, r.value, to_ref_layout(c.value, r.shape, pair.transform), tolerance.stat)
         stage.stats = known
         stage.status = "ok" if known.ok else "diverged"
         return stage
@@ -84,7 +89,8 @@ def _measured(r: Record, c: Record, pair, tolerance: Tolerance, pending: list, k
         stage.note = "values not captured"
         return stage
     cv = to_ref_layout(c.value, r.shape, pair.transform)
-    pending.append((stage, (r.value, cv, a, t) if r.value.is_cuda else measure_async(r.value, cv, a, t)))
+    item = (r.value, cv, a, t)
+    pending.append((stage, item if r.value.is_cuda else (measure_async(*item), item)))
     return stage
 
 

@@ -42,9 +42,18 @@ class Worst:
         return {"index": list(self.index), "ref": self.ref, "cand": self.cand, "abs_err": self.abs_err}
 
 
+# which statistic of the error must stay within tolerance (`Stats.ok`): every element (torch.allclose's
+# rule), or the largest / mean / median absolute error against atol + rtol * the same statistic of |r|
+STATS = ("elementwise", "max", "mean", "median")
+
+
 @dataclass
 class Stats:
-    """Per-pair error metrics (float64).  `mismatches` counts elements out of tolerance."""
+    """Per-pair error metrics (float64).  `mismatches` counts elements out of tolerance.
+
+    `stat` is the statistic judged (`STATS`); for "max"/"mean"/"median" `stat_error` holds that
+    statistic of |c - r| and `stat_bound` the tolerance it is held to, atol + rtol * the same
+    statistic of |r| (see `apply_stat`)."""
 
     numel: int
     max_abs: float
@@ -59,6 +68,9 @@ class Stats:
     worst: Worst | None
     atol: float
     rtol: float
+    stat: str = "elementwise"
+    stat_error: float | None = None
+    stat_bound: float | None = None
 
     @property
     def mismatch_fraction(self) -> float:
@@ -66,7 +78,11 @@ class Stats:
 
     @property
     def ok(self) -> bool:
-        return self.mismatches == 0
+        if self.stat == "elementwise" or self.stat_error is None or self.stat_bound is None:
+            return self.mismatches == 0
+        if self.ref_nan or self.cand_nan or self.ref_inf != self.cand_inf:
+            return False  # a NaN never agrees, whatever the statistic (torch.allclose's equal_nan=False)
+        return self.stat_error <= self.stat_bound
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -250,9 +266,54 @@ def measure_many(items: list[tuple[torch.Tensor, torch.Tensor, float, float]]) -
     return out  # type: ignore[return-value]
 
 
-def measure(ref: torch.Tensor, cand: torch.Tensor, atol: float, rtol: float) -> Stats:
-    """Compare `cand` against `ref` (same shape; bring the layout in line before calling)."""
-    return measure_async(ref, cand, atol, rtol).result()
+def measure(ref: torch.Tensor, cand: torch.Tensor, atol: float, rtol: float, stat: str = "elementwise") -> Stats:
+    """Compare `cand` against `ref` (same shape; bring the layout in line before calling), judged
+    by statistic `stat` (see `STATS`)."""
+    return apply_stat(measure_async(ref, cand, atol, rtol).result(), ref, cand, stat)
+
+
+def apply_stat(stats: Stats, ref: torch.Tensor, cand: torch.Tensor, stat: str) -> Stats:
+    """Judge `stats` (of `cand` against `ref`) by statistic `stat`: for "max", "mean" and "median",
+    stat(|c - r|) over the elements finite on both sides against atol + rtol * stat(|r|) there
+    (`Stats.stat_error`, `Stats.stat_bound`).  "elementwise" (the default) leaves the rule
+    torch.allclose's.  Returns `stats`, changed in place."""
+    if stat not in STATS:
+        raise ValueError(f"stat must be one of {', '.join(STATS)}, not {stat!r}")
+    stats.stat = stat
+    if stat == "elementwise" or stats.numel == 0:
+        stats.stat_error = stats.stat_bound = None
+        return stats
+    if stat == "max":
+        err, scale = stats.max_abs, _ref_stat(ref, cand, "max")
+    elif stat == "mean":
+        finite = stats.numel - max(stats.ref_nan + stats.ref_inf, stats.cand_nan + stats.cand_inf)
+        err, scale = stats.mean_abs * stats.numel / max(1, finite), _ref_stat(ref, cand, "mean")
+    else:
+        err, scale = _ref_stat(ref, cand, "median_err"), _ref_stat(ref, cand, "median")
+    stats.stat_error = float(err)
+    stats.stat_bound = float(stats.atol + stats.rtol * scale)
+    return stats
+
+
+def _ref_stat(ref: torch.Tensor, cand: torch.Tensor, which: str) -> float:
+    """max / mean / median of |r| (or, "median_err", of |c - r|) over elements finite on both sides."""
+    r = ref.detach().reshape(-1)
+    c = cand.detach().reshape(-1).to(r.device)
+    if r.is_complex() or c.is_complex():
+        r, c = r.abs(), c.abs()
+    work = torch.float64 if torch.float64 in (r.dtype, c.dtype) else torch.float32
+    r, c = r.to(work), c.to(work)
+    keep = torch.isfinite(r) & torch.isfinite(c)
+    if not bool(keep.all()):
+        r, c = r[keep], c[keep]
+    if r.numel() == 0:
+        return 0.0
+    if which == "max":
+        return float(r.abs().amax())
+    if which == "mean":
+        return float(r.abs().sum(dtype=torch.float64)) / r.numel()
+    x = (c - r).abs() if which == "median_err" else r.abs()
+    return float(torch.quantile(x.double(), 0.5)) if x.numel() <= (1 << 24) else float(x.median())
 
 
 # elements per reduction step, so float64 temporaries stay bounded whatever the tensor's size:

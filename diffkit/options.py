@@ -30,15 +30,23 @@ class Tolerance:
                 reference tensor's dtype.  Given one alone, the other takes the same value.
     mode:       "fixed" judges by atol/rtol; "auto" judges each stage against a float64 run of the
                 reference (TorchDynamo's same() rule, see pipeline.apply_auto_tolerance).
+    stat:       which statistic of the error must stay within tolerance (see measure.STATS):
+                "elementwise" (every element, torch.allclose's rule: the default, KernelBench's), or
+                "max" / "mean" / "median": stat(|c - r|) <= atol + rtol * stat(|r|).
     """
 
     atol: float | None = None
     rtol: float | None = None
     mode: str = "fixed"
+    stat: str = "elementwise"
 
     def __post_init__(self):
         if self.mode not in TOLERANCE_MODES:
             raise ValueError(f"tolerance mode must be one of {', '.join(TOLERANCE_MODES)}, not {self.mode!r}")
+        from .measure import STATS
+
+        if self.stat not in STATS:
+            raise ValueError(f"stat must be one of {', '.join(STATS)}, not {self.stat!r}")
         for name in ("atol", "rtol"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0):
@@ -58,7 +66,7 @@ class Tolerance:
         return self.atol is None
 
     def to_dict(self) -> dict:
-        return {"atol": self.atol, "rtol": self.rtol, "mode": self.mode}
+        return {"atol": self.atol, "rtol": self.rtol, "mode": self.mode, "stat": self.stat}
 
 
 @dataclass(frozen=True)
@@ -134,7 +142,8 @@ class Options:
 
     @classmethod
     def build(cls, *, atol: float | None = None, rtol: float | None = None, tolerance: str | Tolerance = "fixed",
-              **rest) -> "Options":
-        """Options from keyword arguments as the Python API takes them (atol, rtol, tolerance mode …)."""
-        tol = tolerance if isinstance(tolerance, Tolerance) else Tolerance(atol, rtol, tolerance)
+              stat: str = "elementwise", **rest) -> "Options":
+        """Options from keyword arguments as the Python API takes them (atol, rtol, tolerance mode,
+        stat …)."""
+        tol = tolerance if isinstance(tolerance, Tolerance) else Tolerance(atol, rtol, tolerance, stat)
         return cls(tolerance=tol, **rest)

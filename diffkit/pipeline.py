@@ -248,7 +248,7 @@ def _streaming_traces(reference: Source, candidate: ModelSource, options: Option
         ref_trace = _run_side(reference, options, state, "ref", only=keep_filter, sink=ref_store)
     comparer = StreamComparer(ref_trace, ref_store, keep, options.tolerance.atol, options.tolerance.rtol,
                               window=STREAM_WINDOW, stop_at_first=options.stop_at_first, journal=journal,
-                              meta=meta_cand, rename=rename)
+                              meta=meta_cand, rename=rename, stat=options.tolerance.stat)
     cand_trace = _run_side(candidate, options, state, "cand", only=keep_filter, sink=comparer)
     try:
         comparer.finish()
@@ -265,7 +265,8 @@ def _streaming_traces(reference: Source, candidate: ModelSource, options: Option
         rv, cv = ref_store.get(p.ref, dev), keep.get(p.cand, dev)
         if rv is not None and cv is not None:
             known[(p.ref, p.cand, p.transform)] = measure(rv, to_ref_layout(cv, tuple(r.shape), p.transform),
-                                                          *options.tolerance.for_dtype(r.dtype))
+                                                          *options.tolerance.for_dtype(r.dtype),
+                                                          options.tolerance.stat)
 
     def fetch(result: Result) -> None:
         # values for the stages the report, diagnosis and root cause look at: the window before the
@@ -350,7 +351,8 @@ def _explain(traces: _Traces, reference: Source, candidate: Source, options: Opt
     for s in stages:
         s.values = values
     result = Result(verdict="", stages=stages, first_divergence=None, error=None, output=None, atol=tol.atol,
-                    rtol=tol.rtol, strict=options.strict, warnings=list(traces.warnings), meta=dict(traces.meta))
+                    rtol=tol.rtol, strict=options.strict, warnings=list(traces.warnings),
+                    meta={**traces.meta, "stat": tol.stat})
     if tol.mode == "auto":
         from dataclasses import replace
 
@@ -875,7 +877,8 @@ def _check_nondeterminism(result: Result, ref: Trace, cand_trace: Trace, candida
         if got is None or got[1] is None or rv is None or s.stats is None or \
                 tuple(got[1].shape) != tuple(s.cand.shape):
             continue
-        st = measure(rv, to_ref_layout(got[1], tuple(s.ref.shape), s.pair_transform), s.stats.atol, s.stats.rtol)
+        st = measure(rv, to_ref_layout(got[1], tuple(s.ref.shape), s.pair_transform), s.stats.atol, s.stats.rtol,
+                     s.stats.stat)
         if second is None or not st.ok:
             second = {"allclose": st.ok, "max_abs": st.max_abs, "mean_abs": st.mean_abs, "stage": s.index}
     where = f"stage {first.index} {first.ref_name or first.cand_name}" if first is not None else next(iter(diffs))

@@ -140,7 +140,7 @@ def banner(result) -> dict:
     all_within = ""
     if fd is None and result.error is None and result.verdict == "match":
         all_within = (f"{len(result.compared)} stages compared, all within "
-                      f"{describe.tolerance_text(tol['atol'], tol['rtol'])}")
+                      f"{describe.tolerance_text(tol['atol'], tol['rtol'], tol.get('stat'))}")
     return {"verdict": result.verdict, "colour": VERDICT_COLOUR.get(result.verdict, "#555"), "fd": fd,
             "rc": rc if rc is not None and rc is not fd else None, "error": result.error,
             "all_within": all_within, "headline": describe.headline(result)}
@@ -174,7 +174,8 @@ def stage_rows(stage) -> list[tuple[str, str]]:
     if st is not None:
         rows += [("max |error|", fmt(st.max_abs, ".6g")), ("mean |error|", fmt(st.mean_abs, ".6g")),
                  ("max relative", fmt(st.max_rel, ".6g")), ("out of tolerance", f"{st.mismatches}/{st.numel}"),
-                 ("cosine", fmt(st.cosine, ".6f")), ("tolerance", describe.tolerance_text(st.atol, st.rtol))]
+                 ("cosine", fmt(st.cosine, ".6f")), ("tolerance", describe.tolerance_text(st.atol, st.rtol, st.stat)),
+                 ("judged", describe.judged_text(st))]
         if st.worst:
             rows.append(("worst element", describe.worst_summary(st.worst)))
     else:
@@ -313,7 +314,7 @@ def junit_xml(result, suite: str = "diffkit") -> str:
         st = s.stats
         if st is not None:
             msg = (f"{s.status}: max_abs={fmt(st.max_abs, '.4g')} mean_abs={fmt(st.mean_abs, '.4g')} "
-                   f"mismatch={describe.pct(st.mismatch_fraction)} {describe.tolerance_text(st.atol, st.rtol)}")
+                   f"mismatch={describe.pct(st.mismatch_fraction)} {describe.tolerance_text(st.atol, st.rtol, st.stat)}")
             detail = msg + (f"\nworst {describe.worst_summary(st.worst)}" if st.worst else "")
         else:
             msg = f"{s.status}: {describe.not_compared_reason(s)}"

@@ -44,6 +44,8 @@ def stats_to_dict(s: Stats | None) -> dict | None:
     return {"numel": s.numel, "max_abs": _num(s.max_abs), "mean_abs": _num(s.mean_abs), "max_rel": _num(s.max_rel),
             "mismatches": s.mismatches, "cosine": _num(s.cosine), "ref_nan": s.ref_nan, "ref_inf": s.ref_inf,
             "cand_nan": s.cand_nan, "cand_inf": s.cand_inf, "atol": s.atol, "rtol": s.rtol,
+            "stat": s.stat, "stat_error": _num(s.stat_error) if s.stat_error is not None else None,
+            "stat_bound": _num(s.stat_bound) if s.stat_bound is not None else None, "ok": s.ok,
             "worst": None if s.worst is None else {"index": list(s.worst.index), "ref": _num(s.worst.ref),
                                                    "cand": _num(s.worst.cand), "abs_err": _num(s.worst.abs_err)}}
 
@@ -54,9 +56,13 @@ def stats_from_dict(d: dict | None) -> Stats | None:
     w = d.get("worst")
     worst = None if w is None else Worst(tuple(int(i) for i in w["index"]), _unnum(w["ref"]), _unnum(w["cand"]),
                                          _unnum(w["abs_err"]))
+    stat = d.get("stat") or "elementwise"
     return Stats(int(d["numel"]), _unnum(d["max_abs"]), _unnum(d["mean_abs"]), _unnum(d["max_rel"]),
                  int(d["mismatches"]), _unnum(d["cosine"]), int(d["ref_nan"]), int(d["ref_inf"]),
-                 int(d["cand_nan"]), int(d["cand_inf"]), worst, float(d["atol"]), float(d["rtol"]))
+                 int(d["cand_nan"]), int(d["cand_inf"]), worst, float(d["atol"]), float(d["rtol"]),
+                 stat=stat if isinstance(stat, str) else "elementwise",
+                 stat_error=None if d.get("stat_error") is None else _unnum(d["stat_error"]),
+                 stat_bound=None if d.get("stat_bound") is None else _unnum(d["stat_bound"]))
 
 
 @dataclass
@@ -415,11 +421,13 @@ class Result:
         return next((s for s in outs if s.failed or s.stats is None), outs[-1] if outs else None)
 
     def tolerance(self) -> dict:
-        if self.atol is not None and self.rtol is not None:
-            return {"atol": self.atol, "rtol": self.rtol, "by_dtype": False}
         out = self.output
+        stat = getattr(out, "stat", None) or self.meta.get("stat") or "elementwise"
+        if self.atol is not None and self.rtol is not None:
+            return {"atol": self.atol, "rtol": self.rtol, "by_dtype": False, "stat": stat}
         return {"atol": self.atol if self.atol is not None else (out.atol if out else 1e-4),
-                "rtol": self.rtol if self.rtol is not None else (out.rtol if out else 1e-4), "by_dtype": True}
+                "rtol": self.rtol if self.rtol is not None else (out.rtol if out else 1e-4), "by_dtype": True,
+                "stat": stat}
 
     # ----------------------------------------------------------------- text
     def summary_line(self) -> str:

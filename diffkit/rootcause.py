@@ -136,7 +136,7 @@ def analyse(result: Result, ref: Trace, cand: Trace, alignment: Alignment, windo
         if ref_value is None:
             s.replay_note = "not re-run: the reference value was not kept"
             continue
-        s.local = measure(ref_value, out, s.stats.atol, s.stats.rtol)
+        s.local = measure(ref_value, out, s.stats.atol, s.stats.rtol, s.stats.stat)
         disagreement = _replay_disagrees(s, ins, ref, cand, out)
         if disagreement:
             s.diagnosis.insert(0, Finding("nondeterministic", disagreement, 0.75))

@@ -30,7 +30,7 @@ import torch
 from .align import NAME_MATCH_REL_ERR, Dataflow, _stage_params, best_layout, name_partner, names_index, \
     _refines, rebound_pair_agrees, reused_name, same_layout, to_ref_layout
 from .capture import Record, StopCapture, Trace
-from .measure import PendingStats, Stats, measure_async, tolerances
+from .measure import PendingStats, Stats, apply_stat, measure_async, tolerances
 
 __all__ = ["Budget", "TieredStore", "StreamComparer", "default_budget", "name_filter", "parse_size"]
 
@@ -312,6 +312,7 @@ class _Pending:
     transform: tuple
     stats: PendingStats
     weak: bool = False  # checked for value agreement when its metrics arrive (no sync at pairing time)
+    values: tuple | None = None  # (ref, cand) until measured, when a statistic other than elementwise is judged
 
 
 @dataclass
@@ -338,6 +339,7 @@ class StreamComparer:
     journal: Any = None  # a text file: one JSON line per measured pair (crash insurance)
     meta: Any = None  # metadata-only CaptureWriter for the candidate
     rename: dict = field(default_factory=dict)
+    stat: str = "elementwise"  # the statistic judged (measure.STATS)
     stats: dict = field(default_factory=dict)
     first: int | None = None  # candidate index of the first divergent pair, once known
     compared_bytes: int = 0
@@ -402,7 +404,8 @@ class StreamComparer:
             self.keep.put(rec.index, tensor)  # provisional: dropped once its metrics say it is not needed
         a, t = tolerances(self.atol, self.rtol, r.dtype)
         cv = to_ref_layout(tensor.detach(), tuple(r.shape), transform)
-        self.queue.append(_Pending(rec.index, ri, transform, measure_async(refv, cv, a, t), weak))
+        self.queue.append(_Pending(rec.index, ri, transform, measure_async(refv, cv, a, t), weak,
+                                   (refv, cv) if self.stat != "elementwise" else None))
         self.compared_bytes += 2 * _nbytes(tensor)
         self.drain(block=self.stop_at_first)
 
@@ -462,6 +465,9 @@ class StreamComparer:
         while self.queue and (block or self.queue[0].stats.done()):
             p = self.queue.popleft()
             st = p.stats.result()
+            if p.values is not None:
+                apply_stat(st, p.values[0], p.values[1], self.stat)
+                p.values = None
             if p.weak and p.stats.rel_l2 > NAME_MATCH_REL_ERR:
                 # the reused name pointed at a different tensor: unpair, let value alignment place it
                 self.paired.discard(p.ref)

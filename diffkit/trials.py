@@ -208,7 +208,7 @@ def check_output(trial: Trial, ref: dict[str, torch.Tensor], cand: dict[str, tor
             trial.dtype_mismatch = trial.dtype_mismatch or [str(r.dtype).replace("torch.", ""),
                                                             str(c.dtype).replace("torch.", "")]
             ok = False
-        st = measure(r.to(c.device), c, *tolerance.for_dtype(r.dtype))
+        st = measure(r.to(c.device), c, *tolerance.for_dtype(r.dtype), tolerance.stat)
         ok = ok and st.ok
         worst = max(worst, st.max_abs) if st.max_abs == st.max_abs else float("nan")
         total += st.mean_abs * st.numel

@@ -60,6 +60,8 @@ class Variant:
     detail: str  # what the mistaken kernel does, in words ("normalises with its running statistics")
     apply: Callable[[Call, torch.Tensor], torch.Tensor]  # (the live call, its result) -> the mistaken result
     before: Callable[[torch.nn.Module, tuple], None] | None = None  # sees each module call before it runs
+    fn: Any = None  # the function or module that made the site's record (a run out of step is caught by it)
+    aliases: tuple = ()  # the site record's other names
 
 
 @dataclass
@@ -67,20 +69,33 @@ class WhatIf:
     """How close one variant (or two at once) brings the reference to the candidate at the divergent stage."""
 
     variants: list[Variant]
-    stats: Stats  # the candidate against the mutated reference
+    stats: Stats  # the candidate against the mutated reference (NaN where both hold NaN agrees here)
     rel_l2: float  # ||c - r'|| / ||r'||
+    same_code: bool = False  # one mistake made at every call of the same code (a kernel used twice)
 
     @property
     def explains(self) -> bool:
         return self.stats.mismatches == 0
 
+    @property
+    def mistakes(self) -> int:
+        """How many different mistakes it plants (the same one at every call of a kernel counts once)."""
+        return 1 if self.same_code else len(self.variants)
+
     def to_dict(self, before: Stats) -> dict:
         v = self.variants
-        return {"kind": "+".join(x.kind for x in v), "stage": ", ".join(x.stage for x in v),
-                "detail": "; ".join(x.detail for x in v), "max_abs_before": before.max_abs,
+        if self.same_code:
+            kind = v[0].kind
+            where = ", ".join(x.stage for x in v)
+            detail = f"{v[0].detail.replace(f'`{v[0].stage}`', 'the same code')} (at every call: {where})"
+        else:
+            kind, detail = "+".join(dict.fromkeys(x.kind for x in v)), "; ".join(x.detail for x in v)
+        return {"kind": kind, "stage": ", ".join(x.stage for x in v), "same_code": self.same_code,
+                "detail": detail, "max_abs_before": before.max_abs,
                 "max_abs_after": self.stats.max_abs, "explains": self.explains,
                 "mismatches_after": self.stats.mismatches, "rel_l2_after": self.rel_l2,
-                "mutations": [{"kind": x.kind, "stage": x.stage, "detail": x.detail} for x in v]}
+                "mutations": [{"kind": x.kind, "stage": x.stage, "detail": x.detail, "aliases": list(x.aliases)}
+                              for x in v]}
 
 
 # ------------------------------------------------------------------------------------------ sites
@@ -252,7 +267,7 @@ def catalogue(rec: Record, model: torch.nn.Module | None, constants: Sequence[fl
     site, stage = rec.index, rec.name
 
     def add(k: str, detail: str, apply, before=None):
-        out.append(Variant(k, site, stage, detail, apply, before))
+        out.append(Variant(k, site, stage, detail, apply, before, fn, tuple(rec.aliases)))
 
     shape = tuple(rec.shape)
     # --- bias
@@ -420,7 +435,7 @@ def catalogue(rec: Record, model: torch.nn.Module | None, constants: Sequence[fl
             add("swapped_operands", f"`{stage}` with its operands' roles swapped (result[j, i] for [i, j])",
                 lambda call, o: o.transpose(-1, -2).contiguous())
     # --- factors
-    factors = _factors(rec, tmpl, name, kind, constants)
+    factors = _factors(rec, tmpl, name, kind, constants, [shapes[r.index] for r in rec.inputs if r.index in shapes])
     for f, why in factors:
         add("scale", f"`{stage}` multiplied by {f:.6g} ({why})", lambda call, o, f=f: o * f)
     # --- precision
@@ -435,10 +450,15 @@ def catalogue(rec: Record, model: torch.nn.Module | None, constants: Sequence[fl
             add("low_precision", f"`{stage}` computed in TF32 (inputs rounded to a 10-bit mantissa)",
                 lambda call, o: _in_tf32(call))
     if rec.dtype == torch.float32:
-        for dt, label in ((torch.float16, "float16"), (torch.bfloat16, "bfloat16")):
+        for dt, label in ((torch.bfloat16, "bfloat16"), (torch.float16, "float16")):
             add("low_precision", f"`{stage}` stored in {label}", lambda call, o, dt=dt: o.to(dt).to(o.dtype))
+        if kind == "op" and name in ("einsum", "matmul", "__matmul__", "bmm", "mm") or \
+                kind == "module" and isinstance(fn, torch.nn.Linear):
+            for dt, label in ((torch.bfloat16, "bfloat16"), (torch.float16, "float16")):
+                add("low_precision", f"`{stage}` accumulated in {label} (a running sum rounded at every step)",
+                    lambda call, o, dt=dt: _accumulated(call, dt))
     # --- tails
-    for d in range(len(shape) - 1, max(-1, len(shape) - 3), -1):
+    for d in range(len(shape) - 1, -1, -1):
         n = shape[d]
         starts = sorted({n - n % b for b in TAIL_BLOCKS if n > b and n % b}, reverse=True)
         for start in starts:
@@ -452,8 +472,8 @@ def catalogue(rec: Record, model: torch.nn.Module | None, constants: Sequence[fl
     # --- sign, saturation
     add("sign_flip", f"`{stage}` negated", lambda call, o: -o)
     add("clamp", f"`{stage}` clamped at 0 (a stray ReLU)", lambda call, o: o.clamp_min(0))
-    for c_ in (1.0, 6.0):
-        add("clamp", f"`{stage}` clamped to [-{c_:g}, {c_:g}]", lambda call, o, c_=c_: o.clamp(-c_, c_))
+    if rec.dtype == torch.float32:
+        add("clamp", f"`{stage}` saturated to float16's range (±65504)", lambda call, o: o.clamp(-65504.0, 65504.0))
     return out
 
 
@@ -496,6 +516,49 @@ def _zero_flat_tail(o: torch.Tensor, start: int) -> torch.Tensor:
     return y.reshape(o.shape)
 
 
+MAX_ACCUMULATION_STEPS = 4096
+
+
+def _accumulated(call: Call, dt: torch.dtype) -> torch.Tensor:
+    """A contraction whose running sum is kept in `dt`: products in float32, added one reduction
+    step at a time, the sum rounded to `dt` after every step (a kernel with a half accumulator)."""
+    kind, fn, args, kwargs = call
+    if kind == "module":
+        x, w, b = _args(call)[0][0], fn.weight, fn.bias
+        eq, ops = "...k,nk->...n", [x, w]
+    elif _name(fn) == "einsum":
+        eq, ops = args[0], list(args[1:])
+        if len(ops) == 1 and isinstance(ops[0], (list, tuple)):
+            ops = list(ops[0])
+        b = None
+    else:
+        a_, b_ = args[0], args[1]
+        if a_.dim() < 2 or b_.dim() < 2:
+            raise _NotApplicable()
+        eq, ops, b = "...ik,...kj->...ij", [a_, b_], None
+    if len(ops) != 2 or "->" not in eq:
+        raise _NotApplicable()
+    lhs, out_sub = eq.replace(" ", "").split("->")
+    subs = lhs.split(",")
+    summed = [c for c in dict.fromkeys(subs[0] + subs[1]) if c not in out_sub and c != "."]
+    if len(summed) != 1:
+        raise _NotApplicable()
+    k = summed[0]
+    dims = [sub.replace("...", "").index(k) - len(sub.replace("...", "")) for sub in subs]
+    n = ops[0].shape[dims[0]]
+    if n > MAX_ACCUMULATION_STEPS or ops[1].shape[dims[1]] != n:
+        raise _NotApplicable()
+    step_eq = ",".join(sub.replace(k, "") for sub in subs) + "->" + out_sub
+    acc = None
+    for i in range(n):
+        part = torch.einsum(step_eq, ops[0].select(dims[0], i), ops[1].select(dims[1], i)).float()
+        acc = part.to(dt) if acc is None else (acc.float() + part).to(dt)
+    y = acc.float()
+    if b is not None:
+        y = y + b
+    return y
+
+
 def _in_dtype(call: Call, dt: torch.dtype) -> torch.Tensor:
     kind, fn, args, kwargs = call
     if kind == "module":
@@ -514,7 +577,8 @@ def _in_tf32(call: Call) -> torch.Tensor:
     return fn(*_map_float(args, _tf32), **_map_float(kwargs, _tf32))
 
 
-def _factors(rec: Record, tmpl: Any, name: str, kind: str, constants: Sequence[float]) -> list[tuple[float, str]]:
+def _factors(rec: Record, tmpl: Any, name: str, kind: str, constants: Sequence[float],
+             input_shapes: Sequence[tuple] = ()) -> list[tuple[float, str]]:
     """Candidate wrong factors for a record: the scalar the op itself applies (left out: its inverse),
     1/√n and √n and n for the record's axes, the model's own constants, 2 and 1/2."""
     got: list[tuple[float, str]] = []
@@ -526,9 +590,15 @@ def _factors(rec: Record, tmpl: Any, name: str, kind: str, constants: Sequence[f
                 inv = name in ("div", "__truediv__", "true_divide")
                 got.append((float(v) if inv else 1.0 / float(v), f"the factor {float(v):.4g} left out"))
                 got.append((1.0 / float(v) if inv else float(v), f"the factor {float(v):.4g} applied twice"))
-    for n in sorted({s for s in rec.shape if s > 1}):
+    # 1/sqrt(n) for the sizes the op contracts or normalises over (attention's 1/sqrt(d)): the last
+    # axis of its inputs and of its result
+    sizes = {rec.shape[-1]} if rec.shape else set()
+    sizes |= {sh[-1] for sh in input_shapes if sh}
+    for n in sorted(x for x in sizes if x > 1):
         got += [(1 / math.sqrt(n), f"an extra 1/sqrt({n})"), (math.sqrt(n), f"a missing 1/sqrt({n})")]
-        if name in ("mean", "sum"):
+    if name in ("mean", "sum") and input_shapes and input_shapes[0]:
+        n = math.prod(input_shapes[0]) // max(1, math.prod(rec.shape))
+        if n > 1:
             got += [(float(n), f"a sum instead of a mean over {n}"), (1.0 / n, f"a mean instead of a sum over {n}")]
     for v in constants:
         if v not in (0, 1, -1) and math.isfinite(v):
@@ -577,6 +647,8 @@ class _Mutator:
         v = self.by_site.get(index)
         if v is None:
             return
+        if v.fn is not None and call[1] is not v.fn:
+            raise _NotApplicable("the run does not make the same records as the captured one")
         with torch.no_grad():
             try:
                 new = v.apply(call, tensor)
@@ -634,7 +706,7 @@ class Search:
     results: list[WhatIf] = field(default_factory=list)
 
 
-def _evaluate(s: Search, variants: Sequence[Variant]) -> WhatIf | None:
+def _evaluate(s: Search, variants: Sequence[Variant], same_code: bool = False) -> WhatIf | None:
     mut = _Mutator(variants)
     grab = _Grab(s.target)
     try:
@@ -643,11 +715,18 @@ def _evaluate(s: Search, variants: Sequence[Variant]) -> WhatIf | None:
         s.forwards += 1
     if grab.value is None or mut.planted < len(variants) or tuple(grab.value.shape) != tuple(s.cand_value.shape):
         return None
-    pending = measure_async(grab.value, s.cand_value.to(grab.value.device), s.atol, s.rtol)
+    mutated, cand = grab.value, s.cand_value.to(grab.value.device)
+    if mutated.is_floating_point() and cand.is_floating_point():
+        # reproducing the candidate includes its NaNs: a NaN on both sides agrees here
+        both = torch.isnan(mutated) & torch.isnan(cand)
+        if bool(both.any()):
+            mutated, cand = mutated.masked_fill(both, 0.0), cand.masked_fill(both, 0.0)
+    pending = measure_async(mutated, cand, s.atol, s.rtol)
     st = pending.result()
-    if st.ref_nan + st.ref_inf and not st.cand_nan + st.cand_inf:
-        return WhatIf(list(variants), st, math.inf)
-    return WhatIf(list(variants), st, pending.rel_l2 if math.isfinite(pending.rel_l2) else math.inf)
+    rel = pending.rel_l2 if math.isfinite(pending.rel_l2) else math.inf
+    if (st.ref_nan or st.ref_inf) and not (st.cand_nan or st.cand_inf):
+        rel = math.inf
+    return WhatIf(list(variants), st, rel, same_code)
 
 
 def rank_key(w: WhatIf) -> tuple:
@@ -659,8 +738,8 @@ def rank_key(w: WhatIf) -> tuple:
     site = max(v.site for v in w.variants)
     prior = sum(PRIOR[v.kind] for v in w.variants)
     if w.explains:
-        return (0, len(w.variants), mag, -site, prior)
-    return (1, round(w.rel_l2, 4) if math.isfinite(w.rel_l2) else math.inf, len(w.variants), -site, prior)
+        return (0, w.mistakes, mag, -site, prior)
+    return (1, round(w.rel_l2, 4) if math.isfinite(w.rel_l2) else math.inf, w.mistakes, -site, prior)
 
 
 def search(s: Search, model_consts: Sequence[float] = (), records: Sequence[Record] = (), pairs: int = 4) -> list[WhatIf]:
@@ -675,12 +754,27 @@ def search(s: Search, model_consts: Sequence[float] = (), records: Sequence[Reco
         rec = by_index.get(i)
         if rec is not None:
             variants += catalogue(rec, s.model, model_consts, shapes)
-    variants.sort(key=lambda v: (PRIOR[v.kind], -v.site))
-    total = min(len(variants), s.budget)
+    # the same mistake at every call of the same code (a kernel the candidate uses for several stages)
+    groups: dict[tuple, list[Variant]] = {}
+    for v in variants:
+        rec = by_index[v.site]
+        groups.setdefault((rec.file, rec.line, rec.op, v.kind, v.detail.replace(f"`{v.stage}`", "``")), []).append(v)
+    runs: list[tuple[list[Variant], bool]] = [([v], False) for v in variants]
+    runs += [(g, True) for g in groups.values() if len({v.site for v in g}) > 1]
+    # a fair share of the budget for every kind at every site: the first variant of each (site, kind)
+    # first, commoner mistakes and later sites first among those, then the second variants, and so on
+    nth: dict[tuple, int] = {}
+    order = []
+    for vs, same in runs:
+        key = (vs[0].site, vs[0].kind, same)
+        order.append((nth.get(key, 0), PRIOR[vs[0].kind], same, -vs[0].site))
+        nth[key] = nth.get(key, 0) + 1
+    runs = [r for _, r in sorted(zip(order, runs), key=lambda x: x[0])]
+    total = min(len(runs), s.budget)
     results: list[WhatIf] = []
-    for k, v in enumerate(variants[:s.budget]):
+    for k, (vs, same) in enumerate(runs[:s.budget]):
         s.tried += 1
-        w = _evaluate(s, [v])
+        w = _evaluate(s, vs, same)
         if w is not None:
             results.append(w)
         if s.progress is not None:
@@ -689,7 +783,7 @@ def search(s: Search, model_consts: Sequence[float] = (), records: Sequence[Reco
     if results and not results[0].explains and pairs > 1:
         top: list[WhatIf] = []
         for w in results:
-            if all(w.variants[0].site != t.variants[0].site for t in top):
+            if len(w.variants) == 1 and all(w.variants[0].site != t.variants[0].site for t in top):
                 top.append(w)
             if len(top) == pairs:
                 break

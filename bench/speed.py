@@ -1,0 +1,186 @@
+"""The speed benchmark (issue 15): a diff against two plain forwards, measured in one run.
+
+    python bench/speed.py                      # CPU: the 12-block stack and the 6-layer bidirectional GRU
+    python bench/speed.py --preset h200        # CUDA: the 24-block transformer (B4 S2048 D1024), metric kernel
+    python bench/speed.py --json out.json      # every raw time as JSON as well
+
+Each mode runs in its own process (memory figures are per process); times are medians of --repeat.
+  plain      two plain forwards (reference, candidate), no_grad
+  compare    diffkit.compare in memory, one diffed forward per side (health check and rerun off)
+  default    diffkit.compare with its defaults (reference health, candidate rerun when they can matter)
+  naive      the by-hand baseline: forward hooks cloning every module output, then assert_close by name
+  stream     diffkit.compare streaming with --max-memory (CUDA preset: 40G)
+  isolated   `diffkit diff REF CAND --trials 1 --no-report` as a user runs it: two child processes,
+             values handed over through shared memory (wall time including process start)
+  metrics    CUDA: the metric kernel alone over 1 GiB float32 pairs, as bytes read per second
+Ratios are against `plain` of the same model measured in the same run.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from scale import _copy_bandwidth, _sync, naive  # noqa: E402
+from stream_memory import peak_rss  # noqa: E402
+
+MODELS = {
+    "stack12": dict(ref="references/deep_transformer.py", cand="kernels/deep_transformer_fused.py",
+                    env=dict(DIFFKIT_DEPTH=12, DIFFKIT_BATCH=8, DIFFKIT_SEQ=128, DIFFKIT_DIM=256, DIFFKIT_HEADS=4)),
+    "gru": dict(ref="references/gru_bidirectional.py", cand="kernels/bench/gru_bidirectional_steps.py",
+                env=dict(DIFFKIT_GRU_LAYERS=6, DIFFKIT_GRU_SEQ=512, DIFFKIT_GRU_BATCH=4, DIFFKIT_GRU_INPUT=32,
+                         DIFFKIT_GRU_HIDDEN=32)),
+    "h200": dict(ref="references/deep_transformer.py", cand="kernels/deep_transformer_fused.py",
+                 env=dict(DIFFKIT_DEPTH=24, DIFFKIT_BATCH=4, DIFFKIT_SEQ=2048, DIFFKIT_DIM=1024, DIFFKIT_HEADS=16)),
+}
+PRESETS = {"cpu": [("stack12", ["plain", "compare", "default", "naive", "isolated"]),
+                   ("gru", ["plain", "compare", "default"])],
+           "h200": [("h200", ["plain", "compare", "stream", "naive", "metrics"])]}
+TARGETS = {("stack12", "compare"): 2.0, ("stack12", "isolated"): 3.0, ("gru", "compare"): 5.0,
+           ("h200", "compare"): 3.0, ("h200", "stream"): 2.0}
+
+
+def child(model, mode, dev, repeat, max_memory):
+    import torch
+
+    import diffkit
+    from diffkit.stream import parse_size
+
+    spec = MODELS[model]
+    ref_path, cand_path = os.path.join(ROOT, spec["ref"]), os.path.join(ROOT, spec["cand"])
+    out = dict(model=model, mode=mode, device=dev, threads=torch.get_num_threads())
+    if mode == "metrics":
+        from diffkit import metrics_kernel
+        from diffkit.measure import measure_many
+
+        n = (1 << 30) // 4
+        r = torch.randn(n, device=dev)
+        c = r + 1e-6 * torch.randn(n, device=dev)
+        measure_many([(r, c, 1e-4, 1e-4)])[0].result()  # compile
+        times = []
+        for _ in range(repeat):
+            _sync(dev)
+            t0 = time.perf_counter()
+            measure_many([(r, c, 1e-4, 1e-4)])[0].result()
+            times.append(time.perf_counter() - t0)
+        out.update(seconds=statistics.median(times), bytes=2 * 4 * n, triton=metrics_kernel.available(),
+                   copy_bandwidth=_copy_bandwidth(dev))
+        out["bytes_per_s"] = out["bytes"] / out["seconds"]
+        print("RESULT " + json.dumps(out))
+        return
+    if mode == "isolated":
+        cmd = [sys.executable, "-m", "diffkit.cli", "diff", ref_path, cand_path, "--trials", "1", "--no-report"]
+        if dev != "cpu":
+            cmd += ["--device", dev]
+        times = []
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+            times.append(time.perf_counter() - t0)
+        out.update(seconds=statistics.median(times), all_seconds=times, exit=p.returncode,
+                   verdict=(p.stdout.strip().splitlines() or ["?"])[-1][:200])
+        print("RESULT " + json.dumps(out))
+        return
+    pair = diffkit.load_pair(ref_path, cand_path, device=dev)
+    ref, cand, ri, ci = pair.ref, pair.cand, pair.ref_inputs, pair.cand_inputs
+    with torch.no_grad():
+        ref(*ri), cand(*ci)  # warm up
+    _sync(dev)
+    if dev == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        if mode == "plain":
+            with torch.no_grad():
+                ref(*ri), cand(*ci)
+        elif mode == "naive":
+            out["naive_mismatching_modules"] = naive(ref, cand, ri, ci)
+        else:
+            kw = {}
+            if mode in ("compare", "stream"):
+                kw = dict(health=False, rerun=False)
+            if mode == "stream":
+                kw.update(streaming=True, max_memory=parse_size(max_memory or "40G"))
+            r = diffkit.compare(ref, cand, ri, cand_inputs=ci, **kw)
+            fd = r.first_divergence
+            out.update(verdict=r.verdict, stages=len(r.stages), cand_records=r.meta.get("cand_records"),
+                       first=fd.ref_name if fd else None,
+                       compared_bytes=sum(2 * s.stats.numel * torch.empty((), dtype=getattr(torch, s.ref.dtype)).element_size()
+                                          for s in r.stages if s.stats is not None and s.ref is not None))
+            del r
+        _sync(dev)
+        times.append(time.perf_counter() - t0)
+    out.update(seconds=statistics.median(times), all_seconds=times, host_peak_rss=peak_rss())
+    if dev == "cuda":
+        out["device_peak_extra"] = torch.cuda.max_memory_allocated() - base
+        out["copy_bandwidth"] = _copy_bandwidth(dev)
+    if out.get("compared_bytes"):
+        out["compare_bytes_per_s"] = out["compared_bytes"] / out["seconds"]
+    print("RESULT " + json.dumps(out))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--max-memory", default=None)
+    ap.add_argument("--only", default=None, help="comma-separated model:mode entries to run")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--child", nargs=2, default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    dev = a.device or ("cuda" if a.preset == "h200" else "cpu")
+    if a.child:
+        child(a.child[0], a.child[1], dev, a.repeat, a.max_memory)
+        return
+    rows = []
+    for model, modes in PRESETS[a.preset]:
+        env = dict(os.environ, **{k: str(v) for k, v in MODELS[model]["env"].items()})
+        for mode in modes:
+            if a.only and f"{model}:{mode}" not in a.only.split(","):
+                continue
+            cmd = [sys.executable, __file__, "--child", model, mode, "--device", dev, "--repeat", str(a.repeat)]
+            if a.max_memory:
+                cmd += ["--max-memory", a.max_memory]
+            p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+            got = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+            if not got:
+                print(f"{model}:{mode} failed:\n{p.stderr[-3000:]}", file=sys.stderr)
+                continue
+            rows.append(json.loads(got[-1][7:]))
+            print(f"  {model:8s} {mode:9s} {rows[-1]['seconds']:.3f} s", file=sys.stderr, flush=True)
+    plain = {r["model"]: r["seconds"] for r in rows if r["mode"] == "plain"}
+    print(f"{'model':8s} {'mode':9s} {'seconds':>9s} {'x plain':>8s} {'target':>7s}  notes")
+    for r in rows:
+        ratio = r["seconds"] / plain[r["model"]] if r["model"] in plain and r["mode"] != "metrics" else None
+        r["ratio"] = ratio
+        tgt = TARGETS.get((r["model"], r["mode"]))
+        notes = []
+        if "verdict" in r:
+            notes.append(str(r["verdict"])[:60])
+        if r.get("cand_records"):
+            notes.append(f"{r['cand_records']} candidate records")
+        if "bytes_per_s" in r:
+            notes.append(f"{r['bytes_per_s'] / 1e9:.0f} GB/s read = {100 * r['bytes_per_s'] / r['copy_bandwidth']:.0f}% "
+                         f"of copy bandwidth ({r['copy_bandwidth'] / 1e9:.0f} GB/s)")
+        if "compare_bytes_per_s" in r and "copy_bandwidth" in r:
+            notes.append(f"whole diff {100 * r['compare_bytes_per_s'] / r['copy_bandwidth']:.1f}% of copy bandwidth")
+        if "naive_mismatching_modules" in r:
+            notes.append(f"{r['naive_mismatching_modules']} modules mismatching")
+        print(f"{r['model']:8s} {r['mode']:9s} {r['seconds']:9.3f} {('%.2f' % ratio) if ratio else '-':>8s} "
+              f"{('<=%g' % tgt) if tgt else '':>7s}  {'; '.join(notes)}")
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(rows, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

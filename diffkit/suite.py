@@ -1,0 +1,868 @@
+"""`diffkit suite`: many reference/candidate pairs, each diffed in its own process, one summary.
+
+Discovery (`discover`):
+  - ``diffkit suite DIR``: every folder of DIR holding ``ref.py`` and ``cand.py`` is a pair named after
+    the folder (DIR itself, when it holds them, is one pair; several DIRs may be given);
+  - ``diffkit suite --refs REFS --cands CANDS``: a KernelBench candidate
+    ``level_<L>_problem_<N>_sample_<S>_kernel.py`` pairs with the reference ``<N>_*.py`` in REFS (in
+    ``REFS/level<L>/`` when REFS has level folders, as KernelBench's own tree does); several samples are
+    several pairs.  Other candidate files (those defining ``ModelNew``) pair with the reference they
+    declare (``DIFFKIT_EXPECT = {"reference": "x.py"}``, as the bundled ones do), else with the reference
+    whose name is the longest ``_``-prefix of theirs (``row_softmax_fused.py`` -> ``row_softmax.py``).
+  A candidate with no reference, or with several, is an errored pair that says so; nothing is dropped.
+
+Each pair runs as ``python -m diffkit.cli diff REF CAND --report-dir OUT/<name> --json
+OUT/<name>/result.json`` plus the diff options given to the suite, in a pool of workers (one per
+visible GPU, each child seeing only its GPU; ``--workers N`` on CPU).  The verdicts are read back with
+`Result.from_json`; a child that fails without an answer (killed, internal error, past the suite's
+deadline) is an ``error`` entry with the reason from its log.  After every finished pair the summary
+files are rewritten atomically: index.html, summary.json, summary.csv, junit.xml, summary.md.  A small
+marker per pair (suite.json: the two files' SHA-256, the diff options, the result's SHA-256) lets
+``--resume`` skip pairs already answered for the same files and options.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import csv
+import dataclasses
+import hashlib
+import io
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import click
+
+KB_CANDIDATE = re.compile(r"^level_?(?P<level>\d+)_problem_(?P<problem>\d+)_sample_(?P<sample>\d+)_kernel\.py$")
+KB_REFERENCE = re.compile(r"^(?P<problem>\d+)_.*\.py$")
+MARKER = "suite.json"  # per pair: what its result.json was computed from
+LOG = "diff.log"  # per pair: the child's stdout and stderr
+SUMMARY_FILES = ("index.html", "summary.json", "summary.csv", "junit.xml", "summary.md")
+VERDICT_ORDER = ("error", "diverged", "match")
+# options of `diffkit diff` a suite passes on to every pair when given (any that `diff` does not have are
+# skipped, so an option added to `diff` later, e.g. --stat, needs only its name here)
+PASS_THROUGH = ("atol", "rtol", "seed", "trials", "eval_mode", "sync_weights", "device", "timeout", "strict",
+                "tolerance", "reinit_zero", "stat", "no_isolate", "max_memory", "stream", "only", "stop_at_first",
+                "sanitize", "explain", "explain_budget")
+GRACE_S = 120.0  # a child past both sides' --timeout plus this is stopped by the suite
+
+
+# ----------------------------------------------------------------------------- the entries
+@dataclass
+class SuiteEntry:
+    """One pair of a suite and, once run, its answer.
+
+    name:             unique in the suite; the pair's report folder under the suite directory
+    ref, cand:        the two files (None when discovery found no counterpart)
+    verdict:          "match" | "diverged" | "error"; None while not run
+    first_divergence: "stage 7 output" (the reference name, with the candidate's when it differs)
+    root_cause:       the stage that introduces the error (rootcause.py), in the same form; it may be the first
+                      divergence itself
+    diagnosis:        the kind of the first finding (root cause's, else the first divergence's), e.g. "missing_bias"
+    diagnosis_detail: that finding's sentence
+    seconds:          wall time of the pair's diff
+    report:           the pair's index.html, relative to the suite directory
+    log:              the child's output (diff.log), relative to the suite directory
+    error:            why the pair errored (the diff's error, a crash, a discovery problem)
+    headline:         the diff's one-line answer (describe.headline)
+    """
+
+    name: str
+    ref: str | None
+    cand: str | None
+    verdict: str | None = None
+    first_divergence: str | None = None
+    root_cause: str | None = None
+    diagnosis: str | None = None
+    diagnosis_detail: str | None = None
+    seconds: float | None = None
+    report: str | None = None
+    log: str | None = None
+    error: str | None = None
+    headline: str = ""
+
+    @property
+    def finished(self) -> bool:
+        return self.verdict is not None
+
+    @property
+    def runnable(self) -> bool:
+        return self.ref is not None and self.cand is not None and self.error is None
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SuiteEntry":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+def _unpaired(name: str, ref: str | None, cand: str | None, message: str) -> SuiteEntry:
+    """A pair discovery could not make (no reference, several, a missing file): an errored entry."""
+    return SuiteEntry(name, ref, cand, verdict="error", error=message, headline=f"diffkit: ERROR: {message}")
+
+
+def _natural(text: str) -> list:
+    """Sort key: numbers by value (problem_2 before problem_10)."""
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", text)]
+
+
+def _safe_name(name: str) -> str:
+    return re.sub(r"[^0-9A-Za-z_.-]+", "_", name).strip("._") or "pair"
+
+
+def _defines_model_new(path: str) -> bool:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            return "ModelNew" in fh.read()
+    except OSError:
+        return False
+
+
+def _declared_reference(path: str) -> str | None:
+    """The reference a candidate declares (``DIFFKIT_EXPECT = {"reference": "x.py", …}``, the bundled
+    candidates' convention), read without running the file."""
+    import ast
+
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            tree = ast.parse(fh.read())
+    except (OSError, SyntaxError, ValueError):
+        return None
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "DIFFKIT_EXPECT" for t in node.targets):
+            try:
+                value = ast.literal_eval(node.value)
+            except ValueError:
+                return None
+            ref = value.get("reference") if isinstance(value, dict) else None
+            return os.path.basename(ref) if isinstance(ref, str) and ref else None
+    return None
+
+
+def _py_files(folder: str) -> list[str]:
+    return sorted((f for f in os.listdir(folder) if f.endswith(".py") and not f.startswith(("_", "."))
+                   and os.path.isfile(os.path.join(folder, f))), key=_natural)
+
+
+def discover_folders(roots: Sequence[str]) -> list[SuiteEntry]:
+    """Folder per problem: each folder of a root holding ref.py and/or cand.py (or the root itself)."""
+    found: list[SuiteEntry] = []
+    seen: set[str] = set()
+    for root in roots:
+        if not os.path.isdir(root):
+            found.append(_unpaired(_safe_name(os.path.basename(os.path.normpath(root))), None, None,
+                                   f"{root} is not a directory"))
+            continue
+        own = [os.path.exists(os.path.join(root, f)) for f in ("ref.py", "cand.py")]
+        if any(own):
+            folders = [root]
+        else:
+            folders = [os.path.join(root, d) for d in sorted(os.listdir(root), key=_natural)
+                       if not d.startswith((".", "_")) and os.path.isdir(os.path.join(root, d))]
+        for folder in folders:
+            if os.path.realpath(folder) in seen:
+                continue  # given twice (a DIR and its parent, a repeated argument)
+            seen.add(os.path.realpath(folder))
+            ref, cand = os.path.join(folder, "ref.py"), os.path.join(folder, "cand.py")
+            has_ref, has_cand = os.path.isfile(ref), os.path.isfile(cand)
+            if not (has_ref or has_cand):
+                continue  # not a problem folder (reports/, a helper package …)
+            name = _safe_name(os.path.basename(os.path.abspath(folder)))
+            if not has_cand:
+                found.append(_unpaired(name, ref, None, f"{folder} has ref.py but no cand.py"))
+            elif not has_ref:
+                found.append(_unpaired(name, None, cand, f"{folder} has cand.py but no ref.py"))
+            else:
+                found.append(SuiteEntry(name, ref, cand))
+    return _unique(found)
+
+
+def _reference_folder(refs: str, level: str) -> str:
+    """REFS/level<L> (or level_<L>) when REFS is laid out by level, as KernelBench's tree is; else REFS."""
+    for sub in (f"level{int(level)}", f"level_{int(level)}", f"level{level}", f"level_{level}"):
+        if os.path.isdir(os.path.join(refs, sub)):
+            return os.path.join(refs, sub)
+    return refs
+
+
+def discover_kernelbench(refs: str, cands: str) -> list[SuiteEntry]:
+    """--refs/--cands: KernelBench candidate names pair by problem number, other names by prefix."""
+    for label, folder in (("--refs", refs), ("--cands", cands)):
+        if not os.path.isdir(folder):
+            raise click.UsageError(f"{label} {folder} is not a directory")
+    by_problem: dict[str, dict[int, list[str]]] = {}
+
+    def numbered(folder: str) -> dict[int, list[str]]:
+        if folder not in by_problem:
+            table: dict[int, list[str]] = {}
+            for f in _py_files(folder):
+                m = KB_REFERENCE.match(f)
+                if m:
+                    table.setdefault(int(m["problem"]), []).append(f)
+            by_problem[folder] = table
+        return by_problem[folder]
+
+    ref_stems = {os.path.splitext(f)[0]: f for f in _py_files(refs)}
+    found: list[SuiteEntry] = []
+    for f in _py_files(cands):
+        path = os.path.join(cands, f)
+        m = KB_CANDIDATE.match(f)
+        if m:
+            name = f[:-len("_kernel.py")]
+            folder = _reference_folder(refs, m["level"])
+            matches = numbered(folder).get(int(m["problem"]), [])
+            if len(matches) == 1:
+                found.append(SuiteEntry(name, os.path.join(folder, matches[0]), path))
+            elif not matches:
+                found.append(_unpaired(name, None, path,
+                                       f"no reference for {f}: no {int(m['problem'])}_*.py in {folder}"))
+            else:
+                found.append(_unpaired(name, None, path, f"ambiguous reference for {f}: {', '.join(matches)} in "
+                                                         f"{folder} all have problem number {int(m['problem'])}"))
+            continue
+        if not _defines_model_new(path):
+            continue  # a helper module the candidates load, not a candidate
+        stem = os.path.splitext(f)[0]
+        declared = _declared_reference(path)
+        if declared is not None:
+            if os.path.isfile(os.path.join(refs, declared)):
+                found.append(SuiteEntry(_safe_name(stem), os.path.join(refs, declared), path))
+            else:
+                found.append(_unpaired(_safe_name(stem), None, path, f"{f} declares its reference {declared}, "
+                                                                      f"which is not in {refs}"))
+            continue
+        prefixes = [s for s in ref_stems if stem == s or stem.startswith(s + "_")]
+        if prefixes:
+            best = max(prefixes, key=len)
+            found.append(SuiteEntry(_safe_name(stem), os.path.join(refs, ref_stems[best]), path))
+        else:
+            found.append(_unpaired(_safe_name(stem), None, path,
+                                   f"no reference for {f}: its name is not level_<L>_problem_<N>_sample_<S>_kernel.py "
+                                   f"and no file in {refs} is named after a prefix of it"))
+    found.sort(key=lambda e: _natural(e.name))
+    return _unique(found)
+
+
+def _unique(entries: list[SuiteEntry]) -> list[SuiteEntry]:
+    seen: dict[str, int] = {}
+    for e in entries:
+        base = e.name
+        if base in seen:
+            seen[base] += 1
+            e.name = f"{base}-{seen[base]}"
+        else:
+            seen[base] = 1
+    return entries
+
+
+def discover(dirs: Sequence[str] = (), refs: str | None = None, cands: str | None = None) -> list[SuiteEntry]:
+    if (refs is None) != (cands is None):
+        raise click.UsageError("--refs and --cands go together")
+    if refs is not None and dirs:
+        raise click.UsageError("give either DIR (one folder per problem) or --refs/--cands, not both")
+    if refs is not None:
+        return discover_kernelbench(refs, cands)
+    if not dirs:
+        raise click.UsageError("give DIR (one folder per problem with ref.py and cand.py) or --refs DIR --cands DIR")
+    return discover_folders(dirs)
+
+
+# ----------------------------------------------------------------------------- reading an answer back
+def _stage_text(stage) -> str | None:
+    if stage is None:
+        return None
+    from .describe import stage_names
+
+    return f"stage {stage.index} {stage_names(stage)}"
+
+
+def entry_from_result(entry: SuiteEntry, result) -> SuiteEntry:
+    """Fill `entry` from a diff's Result."""
+    from .describe import failure_summary, headline
+
+    entry.verdict = result.verdict
+    entry.headline = headline(result)
+    fd, rc = result.first_divergence, result.root_cause
+    entry.first_divergence = _stage_text(fd)
+    entry.root_cause = _stage_text(rc)
+    findings = (list(rc.diagnosis) if rc is not None else []) or (list(fd.diagnosis) if fd is not None else []) \
+        or (list(result.findings) if result.verdict != "match" else [])
+    entry.diagnosis = findings[0].kind if findings else None
+    entry.diagnosis_detail = findings[0].detail if findings else None
+    entry.error = failure_summary(result.error) if result.error is not None else (
+        entry.headline if result.verdict == "error" else None)
+    return entry
+
+
+def _reason(log_text: str) -> str:
+    """The line of a child's log that says why it failed."""
+    lines = [ln.strip() for ln in log_text.splitlines() if ln.strip()]
+    for pattern in (r"^diffkit: INTERNAL ERROR", r"^diffkit: ERROR", r"^[\w.]*(Error|Exception)\b.*:"):
+        hit = next((ln for ln in reversed(lines) if re.match(pattern, ln)), None)
+        if hit:
+            return hit[:500]
+    return lines[-1][:500] if lines else "no output"
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fingerprint(entry: SuiteEntry, diff_args: list[str]) -> dict:
+    return {"ref": os.path.abspath(entry.ref), "cand": os.path.abspath(entry.cand), "ref_sha256": _sha256(entry.ref),
+            "cand_sha256": _sha256(entry.cand), "diff_args": list(diff_args)}
+
+
+def resumed(entry: SuiteEntry, pair_dir: str, diff_args: list[str]) -> SuiteEntry | None:
+    """The entry as its marker recorded it, when the pair was finished for the same files and options
+    and its result.json is still the one written then and still reads as a Result."""
+    from .result import Result
+
+    marker, rjson = os.path.join(pair_dir, MARKER), os.path.join(pair_dir, "result.json")
+    try:
+        with open(marker, encoding="utf-8") as fh:
+            m = json.load(fh)
+        if {k: m.get(k) for k in ("ref", "cand", "ref_sha256", "cand_sha256", "diff_args")} \
+                != _fingerprint(entry, diff_args):
+            return None
+        if _sha256(rjson) != m.get("result_sha256"):
+            return None
+        with open(rjson, encoding="utf-8") as fh:
+            Result.from_json(fh.read())
+        done = SuiteEntry.from_dict(m["entry"])
+    except Exception:
+        return None
+    done.name, done.ref, done.cand = entry.name, entry.ref, entry.cand
+    return done if done.finished else None
+
+
+# ----------------------------------------------------------------------------- files
+def atomic_write(path: str, text: str) -> None:
+    """Write `text` to `path` so a reader (or an interrupted suite) sees the old file or the new one."""
+    tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
+    with open(tmp, "w", encoding="utf-8", newline="") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def counts(entries: Sequence[SuiteEntry]) -> dict[str, int]:
+    c = {v: 0 for v in ("match", "diverged", "error", "pending")}
+    for e in entries:
+        c[e.verdict or "pending"] += 1
+    return c
+
+
+def summary_json(entries: Sequence[SuiteEntry]) -> str:
+    """summary.json: one object per finished pair (name, verdict, first_divergence, root_cause, report, …)."""
+    keys = ("name", "verdict", "first_divergence", "root_cause", "report", "diagnosis", "diagnosis_detail", "seconds",
+            "error", "headline", "ref", "cand")
+    rows = [{k: getattr(e, k) for k in keys} for e in entries if e.finished]
+    return json.dumps(rows, indent=2, allow_nan=False) + "\n"
+
+
+CSV_COLUMNS = ["name", "verdict", "first_divergence", "root_cause", "diagnosis", "seconds", "report", "error",
+               "headline", "ref", "cand"]
+
+
+def summary_csv(entries: Sequence[SuiteEntry]) -> str:
+    """summary.csv: one row per finished pair; text cells a spreadsheet would take for a formula are escaped."""
+    from .render import csv_safe
+
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerow(CSV_COLUMNS)
+    for e in entries:
+        if e.finished:
+            writer.writerow([csv_safe(v) for v in (getattr(e, k) for k in CSV_COLUMNS)])
+    return buf.getvalue()
+
+
+def _message(e: SuiteEntry) -> str:
+    return e.headline or e.error or e.verdict or ""
+
+
+def junit_xml(entries: Sequence[SuiteEntry], suite: str = "diffkit.suite") -> str:
+    """junit.xml: one testcase per pair; <failure> for diverged, <error> for errored, <skipped> for not run;
+    the pair's report as the property diffkit_report."""
+    from .render import xml_text
+
+    def el(parent, tag, text=None, **attrs):
+        node = ET.SubElement(parent, tag, {k: xml_text(v) for k, v in attrs.items()})
+        if text is not None:
+            node.text = xml_text(text)
+        return node
+
+    root = ET.Element("testsuites")
+    ts = el(root, "testsuite", name=suite)
+    c = counts(entries)
+    total = 0.0
+    for e in entries:
+        case = el(ts, "testcase", classname=suite, name=e.name, time=f"{e.seconds or 0:.3f}")
+        total += e.seconds or 0
+        if e.report:
+            props = el(case, "properties")
+            el(props, "property", name="diffkit_report", value=e.report)
+        detail = "\n".join(x for x in (e.headline, f"reference: {e.ref}" if e.ref else "",
+                                       f"candidate: {e.cand}" if e.cand else "",
+                                       f"diagnosis: {e.diagnosis}: {e.diagnosis_detail}" if e.diagnosis else "",
+                                       f"report: {e.report}" if e.report else "") if x)
+        if e.verdict == "diverged":
+            el(case, "failure", detail, message=_message(e), type="diverged")
+        elif e.verdict == "error":
+            el(case, "error", detail or e.error, message=e.error or _message(e), type="error")
+        elif e.verdict is None:
+            el(case, "skipped", message="not run (the suite was interrupted or is still running)")
+    for k, v in (("tests", len(entries)), ("failures", c["diverged"]), ("errors", c["error"]),
+                 ("skipped", c["pending"]), ("time", f"{total:.3f}")):
+        ts.set(k, str(v))
+    return ET.tostring(root, encoding="UTF-8", xml_declaration=True).decode("utf-8") + "\n"
+
+
+def summary_markdown(entries: Sequence[SuiteEntry], title: str = "diffkit suite") -> str:
+    """summary.md: counts and a table of pairs (errors and divergences first), for a CI job summary."""
+    from .render import md_code, md_escape
+
+    icon = {"match": "✅", "diverged": "❌", "error": "💥", None: "⏳"}
+    c = counts(entries)
+    parts = [f"{c['match']} match", f"{c['diverged']} diverged", f"{c['error']} error"]
+    if c["pending"]:
+        parts.append(f"{c['pending']} not run")
+    lines = [f"## {md_escape(title)}: {', '.join(parts)} ({len(entries)} pairs)", "",
+             "| | pair | verdict | first divergence | root cause | diagnosis | time |", "|---|---|---|---|---|---|---|"]
+    order = {v: i for i, v in enumerate(VERDICT_ORDER)}
+    for e in sorted(entries, key=lambda x: order.get(x.verdict, len(order))):
+        first = e.first_divergence or (e.error if e.verdict == "error" else None)
+        lines.append(f"| {icon.get(e.verdict, '')} | {md_code(e.name)} | {md_escape(e.verdict or 'not run')} | "
+                     f"{md_escape(first or '–')} | {md_escape(e.root_cause or '–')} | "
+                     f"{md_escape(e.diagnosis or '–')} | "
+                     f"{'' if e.seconds is None else f'{e.seconds:.1f} s'} |")
+    return "\n".join(lines) + "\n"
+
+
+def index_html(entries: Sequence[SuiteEntry], title: str = "diffkit suite", note: str = "") -> str:
+    """index.html: a table of the pairs linking each pair's report (Jinja2, autoescaped)."""
+    from .render import VERDICT_COLOUR, template
+
+    return template("suite.html").render(title=title, entries=list(entries), counts=counts(entries), note=note,
+                                         colours=dict(VERDICT_COLOUR, pending="#999999"),
+                                         written=time.strftime("%Y-%m-%d %H:%M:%S"))
+
+
+def write_summaries(entries: Sequence[SuiteEntry], out_dir: str, note: str = "") -> dict[str, str]:
+    """Every summary file, each replaced atomically."""
+    os.makedirs(out_dir, exist_ok=True)
+    texts = {"index.html": index_html(entries, note=note), "summary.json": summary_json(entries),
+             "summary.csv": summary_csv(entries), "junit.xml": junit_xml(entries),
+             "summary.md": summary_markdown(entries)}
+    paths = {}
+    for name, text in texts.items():
+        paths[name] = os.path.join(out_dir, name)
+        atomic_write(paths[name], text)
+    return paths
+
+
+def exit_code(entries: Sequence[SuiteEntry]) -> int:
+    """0 all match, 1 any diverged (none errored), 2 any errored or not run."""
+    verdicts = {e.verdict for e in entries}
+    if "error" in verdicts or None in verdicts:
+        return 2
+    return 1 if "diverged" in verdicts else 0
+
+
+# ----------------------------------------------------------------------------- running
+def visible_gpus() -> list[str]:
+    """The ids to put in each child's CUDA_VISIBLE_DEVICES, one per visible GPU ([] without CUDA)."""
+    try:
+        import torch
+
+        n = torch.cuda.device_count()
+    except Exception:
+        return []
+    given = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if given is not None and given.strip():
+        ids = [x.strip() for x in given.split(",") if x.strip()]
+        return ids[:n]
+    return [str(i) for i in range(n)]
+
+
+def worker_slots(workers: int | None, device: str | None) -> list[str | None]:
+    """One entry per worker: the GPU it owns (None on CPU).  One worker per GPU unless --workers."""
+    gpus = [] if device == "cpu" else visible_gpus()
+    if gpus:
+        n = workers or len(gpus)
+        return [gpus[i % len(gpus)] for i in range(n)]
+    return [None] * (workers or 1)
+
+
+class Runner:
+    """Runs pairs in child processes, a pool of workers each owning a slot (a GPU or a CPU share)."""
+
+    def __init__(self, out_dir: str, diff_args: list[str], slots: list[str | None], deadline: float | None):
+        self.out_dir, self.diff_args, self.deadline = out_dir, diff_args, deadline
+        self.slots: queue.Queue = queue.Queue()
+        for s in slots:
+            self.slots.put(s)
+        self.workers = len(slots)
+        self.stop = threading.Event()
+        self._procs: set[subprocess.Popen] = set()
+        self._lock = threading.Lock()
+        self.running: set[str] = set()  # names of the pairs whose child is running
+
+    def pair_dir(self, entry: SuiteEntry) -> str:
+        return os.path.join(self.out_dir, entry.name)
+
+    def in_flight(self) -> list[str]:
+        with self._lock:
+            return list(self.running)
+
+    def command(self, entry: SuiteEntry) -> list[str]:
+        d = self.pair_dir(entry)
+        return [sys.executable, "-m", "diffkit.cli", "diff", entry.ref, entry.cand, "--report-dir", d,
+                "--json", os.path.join(d, "result.json"), *self.diff_args]
+
+    def run(self, entry: SuiteEntry) -> SuiteEntry:
+        """Diff one pair; an entry with verdict None when the suite was stopped before it finished."""
+        if self.stop.is_set():
+            return entry
+        slot = self.slots.get()
+        try:
+            return self._run(entry, slot)
+        finally:
+            self.slots.put(slot)
+
+    def _run(self, entry: SuiteEntry, slot: str | None) -> SuiteEntry:
+        d = self.pair_dir(entry)
+        os.makedirs(d, exist_ok=True)
+        for stale in (MARKER, "result.json"):  # a half-run pair must never look finished
+            try:
+                os.remove(os.path.join(d, stale))
+            except FileNotFoundError:
+                pass
+        env = dict(os.environ)
+        if slot is not None:
+            env["CUDA_VISIBLE_DEVICES"] = slot
+        log_path = os.path.join(d, LOG)
+        start = time.monotonic()
+        why = None
+        with open(log_path, "w", encoding="utf-8") as log:
+            log.write("$ " + " ".join(self.command(entry)) + (f"  (CUDA_VISIBLE_DEVICES={slot})" if slot else "")
+                      + "\n")
+            log.flush()
+            with self._lock:
+                if self.stop.is_set():
+                    return entry
+                # its own process group: stopping it stops what it started (the per-side children, ninja …)
+                proc = subprocess.Popen(self.command(entry), stdout=log, stderr=subprocess.STDOUT, env=env,
+                                        stdin=subprocess.DEVNULL, start_new_session=True)
+                self._procs.add(proc)
+                self.running.add(entry.name)
+            try:
+                code = proc.wait(timeout=self.deadline)
+            except subprocess.TimeoutExpired:
+                _stop(proc)
+                code, why = proc.returncode, f"did not finish within {self.deadline:g} s and was stopped by the suite"
+            finally:
+                with self._lock:
+                    self._procs.discard(proc)
+                    self.running.discard(entry.name)
+        seconds = round(time.monotonic() - start, 3)
+        if self.stop.is_set() and (why is not None or code not in (0, 1, 2)):
+            return entry  # stopped by the suite: not an answer, run again on --resume
+        entry = dataclasses.replace(entry, seconds=seconds)
+        with open(log_path, encoding="utf-8", errors="replace") as fh:
+            log_text = fh.read()
+        return self._answer(entry, code, why, log_text)
+
+    def _answer(self, entry: SuiteEntry, code: int | None, why: str | None, log_text: str) -> SuiteEntry:
+        from .result import Result
+
+        d = self.pair_dir(entry)
+        rjson = os.path.join(d, "result.json")
+        if os.path.exists(os.path.join(d, "index.html")):
+            entry.report = f"{entry.name}/index.html"
+        entry.log = f"{entry.name}/{LOG}"
+        result, unreadable = None, None
+        if why is None and code in (0, 1, 2) and os.path.exists(rjson):
+            try:
+                with open(rjson, encoding="utf-8") as fh:
+                    result = Result.from_json(fh.read())
+            except Exception as e:
+                unreadable = f"its result.json does not read back ({type(e).__name__}: {e})"
+        if result is not None:
+            entry_from_result(entry, result)
+            expected = {"match": 0, "diverged": 1, "error": 2}.get(result.verdict)
+            if code != expected:  # e.g. the report could not be written: the diff said so and exited 2
+                entry.verdict, entry.error = "error", f"diff exited {code}: {_reason(log_text)}"
+            else:
+                marker = {**_fingerprint(entry, self.diff_args), "result_sha256": _sha256(rjson),
+                          "entry": entry.to_dict()}
+                atomic_write(os.path.join(d, MARKER), json.dumps(marker, indent=2) + "\n")
+            return entry
+        if why is None:
+            if code is not None and code < 0:
+                why = f"killed by {signal.Signals(-code).name}"
+            elif code == 3:
+                why = "internal error of diffkit"
+            else:
+                why = f"exited with status {code}"
+        entry.verdict = "error"
+        entry.error = f"the diff {why}: {unreadable or _reason(log_text)}"
+        entry.headline = f"diffkit: ERROR: {entry.error}"
+        return entry
+
+    def stop_all(self) -> None:
+        """Stop every running child (SIGTERM to its group, then SIGKILL)."""
+        self.stop.set()
+        with self._lock:
+            procs = list(self._procs)
+        threads = [threading.Thread(target=_stop, args=(p,), daemon=True) for p in procs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    from .cli import _stop as stop_group
+
+    stop_group(proc)
+
+
+class _Progress:
+    """A rich progress bar on a terminal; plain lines otherwise (CI logs, pipes)."""
+
+    def __init__(self, total: int, interactive: bool):
+        self.total, self.done, self.interactive = total, 0, interactive
+        self._bar = None
+        if interactive:
+            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn,
+                                       TimeElapsedColumn)
+
+            self._bar = Progress(SpinnerColumn(), TextColumn("[bold]diffkit suite"), BarColumn(), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), TextColumn("{task.description}"), transient=False)
+            self._task = self._bar.add_task("", total=total)
+
+    def __enter__(self):
+        if self._bar is not None:
+            self._bar.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self._bar is not None:
+            self._bar.__exit__(*exc)
+
+    def advance(self, entry: SuiteEntry, skipped: bool = False) -> None:
+        self.done += 1
+        secs = "" if entry.seconds is None else f" ({entry.seconds:.1f} s)"
+        what = "resumed: " if skipped else ""
+        detail = entry.first_divergence if entry.verdict == "diverged" else (
+            entry.error if entry.verdict == "error" else "")
+        line = f"[{self.done}/{self.total}] {entry.name}: {what}{entry.verdict}{secs}"
+        line += f" — {detail}" if detail else ""
+        if self._bar is not None:
+            from rich.markup import escape
+
+            colour = {"match": "green", "diverged": "red", "error": "magenta"}.get(entry.verdict or "", "white")
+            self._bar.console.print(f"[{colour}]{escape(line)}[/{colour}]", highlight=False)
+            self._bar.update(self._task, advance=1)
+        else:
+            click.echo(line)
+
+    def running(self, names) -> None:
+        """Name the pairs in flight beside the bar (a terminal only)."""
+        if self._bar is not None:
+            from rich.markup import escape
+
+            text = ", ".join(sorted(names, key=_natural))
+            self._bar.update(self._task, description=escape(text if len(text) <= 60 else text[:59] + "…"))
+
+
+def run_suite(entries: list[SuiteEntry], out_dir: str, diff_args: list[str], *, slots: list[str | None] | None = None,
+              timeout: float | None = None, resume: bool = False,
+              interactive: bool = False) -> tuple[list[SuiteEntry], int | None]:
+    """Run every runnable pair (`slots`: one per worker, see `worker_slots`); return the entries and the
+    signal that stopped the suite (None when it ran to the end).  The summary files are rewritten after
+    each finished pair, so an interrupted suite leaves valid ones."""
+    os.makedirs(out_dir, exist_ok=True)
+    slots = slots or [None]
+    deadline = (2 * timeout + GRACE_S) if timeout else None
+    runner = Runner(out_dir, diff_args, slots, deadline)
+    entries = list(entries)
+    todo: list[int] = []
+    with _Progress(len(entries), interactive) as progress:
+        for i, e in enumerate(entries):
+            if not e.runnable:
+                progress.advance(e)
+                continue
+            if resume:
+                done = resumed(e, runner.pair_dir(e), diff_args)
+                if done is not None:
+                    entries[i] = done
+                    progress.advance(done, skipped=True)
+                    continue
+            todo.append(i)
+        write_summaries(entries, out_dir)
+        stopped: list[int] = []
+
+        def handler(signum, frame):
+            stopped.append(signum)
+            runner.stop.set()
+
+        old = {}
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                old[sig] = signal.signal(sig, handler)
+            except ValueError:  # not the main thread
+                pass
+        try:
+            with cf.ThreadPoolExecutor(max_workers=max(1, runner.workers), thread_name_prefix="diffkit-suite") as pool:
+                futures = {pool.submit(runner.run, entries[i]): i for i in todo}
+                pending = set(futures)
+
+                def collect(finished) -> None:
+                    for f in finished:
+                        i = futures[f]
+                        if f.cancelled():
+                            continue
+                        try:
+                            e = f.result()
+                        except Exception as exc:  # the runner itself failed: this pair errors, the others go on
+                            e = dataclasses.replace(entries[i], verdict="error", error=f"the suite could not run "
+                                                    f"this pair: {type(exc).__name__}: {exc}")
+                        if e.finished:
+                            entries[i] = e
+                            progress.advance(e)
+                            write_summaries(entries, out_dir)
+
+                while pending:
+                    done_now, pending = cf.wait(pending, timeout=0.25, return_when=cf.FIRST_COMPLETED)
+                    collect(done_now)
+                    progress.running(runner.in_flight())
+                    if runner.stop.is_set():
+                        for f in pending:
+                            f.cancel()
+                        runner.stop_all()
+                        collect(cf.wait(pending).done)
+                        break
+        finally:
+            for sig, h in old.items():
+                signal.signal(sig, h)
+            note = (f"interrupted by {signal.Signals(stopped[0]).name}: {counts(entries)['pending']} pairs not run; "
+                    f"--resume runs them") if stopped else ""
+            write_summaries(entries, out_dir, note=note)
+    return entries, (stopped[0] if stopped else None)
+
+
+# ----------------------------------------------------------------------------- the command
+def _diff_options() -> list[click.Option]:
+    """The options of `diffkit diff` a suite passes through (only those `diff` has)."""
+    from .cli import diff
+
+    by_name = {p.name: p for p in diff.params if isinstance(p, click.Option)}
+    return [by_name[n] for n in PASS_THROUGH if n in by_name]
+
+
+def diff_argv(ctx: click.Context, values: dict[str, Any]) -> list[str]:
+    """The pass-through options given on the command line, as `diffkit diff` arguments."""
+    from click.core import ParameterSource
+
+    argv: list[str] = []
+    for opt in _diff_options():
+        if ctx.get_parameter_source(opt.name) in (None, ParameterSource.DEFAULT):
+            continue
+        value = values.get(opt.name)
+        if opt.is_flag:
+            if opt.is_bool_flag:
+                if value:
+                    argv.append(opt.opts[0])
+                elif opt.secondary_opts:
+                    argv.append(opt.secondary_opts[0])
+            elif value == opt.flag_value:
+                argv.append(opt.opts[0])
+        elif value is None:
+            continue
+        elif opt.multiple:
+            for v in value:
+                argv += [opt.opts[0], *(map(str, v) if opt.nargs > 1 else [str(v)])]
+        elif opt.nargs > 1:
+            argv += [opt.opts[0], *map(str, value)]
+        else:
+            argv += [opt.opts[0], str(value)]
+    return argv
+
+
+class SuiteCommand(click.Command):
+    """`suite` with the pass-through options of `diff` added when the command line is parsed."""
+
+    def get_params(self, ctx: click.Context) -> list[click.Parameter]:
+        params = super().get_params(ctx)
+        own = {p.name for p in params}
+        extra = [p for p in _diff_options() if p.name not in own]
+        help_opt = self.get_help_option(ctx)
+        if help_opt is not None and params and params[-1] is help_opt:
+            return [*params[:-1], *extra, help_opt]
+        return [*params, *extra]
+
+
+@click.command(cls=SuiteCommand, name="suite")
+@click.argument("dirs", metavar="[DIR]...", nargs=-1, type=click.Path(file_okay=False))
+@click.option("--refs", type=click.Path(file_okay=False), default=None,
+              help="folder of KernelBench references (<N>_*.py); pairs with --cands")
+@click.option("--cands", type=click.Path(file_okay=False), default=None,
+              help="folder of candidates (level_<L>_problem_<N>_sample_<S>_kernel.py, or named after a reference)")
+@click.option("--report-dir", "report_dir", type=click.Path(file_okay=False), default=os.path.join("reports", "suite"),
+              show_default=True, help="each pair's report in <name>/, and index.html, summary.json, summary.csv, "
+                                      "junit.xml, summary.md")
+@click.option("--workers", type=click.IntRange(min=1), default=None,
+              help="pairs at once (default: one per visible GPU, else 1)")
+@click.option("--select", "select", multiple=True, metavar="GLOB",
+              help="run only the pairs whose names match this glob (repeatable), e.g. 'level_2_*'")
+@click.option("--resume", is_flag=True,
+              help="skip pairs already answered for the same files and options (their report's suite.json)")
+@click.pass_context
+def suite(ctx, dirs, refs, cands, report_dir, workers, select, resume, **passthrough):
+    """Diff many pairs, each in its own process: DIR holds one folder per problem (ref.py, cand.py), or
+    --refs/--cands pair KernelBench-named files.  Writes each pair's report and index.html, summary.json,
+    summary.csv, junit.xml and summary.md under --report-dir.
+
+    Exit code: 0 all match, 1 any diverged, 2 any errored (or a bad flag), 130/143 interrupted."""
+    entries = discover(dirs, refs, cands)
+    if select:
+        import fnmatch
+
+        entries = [e for e in entries if any(fnmatch.fnmatchcase(e.name, g) for g in select)]
+    if not entries:
+        raise click.UsageError(f"no pairs found in {', '.join(dirs) if dirs else cands}"
+                               + (f" matching {', '.join(select)}" if select else ""))
+    argv = diff_argv(ctx, passthrough)
+    interactive = sys.stdout.isatty()
+    slots = worker_slots(workers, passthrough.get("device"))
+    where = (f"{len(slots)} worker(s) on GPU {', '.join(sorted(set(s for s in slots if s), key=_natural))}"
+             if any(s is not None for s in slots) else f"{len(slots)} worker(s) on CPU")
+    click.echo(f"diffkit suite: {len(entries)} pairs, {where} -> {report_dir}")
+    entries, stopped = run_suite(entries, report_dir, argv, slots=slots, timeout=passthrough.get("timeout"),
+                                 resume=resume, interactive=interactive)
+    c = counts(entries)
+    click.echo(f"diffkit suite: {c['match']} match, {c['diverged']} diverged, {c['error']} error"
+               + (f", {c['pending']} not run" if c["pending"] else "")
+               + f"; {os.path.join(report_dir, 'index.html')}")
+    if stopped is not None:
+        sys.exit(128 + stopped)
+    sys.exit(exit_code(entries))
