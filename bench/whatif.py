@@ -25,7 +25,7 @@ CASES = ["transformer_block_no_scale.py", "transformer_block_mlp_bias.py", "tran
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
-    ap.add_argument("--budget", type=int, default=400)
+    ap.add_argument("--budget", type=int, default=1000)
     a = ap.parse_args()
     import diffkit
     from test_whatif import _expect

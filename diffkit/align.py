@@ -187,6 +187,11 @@ def _rel_err(c: torch.Tensor, r: torch.Tensor) -> float:
     r = r.reshape(-1).to(work)
 
     def norms(c, r):
+        if work == torch.float32:
+            # float32 norms (no widened copies); exact enough for a relative error, and checked for overflow
+            d, s = float(torch.linalg.vector_norm(c - r)), float(torch.linalg.vector_norm(r))
+            if math.isfinite(d) and math.isfinite(s):
+                return d, s
         return (float(torch.linalg.vector_norm(c - r, dtype=torch.float64)),
                 float(torch.linalg.vector_norm(r, dtype=torch.float64)))
 
@@ -286,9 +291,9 @@ def _best_permutation(cand: torch.Tensor, ref: torch.Tensor, best: Layout) -> La
     if not options:
         return best
     # screen every layout on the same sampled positions at once, then check the best two in full
-    cf = cand.reshape(-1).to(torch.float64)
+    cf = cand.reshape(-1)
     rj = ref.reshape(-1)[j.to(ref.device)].to(torch.float64)
-    cs = cf[idx.to(cf.device)]
+    cs = cf[idx.to(cf.device)].to(torch.float64)  # the sampled positions only, not the whole tensor, widened
     ok = torch.isfinite(cs) & torch.isfinite(rj)
     d = torch.where(ok, cs - rj, 0.0).norm(dim=1)
     scale = torch.where(ok, rj.expand_as(cs), 0.0).norm(dim=1)

@@ -276,11 +276,17 @@ def path_key(k: Any) -> Any:
 
 
 def _storage_key(t: torch.Tensor) -> int | None:
-    """The address of the memory a tensor's elements live in (shared by all its views), or None."""
+    """The address of the memory a tensor's elements live in (shared by all its views), or None
+    (no memory: empty, sparse, nested or meta tensors).  Computed from the tensor's own address and
+    offset (a storage object costs more to make, and this runs for every argument of every op)."""
     try:
-        return t.untyped_storage().data_ptr()
+        key = t.data_ptr() - t.storage_offset() * t.element_size()
     except (RuntimeError, NotImplementedError, AttributeError):
-        return None  # sparse, nested or meta tensors hold no plain storage
+        try:
+            key = t.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError, AttributeError):
+            return None
+    return key or None
 
 
 def _snapshot(t: torch.Tensor) -> torch.Tensor:

@@ -158,12 +158,12 @@ def main() -> None:
               help="which statistic of the error must stay within tolerance, per stage and for the output: every "
                    "element (torch.allclose's rule, KernelBench's), or max/mean/median |c - r| <= atol + rtol x the "
                    "same statistic of |r|")
-@click.option("--explain-budget", type=click.IntRange(min=0), default=400, show_default=True,
+@click.option("--explain-budget", type=click.IntRange(min=0), default=1000, show_default=True,
               help="forwards of the reference the what-if search may spend")
 def diff(ref_path, cand_path, atol, rtol, seed, device, json_path, csv_path, strict, train, full, tolerance,
          reinit_zero, report_dir, no_report, html_path, md_path, junit_path, no_isolate, timeout, max_memory, stream,
          only, stop_at_first, sanitize, stream_dir, side_only, ref_capture, trials=5, eval_mode=False,
-         sync_weights=False, explain=None, explain_budget=400, stat="elementwise"):
+         sync_weights=False, explain=None, explain_budget=1000, stat="elementwise"):
     """Compare candidate CAND (a ModelNew file) with reference REF (a Model file), stage by stage.
 
     Either side may instead be a capture directory written by `diffkit capture -o`: a candidate file

@@ -457,9 +457,22 @@ CHUNK_HOST = 1 << 16
 
 
 def _measure_host(r: torch.Tensor, c: torch.Tensor, atol: float, rtol: float, shape) -> PendingStats:
+    # one thread: the passes over a cache-sized chunk are short, and waking a thread pool for each
+    # costs more than the pass (and stalls badly when the cores are shared)
+    threads = torch.get_num_threads()
+    if threads == 1:
+        return _measure_host_1(r, c, atol, rtol, shape)
+    torch.set_num_threads(1)
+    try:
+        return _measure_host_1(r, c, atol, rtol, shape)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _measure_host_1(r: torch.Tensor, c: torch.Tensor, atol: float, rtol: float, shape) -> PendingStats:
     """The CPU path: per cache-sized chunk, d = |c - r| and e = d - rtol * |r| in the working
-    precision, their maxima, and the sums of d, d², r², c² accumulated in float64 — about a dozen
-    vectorised passes that each read data already in cache.  Where an element is out of tolerance
+    precision, their maxima, and the sums of d, d², r², c² (float32 within a chunk, float64 across
+    chunks) — about a dozen vectorised passes that each read data already in cache.  Where an element is out of tolerance
     the chunk also counts them; a chunk holding a NaN or an infinity takes the exact float64 path
     (`_partials`, which owns the NaN/Inf rules).  The worst element's index is looked up once, in
     the chunk that holds it.  Same numbers as `_packed_exact` up to float32 rounding of single
@@ -493,10 +506,9 @@ def _measure_host(r: torch.Tensor, c: torch.Tensor, atol: float, rtol: float, sh
             mism += int(torch.count_nonzero(e > atol))
         rel = torch.div(d, ra).nan_to_num_(nan=0.0, posinf=0.0)  # over r != 0 only
         max_rel = max(max_rel, float(rel.amax()))
-        sum_abs += float(d.sum(dtype=f64))
-        dd = float(torch.linalg.vecdot(d, d) if work == f64 else d.square().sum(dtype=f64))
-        rr = float(a.square().sum(dtype=f64))
-        cc = float(b.square().sum(dtype=f64))
+        # sums within a chunk by vectorised (blocked, cascade) float32 kernels; across chunks in float64
+        sum_abs += float(d.sum())
+        dd, rr, cc = float(torch.dot(d, d)), float(torch.dot(a, a)), float(torch.dot(b, b))
         diff_sq, ref_sq, cand_sq, dot = diff_sq + dd, ref_sq + rr, cand_sq + cc, dot + (rr + cc - dd) / 2
         if max_abs_chunk is None or dmax > max_abs:
             max_abs, max_abs_chunk = dmax, start

@@ -119,7 +119,7 @@ class Options:
     stop_at_first: bool = False
     stream_dir: str | None = None
     explain: bool | None = None
-    explain_budget: int = 400
+    explain_budget: int = 1000
 
     def __post_init__(self):
         if isinstance(self.trials, bool) or not isinstance(self.trials, int) or self.trials < 1:

@@ -43,7 +43,7 @@ PRIOR = {k: i for i, k in enumerate(("drop_bias", "scale", "transposed_weight", 
                                      "clamp"))}
 assert set(PRIOR) == set(KINDS)
 
-DEFAULT_BUDGET = 400  # forwards of the reference a search may spend
+DEFAULT_BUDGET = 1000  # forwards of the reference a search may spend
 EPSILONS = (1e-5, 1e-6, 1e-12, 1e-8, 1e-3)
 TAIL_BLOCKS = (8, 16, 32, 64, 128, 256)
 
@@ -464,6 +464,13 @@ def catalogue(rec: Record, model: torch.nn.Module | None, constants: Sequence[fl
         for start in starts:
             add("unwritten_tail", f"`{stage}` leaves axis {d} from {start} on ({n - start} of {n}) unwritten (zero)",
                 lambda call, o, d=d, start=start: _zero_tail(o, d, start))
+    if len(shape) > 2:
+        # the leading axes flattened into rows of a matrix (a kernel tiling [rows, features])
+        rows = math.prod(shape[:-1])
+        for start in sorted({rows - rows % b for b in TAIL_BLOCKS if rows > b and rows % b}, reverse=True):
+            add("unwritten_tail", f"`{stage}` leaves rows {start}..{rows - 1} of its [{rows}, {shape[-1]}] matrix "
+                                  f"view unwritten (zero)",
+                lambda call, o, start=start: _zero_row_tail(o, start))
     numel = math.prod(shape)
     if len(shape) > 1:
         for start in sorted({numel - numel % b for b in TAIL_BLOCKS if numel > b and numel % b}, reverse=True):
@@ -508,6 +515,12 @@ def _zero_tail(o: torch.Tensor, d: int, start: int) -> torch.Tensor:
     y = o.clone()
     y.narrow(d, start, o.shape[d] - start).zero_()
     return y
+
+
+def _zero_row_tail(o: torch.Tensor, start: int) -> torch.Tensor:
+    y = o.contiguous().clone()
+    y.view(-1, o.shape[-1])[start:].zero_()
+    return y.reshape(o.shape)
 
 
 def _zero_flat_tail(o: torch.Tensor, start: int) -> torch.Tensor:
@@ -754,31 +767,41 @@ def search(s: Search, model_consts: Sequence[float] = (), records: Sequence[Reco
         rec = by_index.get(i)
         if rec is not None:
             variants += catalogue(rec, s.model, model_consts, shapes)
-    # the same mistake at every call of the same code (a kernel the candidate uses for several stages)
-    groups: dict[tuple, list[Variant]] = {}
-    for v in variants:
-        rec = by_index[v.site]
-        groups.setdefault((rec.file, rec.line, rec.op, v.kind, v.detail.replace(f"`{v.stage}`", "``")), []).append(v)
-    runs: list[tuple[list[Variant], bool]] = [([v], False) for v in variants]
-    runs += [(g, True) for g in groups.values() if len({v.site for v in g}) > 1]
     # a fair share of the budget for every kind at every site: the first variant of each (site, kind)
     # first, commoner mistakes and later sites first among those, then the second variants, and so on
     nth: dict[tuple, int] = {}
     order = []
-    for vs, same in runs:
-        key = (vs[0].site, vs[0].kind, same)
-        order.append((nth.get(key, 0), PRIOR[vs[0].kind], same, -vs[0].site))
+    for v in variants:
+        key = (v.site, v.kind)
+        order.append((nth.get(key, 0), PRIOR[v.kind], -v.site))
         nth[key] = nth.get(key, 0) + 1
-    runs = [r for _, r in sorted(zip(order, runs), key=lambda x: x[0])]
-    total = min(len(runs), s.budget)
+    variants = [v for _, v in sorted(zip(order, variants), key=lambda x: x[0])]
+    baseline = _evaluate(s, [])  # the reference as it is: how far the candidate is without a mistake planted
+    before = baseline.rel_l2 if baseline is not None else math.inf
+    total = min(len(variants), s.budget)
     results: list[WhatIf] = []
-    for k, (vs, same) in enumerate(runs[:s.budget]):
+    closer: set[int] = set()  # variants (by id) that bring the reference closer to the candidate
+    for k, v in enumerate(variants[:s.budget]):
         s.tried += 1
-        w = _evaluate(s, vs, same)
+        w = _evaluate(s, [v])
         if w is not None:
             results.append(w)
+            if w.rel_l2 < before:
+                closer.add(id(v))
         if s.progress is not None:
             s.progress(k + 1, total)
+    # the same mistake at every call of the same code (a kernel the candidate uses for several stages),
+    # for mistakes that brought the reference closer at one of those calls
+    groups: dict[tuple, list[Variant]] = {}
+    for v in variants:
+        rec = by_index[v.site]
+        groups.setdefault((rec.file, rec.line, rec.op, v.kind, v.detail.replace(f"`{v.stage}`", "``")), []).append(v)
+    for g in groups.values():
+        if len({v.site for v in g}) > 1 and any(id(v) in closer for v in g) and s.forwards < 2 * s.budget:
+            s.tried += 1
+            w = _evaluate(s, g, same_code=True)
+            if w is not None:
+                results.append(w)
     results.sort(key=rank_key)
     if results and not results[0].explains and pairs > 1:
         top: list[WhatIf] = []

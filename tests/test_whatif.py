@@ -49,7 +49,7 @@ def _cases(device="cpu"):
 
 
 def _check(name, exp, device=None):
-    opts = dict(trials=1, device=device) if device else dict(trials=1)
+    opts = dict(device=device) if device else {}  # KernelBench's five trials: a mistake may show on a later one
     result = diffkit.diff_files(os.path.join(REFS, exp["reference"]), os.path.join(FUSED, name), **opts)
     if exp.get("verdict") == "match":
         assert result.verdict == "match", result.summary_line()
@@ -62,8 +62,10 @@ def _check(name, exp, device=None):
     top = [(w["kind"], w["stage"], w["max_abs_after"]) for w in result.what_if[:4]]
     assert best["explains"], top
     names = {n for m in best["mutations"] for n in [m["stage"], *m["aliases"]]}
-    # the planted mistake, alone or made again wherever the fused kernel repeats the same code
-    assert best["kind"] == want["kind"] and want["stage"] in names, top
+    # the planted mistake, alone or made again wherever the fused kernel repeats the same code; at the
+    # stage named, or at a record inside that module (the mean inside an RMSNorm)
+    assert best["kind"] == want["kind"], top
+    assert any(n == want["stage"] or n.startswith(want["stage"] + ".") for n in names), top
     assert best["max_abs_after"] <= best["max_abs_before"]
 
 
