@@ -656,7 +656,8 @@ class AlignState:
         """Both sides' covers (see `covers`) under the pairs made so far."""
         rf, cf = self.flows()
         paired = self.paired_ref
-        return (covers(rf, lambda i: i if i in paired else None), covers(cf, self.partner))
+        partners = {ci: p.ref for ci, p in self.pairs.items()}
+        return (covers(rf, {i: i for i in paired}.get), covers(cf, partners.get))
 
     def compatible(self, ci: int, ri: int, ccov: list[Cover], rcov: list[Cover]) -> bool:
         """`compatible` for one candidate and one reference record, under the given covers."""

@@ -249,20 +249,30 @@ def _tensors(obj: Any) -> list[tuple[tuple, torch.Tensor]]:
     return [(tuple(path_key(k) for k in path), v) for path, v in flat if isinstance(v, torch.Tensor)]
 
 
+_ATOMS = (int, float, bool, str, torch.dtype, torch.device, slice, type(None), type(Ellipsis))
+
+
 def _map_tensors(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
     """`pytree.tree_map(fn, obj)` applied to tensors only, with plain tuples, lists and dicts walked
     directly (a call's arguments, once per recorded op: the generic walk costs more than the rest
     of recording); other containers (named tuples, registered nodes) go through pytree."""
     t = type(obj)
-    if t is tuple:
-        return tuple(_map_tensors(fn, o) for o in obj)
-    if t is list:
-        return [_map_tensors(fn, o) for o in obj]
+    if t is tuple or t is list:
+        out = []
+        for o in obj:
+            to = type(o)
+            if to is torch.Tensor or to is torch.nn.Parameter:
+                out.append(fn(o))
+            elif to in _ATOMS:
+                out.append(o)
+            else:
+                out.append(_map_tensors(fn, o))
+        return tuple(out) if t is tuple else out
     if t is dict:
         return {k: _map_tensors(fn, v) for k, v in obj.items()}
     if isinstance(obj, torch.Tensor):
         return fn(obj)
-    if obj is None or t in (int, float, bool, str, torch.dtype, torch.device, slice):
+    if t in _ATOMS:
         return obj
     return pytree.tree_map(lambda o: fn(o) if isinstance(o, torch.Tensor) else o, obj)
 

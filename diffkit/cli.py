@@ -318,6 +318,78 @@ def _stop(proc) -> None:
             continue
 
 
+class _Forked:
+    """A child process forked from this one (torch and diffkit already imported: no interpreter start,
+    no imports), running `diffkit ARGS` in its own session with `env` and its stderr to `err`.  The
+    subset of subprocess.Popen the isolation uses: pid, wait(timeout), poll()."""
+
+    def __init__(self, args: list[str], env: dict, err):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # the child: never returns
+            code = 1
+            try:
+                import signal
+
+                os.setsid()  # its own process group, as start_new_session gives a subprocess
+                os.dup2(err.fileno(), 2)
+                for sig in (signal.SIGTERM, signal.SIGINT):
+                    signal.signal(sig, signal.SIG_DFL)
+                os.environ.clear()
+                os.environ.update(env)
+                from . import capture as _capture
+
+                _capture._BREADCRUMB = env.get("DIFFKIT_BREADCRUMB", "")  # read at import in a fresh process
+                sys.argv = ["diffkit", *args]
+                main.main(args=list(args), prog_name="diffkit", standalone_mode=True)
+                code = 0
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            except BaseException:
+                import traceback
+
+                traceback.print_exc()
+            finally:
+                try:
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                finally:
+                    os._exit(code)
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            done, status = os.waitpid(self.pid, os.WNOHANG)
+            if done:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        import subprocess
+        import time
+
+        end = None if timeout is None else time.monotonic() + timeout
+        delay = 0.001
+        while self.poll() is None:
+            if end is not None and time.monotonic() >= end:
+                raise subprocess.TimeoutExpired(["diffkit"], timeout)
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+        return self.returncode
+
+
+def _can_fork() -> bool:
+    """Children are forked from this process (saving an interpreter start and torch's import each)
+    on POSIX while CUDA is not initialised here; DIFFKIT_NO_FORK=1 asks for fresh interpreters."""
+    if not hasattr(os, "fork") or os.environ.get("DIFFKIT_NO_FORK"):
+        return False
+    import torch
+
+    return not (torch.cuda.is_available() and torch.cuda.is_initialized())
+
+
 # the reference child hands its values over through shared memory (tmpfs) when there is room for them
 SHM = "/dev/shm"
 SHM_MIN_FREE = 1 << 30
@@ -373,10 +445,14 @@ def _isolated(argv, ref_path, cand_path, options: Options, timeout, out: _Output
         steps.append((cand_cmd, cand_env, "done"))
         errlog = os.path.join(tmp, "stderr")
         code, why, err_text = 0, None, ""
+        fork = _can_fork()
         for cmd, cenv, marker in steps:
             with open(errlog, "w") as err_fh:
                 # its own process group, so stopping it also stops what it started (compute-sanitizer, ninja)
-                proc = subprocess.Popen(cmd, env=cenv, stderr=err_fh, start_new_session=True)
+                if fork and cmd[:3] == base[:3]:  # diffkit itself (not wrapped in compute-sanitizer)
+                    proc = _Forked(cmd[3:], cenv, err_fh)
+                else:
+                    proc = subprocess.Popen(cmd, env=cenv, stderr=err_fh, start_new_session=True)
                 try:
                     code = proc.wait(timeout=timeout or None)
                     why = None if code >= 0 else f"killed by {signal.Signals(-code).name}"

@@ -13,6 +13,22 @@ def _exact(r, c, atol, rtol):
     return pending.result(), pending
 
 
+def _assert_agrees_with_exact(r, c, atol, rtol):
+    """The fast path's Stats equal the exact float64 path's: counts exactly (the rule runs in the
+    tensors' own precision, as torch.allclose's does), values to float32 rounding, the same worst element."""
+    got = M.measure_async(r, c, atol, rtol)
+    st = got.result()
+    want, wp = _exact(r, c, atol, rtol)
+    assert (st.ref_nan, st.ref_inf, st.cand_nan, st.cand_inf) == (want.ref_nan, want.ref_inf, want.cand_nan,
+                                                                  want.cand_inf)
+    assert abs(st.mismatches - want.mismatches) <= max(1, want.mismatches // 1000)
+    for f in ("max_abs", "mean_abs", "max_rel", "cosine"):
+        assert getattr(st, f) == pytest.approx(getattr(want, f), rel=1e-5, abs=1e-12), f
+    assert got.rel_l2 == pytest.approx(wp.rel_l2, rel=1e-4, abs=1e-12)
+    assert st.worst.index == want.worst.index
+    return st
+
+
 def _pair(kind: str, n: int, dtype: torch.dtype, cand_dtype: torch.dtype, seed: int):
     g = torch.Generator().manual_seed(seed)
     r = torch.randn(n, generator=g, dtype=torch.float64) * 3
@@ -39,18 +55,8 @@ def test_host_path_agrees_with_the_exact_path(monkeypatch, kind, dtypes, n):
     monkeypatch.setattr(M, "CHUNK_HOST", 512)  # several chunks at n=5000, and a short last one
     r, c = _pair(kind, n, *dtypes, seed=n)
     atol, rtol = 1e-4, 1e-3
-    got = M.measure_async(r, c, atol, rtol)
-    st = got.result()
-    want, wp = _exact(r, c, atol, rtol)
-    # counts are exact (the working precision of the rule is the tensors' own, as torch.allclose's)
-    assert (st.ref_nan, st.ref_inf, st.cand_nan, st.cand_inf) == (want.ref_nan, want.ref_inf, want.cand_nan,
-                                                                  want.cand_inf)
-    assert abs(st.mismatches - want.mismatches) <= max(1, want.mismatches // 1000)
-    for f in ("max_abs", "mean_abs", "max_rel", "cosine"):
-        assert getattr(st, f) == pytest.approx(getattr(want, f), rel=1e-5, abs=1e-12), f
-    assert got.rel_l2 == pytest.approx(wp.rel_l2, rel=1e-4, abs=1e-12)
-    assert st.worst.index == want.worst.index
-    assert st.ok == want.ok
+    st = _assert_agrees_with_exact(r, c, atol, rtol)
+    assert st.ok == _exact(r, c, atol, rtol)[0].ok
 
 
 def test_host_path_reads_every_element_once_per_pass_in_cache_sized_chunks():
@@ -75,16 +81,7 @@ def test_triton_kernel_agrees_with_the_exact_path(kind, dtypes, n):
     r, c = _pair(kind, n, *dtypes, seed=n)
     r, c = r.cuda(), c.cuda()
     atol, rtol = 1e-4, 1e-3
-    got = M.measure_async(r, c, atol, rtol)
-    st = got.result()
-    want, wp = _exact(r, c, atol, rtol)
-    assert (st.ref_nan, st.ref_inf, st.cand_nan, st.cand_inf) == (want.ref_nan, want.ref_inf, want.cand_nan,
-                                                                  want.cand_inf)
-    assert abs(st.mismatches - want.mismatches) <= max(1, want.mismatches // 1000)
-    for f in ("max_abs", "mean_abs", "max_rel", "cosine"):
-        assert getattr(st, f) == pytest.approx(getattr(want, f), rel=1e-5, abs=1e-12), f
-    assert got.rel_l2 == pytest.approx(wp.rel_l2, rel=1e-4, abs=1e-12)
-    assert st.worst.index == want.worst.index
+    _assert_agrees_with_exact(r, c, atol, rtol)
 
 
 @pytest.mark.cuda
