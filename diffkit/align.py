@@ -989,8 +989,10 @@ def _dataflow_round(state: AlignState, partial: bool) -> int:
     def ref_cover(ri: int) -> Cover:
         return cover_of(rf, ri, ref_anchor, memo_r)
 
+    partner = {ci: p.ref for ci, p in state.pairs.items()}
+
     def cand_cover(ci: int) -> Cover:
-        return cover_of(cf, ci, state.partner, memo_c)
+        return cover_of(cf, ci, partner.get, memo_c)
 
     def matches(cc: Cover, rc: Cover) -> bool:
         if not partial:
@@ -1004,12 +1006,12 @@ def _dataflow_round(state: AlignState, partial: bool) -> int:
     made = 0
     for c in state.cand:
         ci = c.index
-        if not free_cand(ci):
+        numel = record_numel(c)
+        if numel not in ref_numel or not free_cand(ci):  # no reference record holds as many elements
             continue
         cc = cand_cover(ci)
         if not (cc[0] or cc[1]):
             continue
-        numel = record_numel(c)
         contenders = []
         for ri in ref_numel.get(numel, ()):
             if ri in paired or state.ref[ri].kind == "input" or rf.derived[ri] \
@@ -1048,6 +1050,7 @@ def _dataflow_round(state: AlignState, partial: bool) -> int:
         if ri is None:
             continue
         state.add(ci, ri, "dataflow", confidence if by_value else min(confidence, DATAFLOW_AMBIGUOUS_CONFIDENCE))
+        partner[ci] = ri
         made += 1
         memo_r.clear()  # the new pair changes the covers downstream of it
         memo_c.clear()
@@ -1281,11 +1284,11 @@ def pass_value(state: AlignState) -> None:
     for c in state.cand:
         if c.index in state.pairs:
             continue
+        numel = record_numel(c)
+        if not by_numel.get(numel):  # no reference record of its size: nothing to fetch or fingerprint
+            continue
         c_value = state.cand_value(c)
         if c_value is None:
-            continue
-        numel = record_numel(c)
-        if not by_numel.get(numel):
             continue
         fc = _fingerprint(c, v=c_value)
         if fc is None:

@@ -13,7 +13,8 @@ from .errors import DiffkitError
 from .load import LoadedPair, load_candidate_for_capture, load_pair, sync_weights
 from .options import Options
 from .pipeline import (CaptureSource, ModelSource, TraceSource, apply_auto_tolerance, capture_writer, clone_inputs,
-                       reference_health, reinit_zero_parameters, rerun_differences, run, run_captured)
+                       may_be_random, reference_health, reinit_zero_parameters, rerun_differences, run,
+                       run_captured)
 from .result import Result
 from .trials import (CapturedTrials, LiveCandidate, LiveReference, restore_state, run_trials, snapshot_state,
                      trial_seeds)
@@ -83,7 +84,10 @@ def capture_reference(ref_path: str, out_dir: str, options: Options | None = Non
             restore_state(built.model, after)
             info["rerun_differs"] = rerun_differences(trace, again)
         elif options.health and not options.only:
-            info["health"] = reference_health(built.model, list(built.inputs), trace, options.no_grad, state=before)
+            # the second run only where the reference may draw random numbers: whether the candidate
+            # diverges (the other reason to run it) is not known in this process
+            info["health"] = reference_health(built.model, list(built.inputs), trace, options.no_grad, state=before,
+                                              rerun=may_be_random(built.model, trace))
         info["trials"] = write_trials(out_dir, built.model, built.inputs_for, seeds, options.no_grad,
                                       only=name_filter(options.only),
                                       info={k: info[k] for k in ("source", "class", "training", "eval", "health")

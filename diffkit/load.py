@@ -476,7 +476,8 @@ def load_candidate_for_capture(cand_path: str, capture: Any, *, seed: int = KERN
                            "inputs, and its source file is not here): capture it again with this diffkit",
                            getattr(capture, "path", ""))
     model = _construct(cls, init, "candidate", cand_path, "ModelNew")
-    records = {r.name: r.value for r in capture.records() if r.kind == "input"}
+    records = {r.name: r.value for r in capture.records(values=lambda m: m.get("kind") == "input")
+               if r.kind == "input"}
     try:
         inputs = decode_values(info["inputs"], records) if info.get("inputs") else             [records[n] for n in sorted(records, key=lambda n: int(re.findall(r"\d+", n)[0]))]
     except (KeyError, ValueError, IndexError) as e:
@@ -506,7 +507,8 @@ def load_reference_for_capture(capture: Any, *, device: str | None = None) -> Mo
     module = exec_file(source, "reference")
     cls = _need(module, cls_name, "reference", source) if cls_name != "ModelNew" else _candidate_class(module, source)
     model = _construct(cls, decode_values(info["init_inputs"]), "reference", source, cls_name)
-    records = {r.name: r.value for r in capture.records() if r.kind == "input"}
+    records = {r.name: r.value for r in capture.records(values=lambda m: m.get("kind") == "input")
+               if r.kind == "input"}
     try:
         inputs = decode_values(info["inputs"], records) if info.get("inputs") else \
             [records[n] for n in sorted(records, key=lambda n: int(re.findall(r"\d+", n)[0]))]

@@ -37,7 +37,7 @@ import struct
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator
+from typing import Callable, Any, Iterable, Iterator
 
 import torch
 
@@ -927,8 +927,9 @@ class CaptureFile:
                 os.close(fd)
         return out
 
-    def records(self, values: bool = True) -> Iterator[Record]:
-        """Records one at a time (each value read from its shard when `values`)."""
+    def records(self, values: bool | Callable[[dict], bool] = True) -> Iterator[Record]:
+        """Records one at a time (each value read from its shard when `values`; when `values` is a
+        function of the record's index entry, only where it says so)."""
         for m in self.index["records"]:
             kw = {"params": list(m["params"])} if _RECORD_HAS_PARAMS else {}
             rec = Record(
@@ -936,7 +937,7 @@ class CaptureFile:
                 function=m["function"], file=m["file"], line=m["line"], op=m["op"], shape=tuple(m["shape"]),
                 dtype=_DTYPES[m["dtype"]], device=m["device"], value=None, aliases=list(m["aliases"]),
                 is_output=m["is_output"], rebound=m["rebound"], inputs=tuple(Ref(j) for j in m["inputs"]), **kw)
-            if values:
+            if values if isinstance(values, bool) else values(m):
                 rec.value = self._value(m)
             yield rec
 
