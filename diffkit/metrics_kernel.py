@@ -20,8 +20,7 @@ import torch
 
 from .measure import _COUNTS, _Packed, _Part
 
-BLOCK = 4096
-NUM_WARPS = 8
+BLOCK = 1024
 _NPART = len(_Part)
 
 
@@ -146,22 +145,20 @@ def packed_batch(pairs: list[tuple[torch.Tensor, torch.Tensor]], atol: float, rt
     for b in blocks[:-1]:
         first.append(first[-1] + b)
     total = first[-1] + blocks[-1]
-    # the address table goes over in one small pinned, asynchronous copy; each block's pair is expanded
-    # on the device (the output size is known here, so nothing waits)
-    P = len(pairs)
-    host = torch.tensor([[r.data_ptr() for r in refs], [c.data_ptr() for c in cands], numels, first, blocks],
-                        dtype=torch.int64)
+    # the address table and each block's pair go over in one pinned, asynchronous copy
+    host = torch.cat([torch.tensor([[r.data_ptr() for r in refs], [c.data_ptr() for c in cands], numels, first],
+                                   dtype=torch.int64).reshape(-1),
+                      torch.repeat_interleave(torch.arange(len(pairs)), torch.tensor(blocks))])
     if torch.cuda.is_available():
         host = host.pin_memory()
-    table = host.to(dev, non_blocking=True)
-    if P == 1:
-        block_pair = torch.zeros(total, dtype=torch.int64, device=dev)
-    else:
-        block_pair = torch.repeat_interleave(torch.arange(P, device=dev), table[4], output_size=total)
+    sent = host.to(dev, non_blocking=True)
+    table = sent[:4 * len(pairs)].reshape(4, len(pairs))
+    block_pair = sent[4 * len(pairs):]
     out = torch.empty((total, _NPART), dtype=torch.float64, device=dev)
     partials[(total,)](table[0], table[1], table[2], block_pair, table[3], out, float(atol), float(rtol),
                        REF_T=_triton_dtype(rdt), CAND_T=_triton_dtype(cdt), WORK_T=_triton_dtype(work),
-                       BLOCK=BLOCK, NPART=_NPART, num_warps=NUM_WARPS)
+                       BLOCK=BLOCK, NPART=_NPART)
+    P = len(pairs)
 
     def total_of(slot):
         return torch.zeros(P, dtype=torch.float64, device=dev).index_add_(0, block_pair, out[:, slot])
