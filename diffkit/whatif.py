@@ -423,6 +423,19 @@ def catalogue(rec: Record, model: torch.nn.Module | None, constants: Sequence[fl
                 add("transposed_weight", f"`{stage}` uses its weight {words}",
                     lambda call, o: _redo(call, {"weight": transposed(_arg(call, 1, "weight"))} if "weight" in call[3]
                                           else {1: transposed(_arg(call, 1, "weight"))}))
+    if lin_w is not None and lin_w.dim() == 2 and lin_w.shape[0] != lin_w.shape[1]:
+        o_, i_ = lin_w.shape
+
+        def reread(w, o_=o_, i_=i_):
+            return w.reshape(i_, o_).t()  # x @ W.view(i, o): the memory of W read in the transposed shape
+        words = f"reads its [{o_}, {i_}] weight's memory as an [{i_}, {o_}] matrix (x @ W.view({i_}, {o_}))"
+        if kind == "module":
+            add("transposed_weight", f"`{stage}` {words}",
+                lambda call, o, m=fn: _module_forward(m, _args(call)[0][0], weight=reread(m.weight)))
+        else:
+            add("transposed_weight", f"`{stage}` {words}",
+                lambda call, o: _redo(call, {"weight": reread(_arg(call, 1, "weight"))} if "weight" in call[3]
+                                      else {1: reread(_arg(call, 1, "weight"))}))
     if kind == "op" and name in ("matmul", "__matmul__", "bmm", "einsum", "__rmatmul__"):
         first = 1 if name == "einsum" else 0
         for j in (0, 1):

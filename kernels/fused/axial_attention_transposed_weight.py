@@ -14,10 +14,7 @@ _ops = runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "
 ext = _ops["load"]()
 BUG = _ops["AXIAL"]["qkv_read_as_in_out"]
 
-DIFFKIT_EXPECT = {"reference": "axial_attention.py", "stage": "output", "kind": "transposed_weight", "what_if": None,
-                  "what_if_note": "the weight is [96, 32], not square: the original reads its memory as a [32, 96] "
-                                  "matrix (W.view(D, 3D)), which is neither W^T nor W with each square [32, 32] block "
-                                  "transposed (the catalogue's transposed_weight), so no catalogue kind reproduces it"}
+DIFFKIT_EXPECT = {"reference": "axial_attention.py", "stage": "output", "kind": "transposed_weight", "what_if": {"kind": "transposed_weight", "stage": "row_attn.qkv_proj"}}
 
 
 class _AxialBlock(nn.Module):
