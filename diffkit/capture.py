@@ -308,6 +308,13 @@ def _snapshot(t: torch.Tensor) -> torch.Tensor:
 _LAZY_KINDS = ("op", "module")
 
 
+def _alias(t: torch.Tensor) -> torch.Tensor:
+    """A new tensor object on `t`'s memory (a holder `_holders` counts apart from `t` itself), made
+    without a trip through the torch function mode capture has installed."""
+    with torch._C.DisableTorchFunction():
+        return t.detach()
+
+
 def _holders(t: torch.Tensor) -> int | None:
     """How many tensors (views included) hold `t`'s memory, or None when that cannot be told."""
     try:
@@ -401,7 +408,7 @@ class _State:
         if key is None or type(tensor) not in (torch.Tensor, torch.nn.Parameter):
             rec.value = _snapshot(tensor)
             return
-        rec.value = tensor.detach()
+        rec.value = _alias(tensor)
         self.lazy.setdefault(key, []).append((rec, tensor._version))
 
     def _copy(self, key: int) -> None:

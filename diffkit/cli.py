@@ -449,9 +449,13 @@ def _isolated(argv, ref_path, cand_path, options: Options, timeout, out: _Output
         for cmd, cenv, marker in steps:
             with open(errlog, "w") as err_fh:
                 # its own process group, so stopping it also stops what it started (compute-sanitizer, ninja)
+                proc = None
                 if fork and cmd[:3] == base[:3]:  # diffkit itself (not wrapped in compute-sanitizer)
-                    proc = _Forked(cmd[3:], cenv, err_fh)
-                else:
+                    try:
+                        proc = _Forked(cmd[3:], cenv, err_fh)
+                    except OSError:  # no fork here (memory, limits): a fresh interpreter instead
+                        proc = None
+                if proc is None:
                     proc = subprocess.Popen(cmd, env=cenv, stderr=err_fh, start_new_session=True)
                 try:
                     code = proc.wait(timeout=timeout or None)
