@@ -190,8 +190,8 @@ def _rel_err(c: torch.Tensor, r: torch.Tensor) -> float:
         if work == torch.float32:
             # float32 norms (no widened copies); exact enough for a relative error, and checked for overflow
             d, s = float(torch.linalg.vector_norm(c - r)), float(torch.linalg.vector_norm(r))
-            if math.isfinite(d) and math.isfinite(s):
-                return d, s
+            if math.isfinite(d) and math.isfinite(s) and s > 1e-18 and (d == 0 or d > 1e-18):
+                return d, s  # (tiny norms may have lost their squares below float32's range: float64 then)
         return (float(torch.linalg.vector_norm(c - r, dtype=torch.float64)),
                 float(torch.linalg.vector_norm(r, dtype=torch.float64)))
 

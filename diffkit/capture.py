@@ -324,9 +324,18 @@ def _holders(t: torch.Tensor) -> int | None:
         return None
 
 
-def _may_write(fname: str, kwargs: dict) -> bool:
+# functions with an `inplace` flag (keyword or positional): F.relu(x, True), nn.ReLU(inplace=True) …
+_INPLACE_FLAG = {"relu", "relu6", "elu", "selu", "celu", "leaky_relu", "hardtanh", "threshold", "rrelu", "silu",
+                 "mish", "hardswish", "hardsigmoid", "dropout", "dropout1d", "dropout2d", "dropout3d",
+                 "alpha_dropout", "feature_alpha_dropout"}
+
+
+def _may_write(fname: str, kwargs: dict, args: tuple = ()) -> bool:
     """Whether a torch function of this name may write into one of its tensor arguments."""
-    if "out" in kwargs:
+    if "out" in kwargs or kwargs.get("inplace") is True:
+        return True
+    fname = fname.split(".")[0]  # an operator overload's name: "add_.Tensor"
+    if fname in _INPLACE_FLAG and any(a is True for a in args[1:]):
         return True
     if fname.startswith("__"):
         return fname == "__setitem__" or (fname.startswith("__i") and fname not in ("__index__", "__int__",
@@ -408,8 +417,13 @@ class _State:
         if key is None or type(tensor) not in (torch.Tensor, torch.nn.Parameter):
             rec.value = _snapshot(tensor)
             return
+        try:
+            version = tensor._version
+        except (RuntimeError, AttributeError):  # inference-mode tensors keep no version: copy now
+            rec.value = _snapshot(tensor)
+            return
         rec.value = _alias(tensor)
-        self.lazy.setdefault(key, []).append((rec, tensor._version))
+        self.lazy.setdefault(key, []).append((rec, version))
 
     def _copy(self, key: int) -> None:
         """Copy the values of the records held on storage `key` (about to be written, or shared)."""
@@ -444,6 +458,8 @@ class _State:
         """The capture ends: copy every value whose memory something else still holds (or may write)."""
         for key in list(self.lazy):
             held = self.lazy[key]
+            if not held:
+                continue
             mine = sum(1 for rec, _ in held if rec.value is not None)
             holders = _holders(held[0][0].value) if held[0][0].value is not None else None
             if holders is None or holders > mine or any(rec.value is not None and rec.value._version != v
@@ -561,8 +577,17 @@ class _State:
         hit = self.tracked.get(id(tensor))
         if self.mutator is not None and self.current_call is not None and kind in ("op", "module") and not (
                 hit is not None and hit[0]() is tensor and hit[2] == tensor._version and kind == "module"):
-            # a what-if run: this record's value is replaced (in place, so the rest of the forward reads it)
-            self.mutator.plant(len(self.trace.records), self.current_call, tensor)
+            # a what-if run: this record's value is replaced (in place, so the rest of the forward reads it);
+            # never where that memory is a parameter's, a buffer's or one of the call's own arguments
+            key = _storage_key(tensor)
+            shared = key is None or key in self.param_storage
+            if not shared:
+                def same(t: torch.Tensor) -> torch.Tensor:
+                    nonlocal shared
+                    shared = shared or _storage_key(t) == key
+                    return t
+                _map_tensors(same, (self.current_call[2], self.current_call[3]))
+            self.mutator.plant(len(self.trace.records), self.current_call, tensor, shared)
         if hit is not None and hit[0]() is tensor and hit[2] == tensor._version and kind in ("module", "tap"):
             rec = self.trace.records[hit[1]]
             if rec.shape == tuple(tensor.shape):
@@ -703,7 +728,7 @@ class _Mode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         st = self.state
-        if st.lazy and not st.busy and _may_write(getattr(func, "__name__", ""), kwargs):
+        if st.lazy and not st.busy and _may_write(getattr(func, "__name__", ""), kwargs, args):
             st.before_write(args, kwargs)
         out = func(*args, **kwargs)
         if st.busy or st.opaque:
@@ -977,10 +1002,10 @@ class _TritonPatch:
             def run(*args, **kwargs):
                 if st.busy:
                     return launch(*args, **kwargs)
+                st.before_write(args, kwargs)  # a kernel may write into any tensor it is given
                 st.busy = True  # also the re-entrancy guard: nested launches are the same user launch
                 try:
                     tensors = [(i, a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-                    st.before_write(args, kwargs)
                     before = [(i, a.detach().clone()) for i, a in tensors]
                     out = _launch(st, f"triton:{name}", launch, args, kwargs)
                     f = naming.user_frame(sys._getframe(1))
@@ -1045,11 +1070,18 @@ class capture:
         finally:
             if _ACTIVE and _ACTIVE[-1] is self.state:
                 _ACTIVE.pop()
-            self.state.seal()
             for h in self._handles:
                 h.remove()
             self._patch.remove()
             self._triton.remove()
+        try:
+            self.state.seal()
+        except Exception as e:  # (out of memory copying a value): keep no value rather than a wrong one
+            for key in list(self.state.lazy):
+                for rec, _ in self.state.lazy.pop(key):
+                    rec.value = None
+            warnings.warn(f"diffkit: could not keep the captured values ({type(e).__name__}: {e}); those records "
+                          f"are not compared")
         if isinstance(exc, StopCapture):
             self.state.trace.stopped = str(exc) or "stopped"
         elif exc is not None:

@@ -209,6 +209,8 @@ def _diff(ref_path, cand_path, atol, rtol, seed, device, json_path, csv_path, st
             fh.write("ok")
         sys.exit(0)
     try:
+        if ref_capture:  # the capture this diff's own reference child wrote
+            options = options.replace(trusted_capture=True)
         result = diff_files(ref_capture or ref_path, cand_path, options=options, evidence=_sanitizer_evidence())
         result.ref_path = ref_path
     except DiffkitError as e:
@@ -332,7 +334,10 @@ class _Forked:
             try:
                 import signal
 
-                os.setsid()  # its own process group, as start_new_session gives a subprocess
+                try:
+                    os.setsid()  # its own session and process group, as start_new_session gives a subprocess
+                except OSError:  # the parent made it a group leader first: its own group all the same
+                    pass
                 os.dup2(err.fileno(), 2)
                 for sig in (signal.SIGTERM, signal.SIGINT):
                     signal.signal(sig, signal.SIG_DFL)
@@ -356,6 +361,10 @@ class _Forked:
                     sys.stderr.flush()
                 finally:
                     os._exit(code)
+        try:
+            os.setpgid(pid, pid)  # as the child does: a stop right after the fork reaches its group too
+        except OSError:
+            pass
         self.pid = pid
         self.returncode: int | None = None
 
@@ -380,19 +389,21 @@ class _Forked:
         return self.returncode
 
 
-def _can_fork() -> bool:
+def _can_fork(device: str | None = None) -> bool:
     """Children are forked from this process (saving an interpreter start and torch's import each)
     on POSIX while CUDA is not initialised here; DIFFKIT_NO_FORK=1 asks for fresh interpreters."""
     if not hasattr(os, "fork") or os.environ.get("DIFFKIT_NO_FORK"):
         return False
     import torch
 
-    return not (torch.cuda.is_available() and torch.cuda.is_initialized())
+    # a CUDA build: even asking whether a GPU is there can leave a forked child unable to use it, so the
+    # children get fresh interpreters (CPU-only builds, and --device cpu, fork)
+    return torch.version.cuda is None and getattr(torch.version, "hip", None) is None or device == "cpu"
 
 
 # the reference child hands its values over through shared memory (tmpfs) when there is room for them
 SHM = "/dev/shm"
-SHM_MIN_FREE = 1 << 30
+SHM_MIN_FREE = 4 << 30
 
 
 def _handoff_dir(options: Options) -> str | None:
@@ -445,7 +456,7 @@ def _isolated(argv, ref_path, cand_path, options: Options, timeout, out: _Output
         steps.append((cand_cmd, cand_env, "done"))
         errlog = os.path.join(tmp, "stderr")
         code, why, err_text = 0, None, ""
-        fork = _can_fork()
+        fork = _can_fork(options.device)
         for cmd, cenv, marker in steps:
             with open(errlog, "w") as err_fh:
                 # its own process group, so stopping it also stops what it started (compute-sanitizer, ninja)
@@ -503,7 +514,7 @@ def _isolated(argv, ref_path, cand_path, options: Options, timeout, out: _Output
                 from .sanitize import attach, parse
 
                 attach(result, parse(open(san_log, encoding="utf-8", errors="replace").read(), sanitize))
-        result = run(ref_src, cand_src, options.replace(stream_dir=None, health=False, rerun=False),
+        result = run(ref_src, cand_src, options.replace(stream_dir=None, health=False, rerun=False, explain=False),
                      known=read_journal(os.path.join(tmp, "stats.jsonl")), error=error, evidence=evidence)
         result.ref_path, result.cand_path = ref_path, cand_path
         out.write(result)

@@ -175,10 +175,11 @@ class PendingStats:
         self._batch = batch
         if packed is not None:
             if packed.is_cuda:
-                self._host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
-                self._host.copy_(packed, non_blocking=True)
-                self._event = torch.cuda.Event()
-                self._event.record()
+                with torch.cuda.device(packed.device):  # the event on the stream of the tensor's own device
+                    self._host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+                    self._host.copy_(packed, non_blocking=True)
+                    self._event = torch.cuda.Event()
+                    self._event.record()
             else:
                 self._host = packed
 
@@ -217,10 +218,11 @@ class _HostBatch:
     pinned host memory in one transfer behind one event; read row by row."""
 
     def __init__(self, packed: torch.Tensor):
-        self._host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
-        self._host.copy_(packed, non_blocking=True)
-        self._event = torch.cuda.Event()
-        self._event.record()
+        with torch.cuda.device(packed.device):
+            self._host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            self._host.copy_(packed, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
         self._rows: list | None = None
 
     def done(self) -> bool:
@@ -260,7 +262,8 @@ def measure_many(items: list[tuple[torch.Tensor, torch.Tensor, float, float]]) -
             for lo in range(0, len(idx), BATCH_PAIRS):
                 part = idx[lo:lo + BATCH_PAIRS]
                 flat = [(items[i][0].detach().reshape(-1), items[i][1].detach().reshape(-1)) for i in part]
-                batch = _HostBatch(metrics_kernel.packed_batch(flat, atol, rtol))
+                with torch.cuda.device(flat[0][0].device):  # the launch on the pairs' own device
+                    batch = _HostBatch(metrics_kernel.packed_batch(flat, atol, rtol))
                 for k, i in enumerate(part):
                     out[i] = PendingStats(None, tuple(items[i][0].shape), atol, rtol, batch=(batch, k))
     return out  # type: ignore[return-value]
@@ -292,6 +295,12 @@ def apply_stat(stats: Stats, ref: torch.Tensor, cand: torch.Tensor, stat: str) -
         err, scale = _ref_stat(ref, cand, "median_err"), _ref_stat(ref, cand, "median")
     stats.stat_error = float(err)
     stats.stat_bound = float(stats.atol + stats.rtol * scale)
+    if stats.ref_inf or stats.cand_inf:
+        # infinities agree only where both sides hold the same one (a NaN never agrees: `Stats.ok`)
+        r, c = ref.detach().reshape(-1), cand.detach().reshape(-1).to(ref.device)
+        ri, ci = torch.isinf(r), torch.isinf(c)
+        if bool((ri != ci).any()) or bool((ri & (r != c)).any()):
+            stats.stat_error = math.inf
     return stats
 
 
@@ -416,7 +425,8 @@ def measure_async(ref: torch.Tensor, cand: torch.Tensor, atol: float, rtol: floa
         from . import metrics_kernel
 
         if metrics_kernel.available():
-            return PendingStats(metrics_kernel.packed(r, c, atol, rtol), shape, atol, rtol)
+            with torch.cuda.device(r.device):
+                return PendingStats(metrics_kernel.packed(r, c, atol, rtol), shape, atol, rtol)
     if floating and r.device.type == "cpu":
         return _measure_host(r, c, atol, rtol, shape)
     return PendingStats(_packed_exact(r, c, atol, rtol), shape, atol, rtol)
@@ -507,8 +517,16 @@ def _measure_host_1(r: torch.Tensor, c: torch.Tensor, atol: float, rtol: float, 
         rel = torch.div(d, ra).nan_to_num_(nan=0.0, posinf=0.0)  # over r != 0 only
         max_rel = max(max_rel, float(rel.amax()))
         # sums within a chunk by vectorised (blocked, cascade) float32 kernels; across chunks in float64
-        sum_abs += float(d.sum())
         dd, rr, cc = float(torch.dot(d, d)), float(torch.dot(a, a)), float(torch.dot(b, b))
+        if not (math.isfinite(dd) and math.isfinite(rr) and math.isfinite(cc)) or \
+                (dd == 0.0 and dmax > 0) or (rr == 0.0 and float(ra.amax()) > 0):
+            # squares beyond float32's range (or below it): this chunk the exact float64 way
+            p = _partials(r[start:start + step], c[start:start + step], atol, rtol, False, start).tolist()
+            exact_parts.append((start, p))
+            if emax > 0:
+                mism -= int(torch.count_nonzero(e > atol))  # counted again by the exact chunk
+            continue
+        sum_abs += float(d.sum())
         diff_sq, ref_sq, cand_sq, dot = diff_sq + dd, ref_sq + rr, cand_sq + cc, dot + (rr + cc - dd) / 2
         if max_abs_chunk is None or dmax > max_abs:
             max_abs, max_abs_chunk = dmax, start

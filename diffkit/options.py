@@ -99,6 +99,8 @@ class Options:
                    never, None (default) when the divergent candidate record covers more than one
                    reference stage (a fused kernel).
     explain_budget: forwards of the reference a what-if search may spend.
+    trusted_capture: the reference capture was written by this diff (an isolated diff's own child):
+                   what-if runs may rebuild the reference from the file it names without --explain.
     """
 
     tolerance: Tolerance = field(default_factory=Tolerance)
@@ -120,6 +122,7 @@ class Options:
     stream_dir: str | None = None
     explain: bool | None = None
     explain_budget: int = 1000
+    trusted_capture: bool = False
 
     def __post_init__(self):
         if isinstance(self.trials, bool) or not isinstance(self.trials, int) or self.trials < 1:

@@ -470,6 +470,11 @@ def what_if(result: Result, traces: _Traces, reference: Source, options: Options
     if cand_value is None:
         result.meta["what_if"] = {"skipped": "the candidate's value at the divergence is not at hand"}
         return
+    if isinstance(reference, CaptureSource) and not (options.explain is True or options.trusted_capture):
+        # rebuilding means running the file the capture names: only for captures this diff made, or on request
+        result.meta["what_if"] = {"skipped": "the reference is a capture: --explain rebuilds and runs the file it "
+                                             "names for what-if runs"}
+        return
     live = _live_reference(reference, options)
     if live is None:
         result.meta["what_if"] = {"skipped": "the reference cannot be run here (no model, or its capture does not "
@@ -524,10 +529,19 @@ def what_if(result: Result, traces: _Traces, reference: Source, options: Options
     search = whatif.Search(model=src.model, inputs=list(src.inputs), run=run_once, target=fd.ref.index,
                            cand_value=target, atol=fd.stats.atol, rtol=fd.stats.rtol, window=win,
                            budget=options.explain_budget, progress=progress)
+    params = {n: p.detach().clone() for n, p in src.model.named_parameters()}
     try:
         found = whatif.search(search, whatif.model_constants(src.model), records)
+    except Exception as e:  # a what-if failure never costs the diff its answer
+        result.meta["what_if"] = {"skipped": f"the what-if search failed: {type(e).__name__}: {e}"[:300],
+                                  "forwards": search.forwards}
+        return
     finally:
         restore_state(src.model, after)
+        with torch.no_grad():
+            for n, p in src.model.named_parameters():
+                if n in params and not torch.equal(p, params[n]):
+                    p.copy_(params[n])
     result.what_if = [w.to_dict(fd.stats) for w in found[:5]]
     result.meta["what_if"] = {"forwards": search.forwards, "seconds": round(search.seconds, 3),
                               "variants": search.tried, "window": len(win), "stage": fd.ref.name,
@@ -701,7 +715,9 @@ def reference_health(model: torch.nn.Module, inputs: list, trace: Trace, no_grad
 
 _RANDOM_OPS = ("dropout", "rand", "randn", "randint", "rand_like", "randn_like", "randint_like", "randperm",
                "bernoulli", "multinomial", "normal", "poisson", "uniform", "exponential", "geometric", "cauchy",
-               "log_normal", "feature_dropout", "alpha_dropout", "feature_alpha_dropout", "rrelu")
+               "log_normal", "feature_dropout", "alpha_dropout", "feature_alpha_dropout", "rrelu", "random",
+               "gumbel_softmax", "fractional_max_pool2d", "fractional_max_pool3d", "dropout1d", "dropout2d",
+               "dropout3d")
 
 
 def may_be_random(model: torch.nn.Module, trace: Trace) -> bool:
@@ -709,8 +725,20 @@ def may_be_random(model: torch.nn.Module, trace: Trace) -> bool:
     made by a sampling function (the second-run check confirms it)."""
     if "dropout" in stochastic_reason(model):
         return True
-    return any(r.kind in ("op", "module") and r.op.rsplit(".", 1)[-1].lower().rstrip("_") in _RANDOM_OPS
-               for r in trace.records)
+    for r in trace.records:
+        name = r.op.rsplit(".", 1)[-1].lower().rstrip("_")
+        if r.kind in ("op", "module") and name in _RANDOM_OPS:
+            return True
+        if name == "scaled_dot_product_attention" and r.call is not None:  # attention dropout
+            (_, _, tmpl), _ = r.call
+            try:
+                args, kwargs = tmpl
+                p = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
+            except (TypeError, ValueError, AttributeError):
+                p = 0.0
+            if isinstance(p, (int, float)) and p > 0:
+                return True
+    return False
 
 
 def stochastic_reason(model: torch.nn.Module) -> str:

@@ -669,10 +669,12 @@ class _Mutator:
             if v.before is not None:
                 v.before(module, args)
 
-    def plant(self, index: int, call: tuple, tensor: torch.Tensor) -> None:
+    def plant(self, index: int, call: tuple, tensor: torch.Tensor, shared: bool = False) -> None:
         v = self.by_site.get(index)
         if v is None:
             return
+        if shared:  # the result is memory the model or the call's arguments hold: writing it would change them
+            raise _NotApplicable("the stage's result shares memory with a parameter or an argument")
         if v.fn is not None and call[1] is not v.fn:
             raise _NotApplicable("the run does not make the same records as the captured one")
         with torch.no_grad():

@@ -100,3 +100,12 @@ def test_triton_batch_measures_many_small_pairs_in_one_launch():
         st = got.result()
         assert st.mismatches == want.mismatches and st.worst.index == want.worst.index
         assert st.max_abs == pytest.approx(want.max_abs, rel=1e-6)
+
+
+def test_host_path_outside_float32_squares_range_matches_the_exact_path():
+    """Squares that overflow (or underflow) float32 send that chunk down the exact float64 path."""
+    for r, c in ((torch.tensor([1.0, 2.0]), torch.tensor([-1e25, 2.0])),
+                 (torch.tensor([3e19, 1e19]), torch.tensor([3e19 + 1e18, 1e19])),
+                 (torch.tensor([1e-23, 2e-23]), torch.tensor([3e-23, 2e-23]))):
+        st = _assert_agrees_with_exact(r, c, 1e-4, 1e-4)
+        assert math.isfinite(st.cosine)

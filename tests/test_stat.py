@@ -132,3 +132,12 @@ def test_cli_stat_flag_in_json_and_reports(tmp_path):
     bad = subprocess.run([sys.executable, os.path.join(ROOT, "cli.py"), "diff", str(ref), str(cand), "--stat", "p99"],
                          capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert bad.returncode == 2 and "p99" in bad.stderr
+
+
+def test_infinities_in_different_places_fail_every_stat():
+    r = torch.tensor([float("inf"), 1.0, 2.0, 3.0])
+    c = torch.tensor([1.0, float("inf"), 2.0, 3.0])
+    for stat in ("max", "mean", "median"):
+        assert not measure(r, c, 1e-4, 1e-4, stat).ok, stat
+    same = torch.tensor([float("inf"), 1.0, 2.0, 3.0])
+    assert measure(r, same, 1e-4, 1e-4, "median").ok

@@ -195,3 +195,45 @@ def _runner(model):
         except (Exception, StopCapture):
             pass
     return run
+
+
+class _SharesWeights(nn.Module):
+    """Stages whose result is a parameter's own memory (type_as of the same dtype returns the weight)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(6))
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x):
+        return self.lin(x * self.w.type_as(x))
+
+
+def test_what_if_runs_never_change_the_model_s_parameters():
+    torch.manual_seed(0)
+    ref = _SharesWeights()
+    x = torch.randn(3, 6)
+    before = {k: v.clone() for k, v in ref.state_dict().items()}
+    trace = run_captured(ref, [x])
+    s = whatif.Search(model=ref, inputs=[x], run=_runner(ref), target=trace.output.index,
+                      cand_value=torch.randn(3, 6), atol=1e-5, rtol=1e-5,
+                      window=[r.index for r in trace.records if whatif.is_site(r)])
+    whatif.search(s, (), trace.records)
+    for k, v in ref.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_a_foreign_capture_is_not_rebuilt_and_run_without_explain(tmp_path):
+    """`diffkit diff ref.dkt cand.py`: rebuilding the reference means running the file the capture
+    names; only on --explain (an isolated diff's own capture is trusted)."""
+    from diffkit.compare import capture_reference
+
+    ref = os.path.join(REFS, "transformer_block.py")
+    cand = os.path.join(FUSED, "transformer_block_mlp_bias.py")
+    dkt = str(tmp_path / "ref.dkt")
+    capture_reference(ref, dkt, diffkit.Options(trials=1))
+    quiet = diffkit.diff_files(dkt, cand, trials=1)
+    assert quiet.verdict == "diverged" and quiet.what_if == []
+    assert "--explain" in quiet.meta["what_if"]["skipped"]
+    asked = diffkit.diff_files(dkt, cand, trials=1, explain=True)
+    assert asked.what_if and asked.what_if[0]["kind"] == "drop_bias" and asked.what_if[0]["stage"] == "fc1"
