@@ -338,7 +338,8 @@ def junit_xml(result, suite: str = "diffkit") -> str:
 # a text cell starting with one of these is read as a formula by spreadsheets (OWASP "CSV injection")
 FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
 CSV_COLUMNS = ["index", "ref_name", "cand_name", "paired_by", "ref_shape", "cand_shape", "dtype", "max_abs",
-               "mean_abs", "max_rel", "mismatch_fraction", "cosine", "status", "local_max_abs", "transform", "note"]
+               "mean_abs", "max_rel", "mismatch_fraction", "cosine", "status", "local_max_abs", "transform", "note",
+               "stat", "stat_error", "stat_bound"]
 
 
 def csv_safe(value):
@@ -358,7 +359,8 @@ def _stage_cells(s) -> list:
     return [s.index, s.ref_name, s.cand_name, s.paired_by, _shape_cell(s.ref_shape), _shape_cell(s.cand_shape), s.dtype,
             st.max_abs if st else None, st.mean_abs if st else None, st.max_rel if st else None,
             st.mismatch_fraction if st else None, st.cosine if st else None, s.status,
-            s.local.max_abs if s.local is not None else None, describe.transform_text(s), s.note]
+            s.local.max_abs if s.local is not None else None, describe.transform_text(s), s.note,
+            st.stat if st else None, st.stat_error if st else None, st.stat_bound if st else None]
 
 
 def stages_csv(result) -> str:

@@ -129,6 +129,10 @@ def test_cli_stat_flag_in_json_and_reports(tmp_path):
         if stat == "median":
             assert "--stat median" in (rd / "index.html").read_text()
             assert "--stat median" in p.stdout
+            assert "--stat median" in (rd / "summary.md").read_text()
+            import csv
+            rows = list(csv.DictReader((rd / "stages.csv").open()))
+            assert rows and all(r["stat"] == "median" for r in rows if r["max_abs"])
     bad = subprocess.run([sys.executable, os.path.join(ROOT, "cli.py"), "diff", str(ref), str(cand), "--stat", "p99"],
                          capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert bad.returncode == 2 and "p99" in bad.stderr
