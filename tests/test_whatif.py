@@ -237,3 +237,33 @@ def test_a_foreign_capture_is_not_rebuilt_and_run_without_explain(tmp_path):
     assert "--explain" in quiet.meta["what_if"]["skipped"]
     asked = diffkit.diff_files(dkt, cand, trials=1, explain=True)
     assert asked.what_if and asked.what_if[0]["kind"] == "drop_bias" and asked.what_if[0]["stage"] == "fc1"
+
+
+def test_explain_flags_through_the_cli(tmp_path):
+    """--no-explain skips the search on a fused kernel; --explain forces it where the divergent record
+    covers one reference stage only (an unfused candidate); the default leaves that one alone."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    def run(cand, *flags, ref="transformer_block.py"):
+        out = tmp_path / f"{len(list(tmp_path.iterdir()))}.json"
+        p = subprocess.run([sys.executable, os.path.join(ROOT, "cli.py"), "diff",
+                            os.path.join(REFS, ref), cand, "--trials", "1", "--no-report",
+                            "--json", str(out), *flags], capture_output=True, text=True, cwd=ROOT, timeout=900)
+        assert p.returncode == 1, p.stdout + p.stderr
+        return json.loads(out.read_text()), p.stdout
+
+    fused = os.path.join(FUSED, "transformer_block_mlp_bias.py")
+    d, text = run(fused)
+    assert d["what_if"][0]["kind"] == "drop_bias" and "what-if" in text and "without its bias" in text
+    d, text = run(fused, "--no-explain")
+    assert d["what_if"] == [] and "what-if" not in text
+    # the unfused candidate's divergent kernel is the output projection alone: one reference stage
+    unfused = os.path.join(KERNELS, "axial_attention_missing_bias.py")
+    d, _ = run(unfused, ref="axial_attention.py")
+    assert d["what_if"] == []
+    d, _ = run(unfused, "--explain", ref="axial_attention.py")
+    assert d["what_if"] and d["what_if"][0]["kind"] == "drop_bias" and d["what_if"][0]["explains"]
