@@ -575,20 +575,16 @@ class _State:
             return None
         # the same tensor, unchanged since it was recorded: give the record another name instead
         hit = self.tracked.get(id(tensor))
+        unchanged = hit is not None and hit[0]() is tensor and hit[2] == tensor._version
         if self.mutator is not None and self.current_call is not None and kind in ("op", "module") and not (
-                hit is not None and hit[0]() is tensor and hit[2] == tensor._version and kind == "module"):
+                unchanged and kind == "module"):
             # a what-if run: this record's value is replaced (in place, so the rest of the forward reads it);
             # never where that memory is a parameter's, a buffer's or one of the call's own arguments
             key = _storage_key(tensor)
-            shared = key is None or key in self.param_storage
-            if not shared:
-                def same(t: torch.Tensor) -> torch.Tensor:
-                    nonlocal shared
-                    shared = shared or _storage_key(t) == key
-                    return t
-                _map_tensors(same, (self.current_call[2], self.current_call[3]))
+            shared = key is None or key in self.param_storage or any(
+                _storage_key(t) == key for _, t in _tensors((self.current_call[2], self.current_call[3])))
             self.mutator.plant(len(self.trace.records), self.current_call, tensor, shared)
-        if hit is not None and hit[0]() is tensor and hit[2] == tensor._version and kind in ("module", "tap"):
+        if unchanged and kind in ("module", "tap"):
             rec = self.trace.records[hit[1]]
             if rec.shape == tuple(tensor.shape):
                 new = self.unique(name)
@@ -612,12 +608,15 @@ class _State:
             index=len(self.trace.records), name=self.unique(name), kind=kind,
             scope=self.scope if scope is None else scope, label=label, function=function, file=file,
             line=line, op=op, shape=tuple(tensor.shape), dtype=tensor.dtype, device=str(tensor.device),
-            value=_snapshot(tensor) if self.snapshot and not owns and kind not in _LAZY_KINDS else None, is_output=is_output,
+            value=None, is_output=is_output,
             call=call, inputs=inputs, rebound=rebound, params=tuple(params),
         )
         rec.aliases += [a for a in aliases or () if a != rec.name]
-        if self.snapshot and not owns and kind in _LAZY_KINDS:
-            self.keep(rec, tensor)
+        if self.snapshot and not owns:
+            if kind in _LAZY_KINDS:
+                self.keep(rec, tensor)
+            else:
+                rec.value = _snapshot(tensor)
         self.trace.records.append(rec)
         # written in place: the tensor was recorded before and has changed since (a kernel's raw write
         # does not bump the version, so a write record or an extension handing back its argument counts)

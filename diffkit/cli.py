@@ -391,7 +391,8 @@ class _Forked:
 
 def _can_fork(device: str | None = None) -> bool:
     """Children are forked from this process (saving an interpreter start and torch's import each)
-    on POSIX while CUDA is not initialised here; DIFFKIT_NO_FORK=1 asks for fresh interpreters."""
+    on POSIX with a CPU-only torch, or with `--device cpu`; DIFFKIT_NO_FORK=1 asks for fresh
+    interpreters."""
     if not hasattr(os, "fork") or os.environ.get("DIFFKIT_NO_FORK"):
         return False
     import torch

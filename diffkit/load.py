@@ -476,10 +476,8 @@ def load_candidate_for_capture(cand_path: str, capture: Any, *, seed: int = KERN
                            "inputs, and its source file is not here): capture it again with this diffkit",
                            getattr(capture, "path", ""))
     model = _construct(cls, init, "candidate", cand_path, "ModelNew")
-    records = {r.name: r.value for r in capture.records(values=lambda m: m.get("kind") == "input")
-               if r.kind == "input"}
     try:
-        inputs = decode_values(info["inputs"], records) if info.get("inputs") else             [records[n] for n in sorted(records, key=lambda n: int(re.findall(r"\d+", n)[0]))]
+        inputs = _capture_inputs(capture, info)
     except (KeyError, ValueError, IndexError) as e:
         raise DiffkitError("reference", "read", f"the capture's inputs cannot be rebuilt: {e}",
                            getattr(capture, "path", "")) from e
@@ -495,6 +493,16 @@ def load_candidate_for_capture(cand_path: str, capture: Any, *, seed: int = KERN
                      info.get("inputs_source", ""), eval_mode=eval_mode), weights
 
 
+def _capture_inputs(capture: Any, info: dict) -> list[Any]:
+    """The forward's inputs a capture holds (its input records' values, in the structure `info`
+    recorded); raises KeyError/ValueError/IndexError when they cannot be rebuilt."""
+    records = {r.name: r.value for r in capture.records(values=lambda m: m.get("kind") == "input")
+               if r.kind == "input"}
+    if info.get("inputs"):
+        return decode_values(info["inputs"], records)
+    return [records[n] for n in sorted(records, key=lambda n: int(re.findall(r"\d+", n)[0]))]
+
+
 def load_reference_for_capture(capture: Any, *, device: str | None = None) -> ModelSide | None:
     """The captured side rebuilt live from the capture's own record of how it was made (its source
     file, class, init inputs and inputs), with the capture's parameters and buffers loaded into it so
@@ -506,31 +514,22 @@ def load_reference_for_capture(capture: Any, *, device: str | None = None) -> Mo
         return None
     module = exec_file(source, "reference")
     cls = _need(module, cls_name, "reference", source) if cls_name != "ModelNew" else _candidate_class(module, source)
-    model = _construct(cls, decode_values(info["init_inputs"]), "reference", source, cls_name)
-    records = {r.name: r.value for r in capture.records(values=lambda m: m.get("kind") == "input")
-               if r.kind == "input"}
+    init = decode_values(info["init_inputs"])
+    model = _construct(cls, init, "reference", source, cls_name)
     try:
-        inputs = decode_values(info["inputs"], records) if info.get("inputs") else \
-            [records[n] for n in sorted(records, key=lambda n: int(re.findall(r"\d+", n)[0]))]
+        inputs = _capture_inputs(capture, info)
     except (KeyError, ValueError, IndexError):
         return None
     params = capture.parameters() if hasattr(capture, "parameters") else {}
-    own = dict(model.named_parameters())
-    own.update(dict(model.named_buffers()))
-    with torch.no_grad():
-        for name, t in params.items():
-            mine = own.get(name)
-            if mine is not None and tuple(mine.shape) == tuple(t.shape):
-                mine.copy_(t.to(mine.dtype))
+    if params:
+        sync_weights(params, model)  # exactly the captured values, whatever the construction drew
     dev = device or info.get("device") or "cpu"
     if dev != "cpu" or device:
         model = model.to(dev)
         inputs = _move(inputs, dev)
-    if info.get("eval"):
+    if info.get("eval") or info.get("training") is False:
         model.eval()
-    elif info.get("training") is False:
-        model.eval()
-    return ModelSide(model, _clone(inputs), decode_values(info["init_inputs"]), source, cls_name,
+    return ModelSide(model, _clone(inputs), init, source, cls_name,
                      int(info.get("seed", info.get("input_seed", KERNELBENCH_SEED))), module, source,
                      eval_mode=bool(info.get("eval")))
 

@@ -23,9 +23,9 @@ def build_stages(ref: Trace, cand: Trace, alignment: Alignment, tolerance: Toler
     `known` maps (ref index, cand index, transform) to Stats already measured (streaming mode).
     Every pair is measured on its device first and the scalars gathered afterwards, so a GPU
     diff waits for the device once, not once per stage."""
-    # (stage, (PendingStats, values)) on the CPU, measured at once; (stage, (ref, cand, atol, rtol)) on
-    # CUDA, measured together below (batched launches, one copy back)
-    pending: list[tuple[Stage, Any]] = []
+    # (stage, (ref, cand, atol, rtol), PendingStats): on the CPU measured at once; on CUDA (None) measured
+    # together below (batched launches, one copy back)
+    pending: list[tuple[Stage, tuple, Any]] = []
     by_cand = alignment.by_cand()
     rows: list[Stage] = []
     ref_after: dict[int, list[int]] = {}
@@ -56,12 +56,11 @@ def build_stages(ref: Trace, cand: Trace, alignment: Alignment, tolerance: Toler
             rows.append(_measured(r, c, p, tolerance, pending, (known or {}).get((r.index, c.index, p.transform))))
         for ri in ref_after.get(c.index, []):
             rows.append(Stage(index=0, ref=RecordInfo.of(ref.records[ri]), cand=None, note="no candidate counterpart"))
-    batched = iter(measure_many([item for _, item in pending if len(item) == 4]))
-    for st, item in pending:
-        got, values = (next(batched), item) if len(item) == 4 else item
-        st.stats = got.result()
+    batched = iter(measure_many([item for _, item, got in pending if got is None]))
+    for st, item, got in pending:
+        st.stats = (got or next(batched)).result()
         if tolerance.stat != "elementwise":
-            apply_stat(st.stats, values[0], values[1], tolerance.stat)
+            apply_stat(st.stats, item[0], item[1], tolerance.stat)
         st.status = "ok" if st.stats.ok else "diverged"
     for i, s in enumerate(rows):
         s.index = i
@@ -90,7 +89,7 @@ def _measured(r: Record, c: Record, pair, tolerance: Tolerance, pending: list, k
         return stage
     cv = to_ref_layout(c.value, r.shape, pair.transform)
     item = (r.value, cv, a, t)
-    pending.append((stage, item if r.value.is_cuda else (measure_async(*item), item)))
+    pending.append((stage, item, None if r.value.is_cuda else measure_async(*item)))
     return stage
 
 

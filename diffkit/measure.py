@@ -170,32 +170,22 @@ class PendingStats:
         self.shape, self.atol, self.rtol = shape, atol, rtol
         self._stats = ready
         self.rel_l2 = 0.0  # ||c - r|| / ||r|| over finite elements, once `result()` has been read
-        self._event = None
-        self._host = None
+        self._host = None  # a CPU vector, read at once
         self._batch = batch
         if packed is not None:
             if packed.is_cuda:
-                with torch.cuda.device(packed.device):  # the event on the stream of the tensor's own device
-                    self._host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
-                    self._host.copy_(packed, non_blocking=True)
-                    self._event = torch.cuda.Event()
-                    self._event.record()
+                self._batch = (_HostBatch(packed.reshape(1, -1)), 0)
             else:
                 self._host = packed
 
     def done(self) -> bool:
         if self._batch is not None and self._stats is None:
             return self._batch[0].done()
-        return self._stats is not None or self._event is None or self._event.query()
+        return True
 
     def result(self) -> Stats:
         if self._stats is None:
-            if self._batch is not None:
-                host = self._batch[0].row(self._batch[1])
-            else:
-                if self._event is not None:
-                    self._event.synchronize()
-                host = self._host.tolist()
+            host = self._batch[0].row(self._batch[1]) if self._batch is not None else self._host.tolist()
             self.rel_l2 = host[_Packed.REL_L2]
             worst_ref, worst_cand = host[_Packed.WORST_REF], host[_Packed.WORST_CAND]
             abs_err = abs(worst_cand - worst_ref)
@@ -209,7 +199,7 @@ class PendingStats:
                 worst=Worst(index=_unravel(int(host[_Packed.WORST_AT]), self.shape), ref=worst_ref, cand=worst_cand,
                             abs_err=abs_err),
                 atol=self.atol, rtol=self.rtol)
-            self._host = None
+            self._host = self._batch = None
         return self._stats
 
 
@@ -218,7 +208,7 @@ class _HostBatch:
     pinned host memory in one transfer behind one event; read row by row."""
 
     def __init__(self, packed: torch.Tensor):
-        with torch.cuda.device(packed.device):
+        with torch.cuda.device(packed.device):  # the event on the stream of the tensor's own device
             self._host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
             self._host.copy_(packed, non_blocking=True)
             self._event = torch.cuda.Event()
@@ -396,12 +386,6 @@ def _real(t: torch.Tensor) -> torch.Tensor:
     return (t.real if t.is_complex() else t).to(torch.float64)
 
 
-def _empty(shape, atol, rtol) -> PendingStats:
-    return PendingStats(None, shape, atol, rtol, ready=Stats(
-        numel=0, max_abs=0.0, mean_abs=0.0, max_rel=0.0, mismatches=0, cosine=1.0, ref_nan=0, ref_inf=0,
-        cand_nan=0, cand_inf=0, worst=None, atol=atol, rtol=rtol))
-
-
 def measure_async(ref: torch.Tensor, cand: torch.Tensor, atol: float, rtol: float) -> PendingStats:
     """`measure` without waiting for the device: every scalar is reduced on the device into one
     vector, chunk by chunk, so the temporary memory does not grow with the tensor.
@@ -417,7 +401,9 @@ def measure_async(ref: torch.Tensor, cand: torch.Tensor, atol: float, rtol: floa
     n = ref.numel()
     shape = tuple(ref.shape)
     if n == 0:
-        return _empty(shape, atol, rtol)
+        return PendingStats(None, shape, atol, rtol, ready=Stats(
+            numel=0, max_abs=0.0, mean_abs=0.0, max_rel=0.0, mismatches=0, cosine=1.0, ref_nan=0, ref_inf=0,
+            cand_nan=0, cand_inf=0, worst=None, atol=atol, rtol=rtol))
     r = ref.detach().reshape(-1)
     c = cand.detach().reshape(-1)
     floating = _FAST_DTYPES.get(r.dtype) is not None and _FAST_DTYPES.get(c.dtype) is not None
@@ -489,7 +475,6 @@ def _measure_host_1(r: torch.Tensor, c: torch.Tensor, atol: float, rtol: float, 
     terms (cosine from ||r||², ||c||², ||c - r||²)."""
     n = r.numel()
     work = torch.float64 if torch.float64 in (r.dtype, c.dtype) else torch.float32
-    f64 = torch.float64
     mism = 0
     sum_abs = diff_sq = ref_sq = cand_sq = dot = 0.0
     max_abs = max_rel = 0.0
@@ -497,6 +482,11 @@ def _measure_host_1(r: torch.Tensor, c: torch.Tensor, atol: float, rtol: float, 
     max_exc = -math.inf
     exact_parts: list[tuple[int, list[float]]] = []  # chunks with NaN/Inf, measured by `_partials`
     step = CHUNK_HOST
+
+    def exact(start: int) -> None:
+        exact_parts.append((start, _partials(r[start:start + step], c[start:start + step], atol, rtol, False,
+                                             start).tolist()))
+
     for start in range(0, n, step):
         a, b = r[start:start + step], c[start:start + step]
         if a.dtype != work:
@@ -506,8 +496,7 @@ def _measure_host_1(r: torch.Tensor, c: torch.Tensor, atol: float, rtol: float, 
         d = torch.sub(b, a).abs_()
         dmax = float(d.amax())
         if not math.isfinite(dmax):
-            p = _partials(r[start:start + step], c[start:start + step], atol, rtol, False, start).tolist()
-            exact_parts.append((start, p))
+            exact(start)
             continue
         ra = a.abs()
         e = torch.add(d, ra, alpha=-rtol)  # |c - r| - rtol |r|: out of tolerance where > atol
@@ -521,8 +510,7 @@ def _measure_host_1(r: torch.Tensor, c: torch.Tensor, atol: float, rtol: float, 
         if not (math.isfinite(dd) and math.isfinite(rr) and math.isfinite(cc)) or \
                 (dd == 0.0 and dmax > 0) or (rr == 0.0 and float(ra.amax()) > 0):
             # squares beyond float32's range (or below it): this chunk the exact float64 way
-            p = _partials(r[start:start + step], c[start:start + step], atol, rtol, False, start).tolist()
-            exact_parts.append((start, p))
+            exact(start)
             if emax > 0:
                 mism -= int(torch.count_nonzero(e > atol))  # counted again by the exact chunk
             continue

@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.utils._pytree as pytree
 
-from .align import Alignment, align, param_map, to_ref_layout
+from .align import Alignment, align, param_map, to_ref_layout, torch_op
 from .capture import StopCapture, Trace, capture
 from .diagnose import diagnose
 from .locate import build_stages, locate
@@ -121,16 +121,19 @@ Source = ModelSource | CaptureSource | TraceSource
 
 # ------------------------------------------------------------------------------------------ running
 def run_captured(model: torch.nn.Module, inputs: Sequence[Any], *, no_grad: bool = True, only=None,
-                 stream_to: str | None = None, sink: Any = None, info: dict | None = None) -> Trace:
+                 stream_to: str | None = None, sink: Any = None, info: dict | None = None, snapshot: bool = True,
+                 mutator: Any = None) -> Trace:
     """Run one forward under capture; an exception is kept in ``trace.error``, not raised.
     `stream_to` writes each record to a capture directory as it is made (crash insurance), with the
     model's parameters and `info`; `sink` receives the records instead (store.CaptureWriter,
-    stream.TieredStore, stream.StreamComparer)."""
+    stream.TieredStore, stream.StreamComparer, whatif's grab); `snapshot=False` keeps no values;
+    `mutator` plants a what-if mistake (see diffkit.whatif)."""
     inputs = list(inputs)
     cm = torch.no_grad() if no_grad else contextlib.nullcontext()
     if stream_to and sink is None:
         sink = capture_writer(stream_to, model, info)
-    cap = capture(model, inputs=tuple(inputs), only=only, sink=sink)
+    cap = capture(model, inputs=tuple(inputs), only=only, sink=sink, snapshot=snapshot)
+    cap.state.mutator = mutator
     try:
         with cm, cap:
             model(*inputs)
@@ -488,41 +491,26 @@ def what_if(result: Result, traces: _Traces, reference: Source, options: Options
         from .stream import name_filter
 
         keep = name_filter(options.only)
-    cm = torch.no_grad if options.no_grad else contextlib.nullcontext
 
-    def run_once(model, inputs, sink, mutator):
+    def run_once(model, inputs, sink, mutator, snapshot=True) -> Trace:
+        """One forward of the reference as its captured one ran (state, seed), under capture."""
         restore_state(model, before)
         if src.seed is not None:
             seed_all(src.seed)
-        ins = clone_inputs(list(inputs))
-        cap = capture(model, inputs=tuple(ins), only=keep, sink=sink)
-        cap.state.mutator = mutator
-        try:
-            with cm(), cap:
-                model(*ins)
-        except (Exception, SystemExit, StopCapture):
-            pass
+        return run_captured(model, clone_inputs(list(inputs)), no_grad=options.no_grad, only=keep, sink=sink,
+                            snapshot=snapshot, mutator=mutator)
 
     records = traces.ref.records
     if not isinstance(reference, ModelSource):
         # a captured reference keeps no calls to plant into: capture the rebuilt one (values not kept)
         # and use its records, if it makes the same records under the same names
-        restore_state(src.model, before)
-        if src.seed is not None:
-            seed_all(src.seed)
-        ins = clone_inputs(list(src.inputs))
-        cap = capture(src.model, inputs=tuple(ins), only=keep, snapshot=False)
-        try:
-            with cm(), cap:
-                src.model(*ins)
-        except (Exception, SystemExit, StopCapture):
-            pass
-        records = cap.state.trace.records
+        rebuilt = run_once(src.model, src.inputs, None, None, snapshot=False)
+        records = rebuilt.records
         if [r.name for r in records[:fd.ref.index + 1]] != [r.name for r in traces.ref.records[:fd.ref.index + 1]]:
             result.meta["what_if"] = {"skipped": "the reference rebuilt from its capture does not record the same "
                                                  "stages as the capture (its source changed?)"}
             return
-        win = whatif.window(result.stages, cap.state.trace, fd)
+        win = whatif.window(result.stages, rebuilt, fd)
         if options.explain is None and len(win) <= 1:
             return
     target = to_ref_layout(cand_value, tuple(fd.ref.shape), fd.pair_transform)
@@ -726,8 +714,8 @@ def may_be_random(model: torch.nn.Module, trace: Trace) -> bool:
     if "dropout" in stochastic_reason(model):
         return True
     for r in trace.records:
-        name = r.op.rsplit(".", 1)[-1].lower().rstrip("_")
-        if r.kind in ("op", "module") and name in _RANDOM_OPS:
+        name = torch_op(r)
+        if name in _RANDOM_OPS:
             return True
         if name == "scaled_dot_product_attention" and r.call is not None:  # attention dropout
             (_, _, tmpl), _ = r.call

@@ -401,13 +401,7 @@ def _message(e: SuiteEntry) -> str:
 def junit_xml(entries: Sequence[SuiteEntry], suite: str = "diffkit.suite") -> str:
     """junit.xml: one testcase per pair; <failure> for diverged, <error> for errored, <skipped> for not run;
     the pair's report as the property diffkit_report."""
-    from .render import xml_text
-
-    def el(parent, tag, text=None, **attrs):
-        node = ET.SubElement(parent, tag, {k: xml_text(v) for k, v in attrs.items()})
-        if text is not None:
-            node.text = xml_text(text)
-        return node
+    from .render import _element as el  # the diff's own JUnit writer's element maker (XML-safe text)
 
     root = ET.Element("testsuites")
     ts = el(root, "testsuite", name=suite)

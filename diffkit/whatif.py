@@ -28,7 +28,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from .capture import Record, StopCapture, Trace, capture
+from .capture import Record, StopCapture, Trace
 from .measure import Stats, measure_async
 
 KINDS = ("drop_bias", "extra_bias", "running_stats", "batch_stats", "unbiased_variance", "biased_variance",
@@ -107,10 +107,11 @@ _LAYOUT = {"reshape", "view", "permute", "transpose", "unbind", "chunk", "split"
 
 
 def _name(fn: Any) -> str:
+    """A module's class name; a function's name, lower case without a trailing `_` (dunders as they are)."""
     if isinstance(fn, torch.nn.Module):
         return type(fn).__name__
-    return getattr(fn, "__name__", str(fn)).lower().rstrip("_") if not getattr(fn, "__name__", "").startswith(
-        "__") else getattr(fn, "__name__", "")
+    name = getattr(fn, "__name__", "")
+    return name if name.startswith("__") else (name or str(fn)).lower().rstrip("_")
 
 
 def _call_of(rec: Record) -> tuple | None:
@@ -133,9 +134,7 @@ def is_site(rec: Record) -> bool:
 
 
 def _args(call: Call) -> tuple[tuple, dict]:
-    kind, fn, args, kwargs = call
-    if kind == "module":
-        return tuple(args), dict(kwargs)
+    _, _, args, kwargs = call
     return tuple(args), dict(kwargs)
 
 
@@ -208,7 +207,6 @@ def _map_float(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     return obj
 
 
-_NORM_MODULES = (torch.nn.LayerNorm,)
 _BN_MODULES = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d)
 _LINEAR_OPS = {"linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "einsum", "__matmul__", "__rmatmul__",
                "tensordot"}
@@ -320,20 +318,14 @@ def catalogue(rec: Record, model: torch.nn.Module | None, constants: Sequence[fl
                     y = y * _bias_view(m.weight, y, 1) + _bias_view(m.bias, y, 1)
                 return y
             add("unbiased_variance", f"`{stage}` divides the batch variance by N-1", bn_unbiased)
+    if kind == "module" and isinstance(fn, torch.nn.LayerNorm):
+        add("unbiased_variance", f"`{stage}` divides the variance by N-1",
+            lambda call, o, m=fn: _layer_norm_unbiased(_args(call)[0][0], m.normalized_shape, m.weight, m.bias,
+                                                       m.eps))
+    if kind == "module" and isinstance(fn, _BN_MODULES + (torch.nn.LayerNorm, torch.nn.GroupNorm)):
         for eps in EPSILONS:
             if not math.isclose(eps, fn.eps):
                 add("epsilon", f"`{stage}` uses eps={eps:g} (not {fn.eps:g})",
-                    lambda call, o, m=fn, eps=eps: _module_forward(m, _args(call)[0][0], eps=eps))
-    ln = None
-    if kind == "module" and isinstance(fn, (torch.nn.LayerNorm, torch.nn.GroupNorm)):
-        ln = fn.eps
-        if isinstance(fn, torch.nn.LayerNorm):
-            add("unbiased_variance", f"`{stage}` divides the variance by N-1",
-                lambda call, o, m=fn: _layer_norm_unbiased(_args(call)[0][0], m.normalized_shape, m.weight, m.bias,
-                                                           m.eps))
-        for eps in EPSILONS:
-            if not math.isclose(eps, ln):
-                add("epsilon", f"`{stage}` uses eps={eps:g} (not {ln:g})",
                     lambda call, o, m=fn, eps=eps: _module_forward(m, _args(call)[0][0], eps=eps))
     if kind == "op" and name == "layer_norm":
         cur = _static_arg(tmpl, 4, "eps", 1e-5)
