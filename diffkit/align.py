@@ -47,7 +47,7 @@ import torch
 
 from .capture import Record
 from .measure import _FAST_DTYPES as _FAST
-from .measure import measure_async, tolerances
+from .measure import measure_async, measure_many, tolerances
 
 __all__ = ["Pair", "Alignment", "AlignState", "align", "PASSES", "pass_name", "pass_outputs", "pass_dataflow",
            "pass_proposed", "pass_order", "pass_value", "pass_deferred", "pass_consistency", "to_ref_layout",
@@ -716,11 +716,9 @@ class AlignState:
             del self.paired_ref[pair.ref]
         return pair
 
-    def pair_error(self, ci: int) -> float | None:
-        """The relative L2 distance of a pair's candidate (in the pair's layout) from its reference,
-        None where a value is not at hand."""
-        if ci in self.errors:
-            return self.errors[ci]
+    def _pair_values(self, ci: int) -> tuple[Pair, torch.Tensor, torch.Tensor] | None:
+        """A pair's reference value and its candidate value in the reference's layout, None where a
+        value is not at hand or not floating."""
         p = self.pairs.get(ci)
         if p is None or p.transform == SHAPE_MISMATCH:
             return None
@@ -729,12 +727,19 @@ class AlignState:
         v = self.ref_value(r) if w is not None else None
         if v is None or not (v.is_floating_point() or v.is_complex()):
             return None
-        cv = to_ref_layout(w, tuple(r.shape), p.transform).to(v.device)
-        err = None
+        return p, v, to_ref_layout(w, tuple(r.shape), p.transform).to(v.device)
+
+    def _fast(self, v: torch.Tensor, cv: torch.Tensor) -> tuple[float, float] | None:
+        """The tolerance to measure a pair's full metrics by, None where the fast metric paths do
+        not take its dtypes."""
         if v.is_floating_point() and cv.is_floating_point() and v.dtype in _FAST and cv.dtype in _FAST:
-            # the pair's full metrics in one go (the stage will need them), its relative error with them
-            atol, rtol = (self.tolerance or (lambda d: tolerances(None, None, d)))(v.dtype)
-            pending = measure_async(v, cv, atol, rtol)
+            return (self.tolerance or (lambda d: tolerances(None, None, d)))(v.dtype)
+        return None
+
+    def _settle(self, ci: int, p: Pair, v: torch.Tensor, cv: torch.Tensor, pending) -> float:
+        err = None
+        if pending is not None:
+            # the pair's full metrics (the stage will need them), its relative error with them
             st = pending.result()
             if not (st.ref_nan or st.ref_inf or st.cand_nan or st.cand_inf):
                 self.measured[(p.ref, ci, p.transform)] = st
@@ -743,6 +748,35 @@ class AlignState:
             err = _rel_err(cv, v)
         self.errors[ci] = err
         return err
+
+    def pair_error(self, ci: int) -> float | None:
+        """The relative L2 distance of a pair's candidate (in the pair's layout) from its reference,
+        None where a value is not at hand."""
+        if ci in self.errors:
+            return self.errors[ci]
+        got = self._pair_values(ci)
+        if got is None:
+            return None
+        p, v, cv = got
+        tol = self._fast(v, cv)
+        return self._settle(ci, p, v, cv, measure_async(v, cv, *tol) if tol is not None else None)
+
+    def prefetch_errors(self, cis: Sequence[int]) -> None:
+        """`pair_error` for many pairs at once: their metrics measured together (`measure_many`: one
+        launch per batch on CUDA, worker threads on the CPU), so later `pair_error` calls find them."""
+        todo, items = [], []
+        for ci in cis:
+            if ci in self.errors:
+                continue
+            got = self._pair_values(ci)
+            if got is None:
+                continue
+            tol = self._fast(got[1], got[2])
+            if tol is not None:
+                todo.append((ci, got))
+                items.append((got[1], got[2], *tol))
+        for (ci, (p, v, cv)), pending in zip(todo, measure_many(items) if items else ()):
+            self._settle(ci, p, v, cv, pending)
 
     def add_checked(self, ci: int, ri: int, via: str, confidence: float) -> None:
         """`add`, unless the pair is on a reused name (`reused_name`) and its values disagree beyond
@@ -885,10 +919,11 @@ def _known_roots(state: AlignState, ci: int, contenders: list[int]) -> list[int]
     in reference order, so a copy comes after what it copies; no layout is computed for a copy.)"""
     rf = state.ref_flow
     accepted: list[int] = []
-    taken: set[int] = set()
+    taken: set[int] = set()  # the accepted contenders and the layout copies (of copies) of them
     for ri in contenders:
         if is_layout_op(state.ref[ri]) and any(j in taken for j in rf.inputs[ri]):
-            continue  # a copy of an accepted contender holds the same values
+            taken.add(ri)  # a copy of an accepted contender holds the same values (so does a copy of it)
+            continue
         if layout_known(state, ci, ri):
             accepted.append(ri)
             taken.add(ri)
@@ -1385,6 +1420,7 @@ def pass_consistency(state: AlignState) -> None:
     Pairs of the models' inputs and outputs stand; the candidate is walked downstream first."""
     if not state.cand_flow.known:
         return
+    state.prefetch_errors([ci for ci, p in state.pairs.items() if p.transform != SHAPE_MISMATCH])
     for ci in sorted(state.pairs, reverse=True):
         p = state.pairs[ci]
         c, r = state.cand[ci], state.ref[p.ref]

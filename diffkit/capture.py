@@ -27,6 +27,13 @@ included (capture does not look inside it); a user module's output is normally a
 it, which keeps what its own call read; only where nothing inside was recorded does the module's
 record stand for all it holds.  These are dictionary lookups per argument (by id, `_base` and storage
 address): no walk over the tensors alive.
+
+Folding (`capture(fold=sizes)`): a diff captures the candidate after the reference and passes the
+element counts of the reference's records.  A call site (file and line) that keeps producing tensors
+of sizes none of those records has -- a per-step loop whose intermediates cannot pair with anything
+-- makes records for its first `FOLD_AFTER` calls only; its later results are folded: no record, no
+value, only their lineage (the records and parameters they were computed from) is carried on, so a
+later record reading them still has the dataflow it had.  `Trace.folded` counts them by call site.
 """
 from __future__ import annotations
 
@@ -45,6 +52,7 @@ import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
 from . import naming
+from .options import FOLD_AFTER
 
 __all__ = ["Record", "Trace", "CaptureError", "Ref", "StopCapture", "capture", "tap", "register_extension"]
 
@@ -131,6 +139,8 @@ class Trace:
     inputs: list[torch.Tensor] = field(default_factory=list)
     error: CaptureError | None = None
     stopped: str = ""  # why the forward was ended early on purpose (StopCapture), if it was
+    # results folded into lineage instead of recorded (see the module docstring), by call site "file:line"
+    folded: dict = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.records)
@@ -245,6 +255,8 @@ def _tensors(obj: Any) -> list[tuple[tuple, torch.Tensor]]:
         return [((), obj)]
     if obj is None or isinstance(obj, (int, float, bool, str)):
         return []
+    if (type(obj) is tuple or type(obj) is list) and all(type(o) is torch.Tensor for o in obj):
+        return [((i,), o) for i, o in enumerate(obj)]  # chunk, split, unbind …: no tree walk
     flat, _ = pytree.tree_flatten_with_path(obj)
     return [(tuple(path_key(k) for k in path), v) for path, v in flat if isinstance(v, torch.Tensor)]
 
@@ -297,6 +309,20 @@ def _storage_key(t: torch.Tensor) -> int | None:
         except (RuntimeError, NotImplementedError, AttributeError):
             return None
     return key or None
+
+
+_EMPTY: frozenset = frozenset()
+
+
+def _union(sets: list[frozenset]) -> frozenset:
+    """The union of `sets`, reusing the largest where the others add nothing to it."""
+    if not sets:
+        return _EMPTY
+    big = max(sets, key=len)
+    for x in sets:
+        if x is not big and not x <= big:
+            return big.union(*sets)
+    return big
 
 
 def _snapshot(t: torch.Tensor) -> torch.Tensor:
@@ -357,8 +383,16 @@ def _func_name(func: Callable) -> str:
 
 class _State:
     def __init__(self, model: torch.nn.Module | None, snapshot: bool, only: Callable[[str], bool] | None,
-                 sink: Any = None):
+                 sink: Any = None, fold: frozenset | None = None):
         self.model = model
+        # folding (module docstring): the sizes a record may pair with, the unpairable results made per
+        # call site so far, and the lineage of folded tensors, (inputs, params) by tensor id (with a
+        # weak reference to tell a reused id) and by storage (views made where capture was quiet)
+        self.fold = fold
+        self.unpairable: dict[tuple, int] = {}
+        self.lineage: dict[int, tuple[Any, frozenset, frozenset]] = {}
+        self.lineage_storage: dict[int, tuple[frozenset, frozenset]] = {}
+        self.folded_params: tuple[str, ...] = ()  # what `template`'s last call read through folded results
         self.sink = sink  # a store.CaptureWriter streaming records to disk, or None
         self.snapshot = snapshot
         self.only = only
@@ -546,7 +580,11 @@ class _State:
                     params.append(name)
                 return o
             exact = self.ref_of(o)
-            for i in ([exact.index] if exact is not None else self.sources(o)):
+            found = [exact.index] if exact is not None else self._folded_sources(o, folded)
+            for n in folded:
+                if n not in params:
+                    params.append(n)
+            for i in found:
                 if i not in inputs:
                     inputs.append(i)
                 for n in self.derived.get(i, ()):
@@ -554,8 +592,127 @@ class _State:
                         params.append(n)
             return exact if exact is not None else o
 
+        folded: list[str] = []  # parameters read through folded results (`folded_params`)
         tmpl = _map_tensors(read, obj)
+        self.folded_params = tuple(folded)
         return tmpl, tuple(Ref(i) for i in inputs), tuple(params)
+
+    def _folded_sources(self, t: torch.Tensor, params: list[str]) -> list[int]:
+        """`sources`, with a folded tensor's lineage taking the place of a record (a view made where
+        capture was quiet by its base's; a folded in-place write into its memory added), its
+        parameters added to `params`."""
+        got = None
+        if self.lineage:
+            for x in (t, t._base):
+                hit = self.lineage.get(id(x)) if x is not None else None
+                if hit is not None and hit[0]() is x:
+                    got = hit[1:]
+                    break
+        found = self.sources(t) if got is None else []
+        if self.lineage_storage:
+            more = self.lineage_storage.get(_storage_key(t))
+            if more is not None:
+                got = more if got is None else (got[0] | more[0], got[1] | more[1])
+        if got is None:
+            return found
+        for n in sorted(got[1]):
+            if n not in params:
+                params.append(n)
+        return sorted(set(found) | got[0])
+
+    # -- folding (module docstring)
+    def may_fold(self, args: tuple) -> bool:
+        """Whether an extension call given `args` is one folding may take (no tensor argument other than
+        a parameter has a pairable size, and its call site is past FOLD_AFTER): then the copies that
+        find what it wrote are not made."""
+        if self.fold is None:
+            return False
+        f = naming.user_frame(sys._getframe(2))
+        if f is None or self.unpairable.get((f.f_code, f.f_lineno), 0) < FOLD_AFTER:
+            return False
+        return all(a.numel() not in self.fold for a in args if isinstance(a, torch.Tensor) and self.param_of(a) is None)
+
+    def foldable(self, tensors: list[tuple[tuple, torch.Tensor]], frame: Any) -> bool:
+        """Whether this call's results are folded: none of them has a size the other side's records
+        have, and its call site has made FOLD_AFTER such results already."""
+        if self.fold is None or not tensors or frame is None:
+            return False
+        for _, t in tensors:
+            if t.numel() in self.fold:
+                return False
+        key = (frame.f_code, frame.f_lineno)
+        n = self.unpairable.get(key, 0) + 1
+        self.unpairable[key] = n
+        return n > FOLD_AFTER
+
+    def folded_sites(self) -> dict[str, int]:
+        """Results folded, by call site "file:line" (`Trace.folded`)."""
+        return {f"{code.co_filename}:{line}": n - FOLD_AFTER for (code, line), n in self.unpairable.items()
+                if n > FOLD_AFTER}
+
+    def lineage_of(self, obj: Any, extra: tuple[str, ...] = ()) -> tuple[frozenset, frozenset]:
+        """The records and parameters the tensors in `obj` come from (a folded tensor by its lineage).
+        Runs once per folded call: a folded argument is one dictionary lookup, and lineages are
+        shared, not copied, where the arguments add nothing to one of them."""
+        ins: list[frozenset] = []
+        prm: list[frozenset] = [frozenset(extra)] if extra else []
+        lineage = self.lineage
+
+        def tensor(o):
+            hit = lineage.get(id(o))
+            if hit is not None and hit[0]() is o:
+                ins.append(hit[1])
+                prm.append(hit[2])
+                return
+            name = self.param_of(o)
+            if name is not None:
+                prm.append(frozenset((name,)))
+                return
+            exact = self.ref_of(o)
+            got: list[str] = []
+            found = [exact.index] if exact is not None else self._folded_sources(o, got)
+            prm.append(frozenset(got))
+            ins.append(frozenset(found))
+            prm.extend(frozenset(self.derived[i]) for i in found if i in self.derived)
+
+        todo = [obj]
+        while todo:
+            o = todo.pop()
+            t = type(o)
+            if t is torch.Tensor or t is torch.nn.Parameter:
+                tensor(o)
+            elif t is tuple or t is list:
+                todo.extend(o)
+            elif t is dict:
+                todo.extend(o.values())
+            elif t in _ATOMS:
+                continue
+            elif isinstance(o, torch.Tensor):
+                tensor(o)
+            else:
+                todo.extend(x for x in pytree.tree_leaves(o) if isinstance(x, torch.Tensor))
+
+        return _union(ins), _union(prm)
+
+    def fold_into(self, tensors: list[tuple[tuple, torch.Tensor]], lineage: tuple[frozenset, frozenset],
+                  in_place: bool = False) -> None:
+        """Give folded results their lineage.  `in_place`: the call wrote into them (their memory may
+        be read through other views later: the lineage is noted by storage too, and adds to theirs)."""
+        for _, t in tensors:
+            if id(t) in self.param_ids:
+                continue  # a parameter written in place stays a parameter
+            if in_place:
+                hit = self.lineage.get(id(t))
+                if hit is not None and hit[0]() is t:
+                    lineage = (hit[1] | lineage[0], hit[2] | lineage[1])
+                key = _storage_key(t)
+                if key is not None:
+                    old = self.lineage_storage.get(key)
+                    self.lineage_storage[key] = lineage if old is None else (old[0] | lineage[0], old[1] | lineage[1])
+            try:
+                self.lineage[id(t)] = (weakref.ref(t), *lineage)
+            except TypeError:
+                pass
 
     def params_of_module(self, module: torch.nn.Module) -> tuple[str, ...]:
         """What a call of `module` reads: every parameter and buffer of the model inside it (its
@@ -618,6 +775,8 @@ class _State:
             else:
                 rec.value = _snapshot(tensor)
         self.trace.records.append(rec)
+        if self.lineage:
+            self.lineage.pop(id(tensor), None)  # recorded now: its record is where its value comes from
         # written in place: the tensor was recorded before and has changed since (a kernel's raw write
         # does not bump the version, so a write record or an extension handing back its argument counts)
         in_place = kind == "write" or (hit is not None and hit[0]() is tensor
@@ -653,6 +812,9 @@ class _State:
         if fname in _SKIP_FUNCS or fname in _ALLOC_FUNCS:
             return
         if out is None and fname == "__setitem__" and args and isinstance(args[0], torch.Tensor):
+            if self.fold is not None and self.foldable([((), args[0])], naming.user_frame(sys._getframe(2))):
+                self.fold_into([((), args[0])], self.lineage_of((args, kwargs)), in_place=True)
+                return
             site = self.site()
             # `y[0] = v` runs as a store to the subscript: name the record by the tensor written, `y`
             label = site.labels[0] if site.labels else (re.match(r"[\w.]+", site.text) or [site.text])[0]
@@ -664,6 +826,9 @@ class _State:
             return
         found = _tensors(out)
         if not found:
+            return
+        if self.fold is not None and self.foldable(found, naming.user_frame(sys._getframe(2))):
+            self.fold_into(found, self.lineage_of((args, kwargs)), in_place=_may_write(fname, kwargs, args))
             return
         site = self.site()
         tmpl, refs, params = self.template((args, kwargs))
@@ -678,6 +843,12 @@ class _State:
 
     # -- extension functions
     def on_ext(self, qualname: str, fn, args, kwargs, out, before: list[tuple[int, torch.Tensor]] | None) -> None:
+        if self.fold is not None:
+            found = _tensors(out) if out is not None else \
+                [((i,), a) for i, a in enumerate(args) if isinstance(a, torch.Tensor) and self.param_of(a) is None]
+            if self.foldable(found, naming.user_frame(sys._getframe(1))):
+                self.fold_into(found, self.lineage_of((args, kwargs)), in_place=out is None)
+                return
         site = self.site()
         tmpl, refs, params = self.template((args, kwargs))
         call = ("ext", fn, tmpl)
@@ -764,7 +935,8 @@ def _pre_hook(module, args):
     site = None
     if not st.opaque and module is not st.model:  # the model itself is called by the harness, not user code
         f = naming.user_frame(sys._getframe(1))
-        site = naming.site_of(f) if f is not None else None
+        # while folding, the frame: its site is read only if the call is recorded (`_post_hook`)
+        site = (f if st.fold is not None else naming.site_of(f)) if f is not None else None
     st.stack.append((path, opaque, (site, args)))
     if opaque:
         st.opaque += 1
@@ -800,13 +972,21 @@ def _post_hook(module, args, *rest):
         st.calls[top_path] = n
         base = "output" if is_root else (top_path if n == 1 else f"{top_path}#{n}")
         found = _tensors(output)
+        if isinstance(site, types.FrameType):
+            if not is_root and st.foldable(found, site):
+                st.fold_into(found, st.lineage_of((margs, {}), st.params_of_module(module)))
+                return None
+            site = naming.site_of(site)
         parent = st.scope
         tmpl, refs, _ = st.template((margs, {}))
+        # (what it read through folded results stands where the records it would have read stood)
+        through_folded = st.folded_params
         call = ("module", module, tmpl)
         # a torch.nn module is one call to capture: it reads all its parameters and buffers; a user
         # module's output is usually a record made inside it (which keeps what its own call read),
         # and only when nothing inside was recorded does the new record stand for the whole module
         params = st.params_of_module(module) if not is_root else ()
+        params += tuple(n for n in through_folded if n not in params)
         st.current_call = ("module", module, margs, {}) if st.mutator is not None else None
         for i, (pos, t) in enumerate(found):
             name = base if len(found) == 1 else f"{base}[{']['.join(map(str, pos))}]"
@@ -899,7 +1079,7 @@ class _ExtensionPatch:
             if st.busy or st.opaque:
                 return fn(*args, **kwargs)
             before = None
-            if st.returns_none.get(qualname, True):
+            if st.returns_none.get(qualname, True) and not st.may_fold(args):
                 st.busy = True
                 try:
                     before = [(i, a.detach().clone()) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
@@ -1005,9 +1185,16 @@ class _TritonPatch:
                 st.busy = True  # also the re-entrancy guard: nested launches are the same user launch
                 try:
                     tensors = [(i, a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+                    f = naming.user_frame(sys._getframe(1))
+                    if st.fold is not None:
+                        # folded: every tensor argument not a parameter may be what it wrote
+                        written = [((i,), a) for i, a in tensors if st.param_of(a) is None]
+                        if st.foldable(written, f):
+                            out = _launch(st, f"triton:{name}", launch, args, kwargs)
+                            st.fold_into(written, st.lineage_of((args, kwargs)), in_place=True)
+                            return out
                     before = [(i, a.detach().clone()) for i, a in tensors]
                     out = _launch(st, f"triton:{name}", launch, args, kwargs)
-                    f = naming.user_frame(sys._getframe(1))
                     site = naming.site_of(f) if f is not None else naming.Site("", 0, "?", (), "?")
                     _, refs, params = st.template((args, kwargs))
                     st.on_writes(site, f"triton:{name}", args, before, ("triton", None, None), refs, params)
@@ -1031,13 +1218,16 @@ class capture:
     """``with diffkit.capture(model) as trace: model(*inputs)`` — records one forward.
 
     `snapshot=False` records metadata only (no clones).  `only` filters records by name
-    (a callable taking the name).  The trace stays usable when the forward raises: the
+    (a callable taking the name).  `fold`: the element counts records may pair with (the other
+    side's); results of other sizes from a call site past FOLD_AFTER of them are folded (module
+    docstring).  The trace stays usable when the forward raises: the
     exception propagates, ``trace.error`` says where it happened.
     """
 
     def __init__(self, model: torch.nn.Module | None = None, *, snapshot: bool = True,
-                 only: Callable[[str], bool] | None = None, inputs: tuple = (), sink: Any = None):
-        self.state = _State(model, snapshot, only, sink)
+                 only: Callable[[str], bool] | None = None, inputs: tuple = (), sink: Any = None,
+                 fold: frozenset | None = None):
+        self.state = _State(model, snapshot, only, sink, fold)
         for i, (pos, t) in enumerate(_tensors(list(inputs))):
             # the model's inputs open the trace, so a candidate's copy of an input pairs with it
             self.state.trace.inputs.append(t.detach().clone() if snapshot else t)
@@ -1073,6 +1263,7 @@ class capture:
                 h.remove()
             self._patch.remove()
             self._triton.remove()
+        self.state.trace.folded = self.state.folded_sites()
         try:
             self.state.seal()
         except Exception as e:  # (out of memory copying a value): keep no value rather than a wrong one

@@ -14,7 +14,7 @@ import sys
 import click
 
 from .errors import DiffkitError
-from .options import Options, Tolerance
+from .options import FOLD_AFTER, Options, Tolerance
 from .result import ErrorInfo, Result
 
 EXIT = {"match": 0, "diverged": 1, "error": 2}
@@ -160,10 +160,14 @@ def main() -> None:
                    "same statistic of |r|")
 @click.option("--explain-budget", type=click.IntRange(min=0), default=1000, show_default=True,
               help="forwards of the reference the what-if search may spend")
+@click.option("--fold/--no-fold", "fold", default=True, show_default=True,
+              help="fold the candidate's loop results that no reference record can pair with (a call site's results "
+                   f"of sizes no reference record has, after its first {FOLD_AFTER}): their dataflow is kept, no record is made "
+                   "(--no-fold: record every one)")
 def diff(ref_path, cand_path, atol, rtol, seed, device, json_path, csv_path, strict, train, full, tolerance,
          reinit_zero, report_dir, no_report, html_path, md_path, junit_path, no_isolate, timeout, max_memory, stream,
          only, stop_at_first, sanitize, stream_dir, side_only, ref_capture, trials=5, eval_mode=False,
-         sync_weights=False, explain=None, explain_budget=1000, stat="elementwise"):
+         sync_weights=False, explain=None, explain_budget=1000, stat="elementwise", fold=True):
     """Compare candidate CAND (a ModelNew file) with reference REF (a Model file), stage by stage.
 
     Either side may instead be a capture directory written by `diffkit capture -o`: a candidate file
@@ -174,7 +178,7 @@ def diff(ref_path, cand_path, atol, rtol, seed, device, json_path, csv_path, str
               reinit_zero, report_dir, no_report, html_path, md_path, junit_path, no_isolate, timeout, max_memory,
               stream, only, stop_at_first, sanitize, stream_dir, side_only, ref_capture,
               protocol={"trials": trials, "eval": eval_mode, "sync_weights": sync_weights, "explain": explain,
-                        "explain_budget": explain_budget, "stat": stat})
+                        "explain_budget": explain_budget, "stat": stat, "fold": fold})
     except Terminated as t:
         sys.exit(128 + t.signum)
 

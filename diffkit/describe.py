@@ -10,6 +10,8 @@ no stages at all, or an error with no details all get words.
 """
 from __future__ import annotations
 
+import os
+
 MISSING = "-"
 
 
@@ -279,6 +281,18 @@ def _diverged_headline(result, fd) -> str:
 # ----------------------------------------------------------------------------- the detail block
 def _finding_line(f) -> str:
     return f"  diagnosis [{f.kind}, confidence {fmt(f.confidence, '.2f')}]: {f.detail}"
+
+
+def notes(result) -> list[str]:
+    """What the reader should know of how the diff ran that is no warning: loop results folded."""
+    fold = result.meta.get("cand_folded")
+    if not fold:
+        return []
+    sites = fold.get("sites") or {}
+    top = ", ".join(f"{os.path.basename(site)} ({n})" for site, n in list(sites.items())[:3])
+    return [f"{fold['results']} candidate loop results were folded, not recorded: their sizes match no reference "
+            f"record (so none could pair), and their call sites had made {fold.get('recorded_per_site', '?')} records "
+            f"each already; their dataflow is kept ({top}{' …' if len(sites) > 3 else ''}; --no-fold records them all)"]
 
 
 def what_if_lines(result, limit: int = 3) -> list[str]:

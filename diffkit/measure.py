@@ -229,18 +229,45 @@ class _HostBatch:
 BATCH_PAIRS = 4096
 
 
+# bytes of contiguous copies (of non-contiguous pairs) one launch may make
+BATCH_COPY_BYTES = 1 << 30
+
+
+def _batches(items: list, idx: list[int]):
+    """`idx` in launches of at most BATCH_PAIRS pairs and BATCH_COPY_BYTES of contiguous copies."""
+    part: list[int] = []
+    copies = 0
+    for i in idx:
+        r, c = items[i][0], items[i][1]
+        size = sum(t.numel() * t.element_size() for t in (r, c) if not t.is_contiguous())
+        if part and (len(part) >= BATCH_PAIRS or copies + size > BATCH_COPY_BYTES):
+            yield part
+            part, copies = [], 0
+        part.append(i)
+        copies += size
+    if part:
+        yield part
+
+
 def measure_many(items: list[tuple[torch.Tensor, torch.Tensor, float, float]]) -> list[PendingStats]:
     """`measure_async` for many pairs ``(ref, cand, atol, rtol)`` at once: on CUDA, the pairs that
     share a device, dtypes and tolerance are measured by one launch of the metric kernel per batch
     (and come back in one copy); the rest one by one."""
     out: list[PendingStats | None] = [None] * len(items)
     groups: dict[tuple, list[int]] = {}
+    host: list[int] = []
     for i, (r, c, atol, rtol) in enumerate(items):
-        if (r.is_cuda and c.device == r.device and tuple(r.shape) == tuple(c.shape) and r.numel() > 0
-                and r.dtype in _FAST_DTYPES and c.dtype in _FAST_DTYPES):
+        fast = tuple(r.shape) == tuple(c.shape) and r.numel() > 0 and r.dtype in _FAST_DTYPES \
+            and c.dtype in _FAST_DTYPES
+        if fast and r.is_cuda and c.device == r.device:
             groups.setdefault((r.device, r.dtype, c.dtype, atol, rtol), []).append(i)
+        elif fast and r.device.type == "cpu" and c.device.type == "cpu":
+            host.append(i)
         else:
             out[i] = measure_async(r, c, atol, rtol)
+    if host:
+        for i, pending in zip(host, _measure_host_many([items[i] for i in host])):
+            out[i] = pending
     if groups:
         from . import metrics_kernel
 
@@ -249,8 +276,7 @@ def measure_many(items: list[tuple[torch.Tensor, torch.Tensor, float, float]]) -
                 for i in idx:
                     out[i] = measure_async(*items[i])
                 continue
-            for lo in range(0, len(idx), BATCH_PAIRS):
-                part = idx[lo:lo + BATCH_PAIRS]
+            for part in _batches(items, idx):
                 flat = [(items[i][0].detach().reshape(-1), items[i][1].detach().reshape(-1)) for i in part]
                 with torch.cuda.device(flat[0][0].device):  # the launch on the pairs' own device
                     batch = _HostBatch(metrics_kernel.packed_batch(flat, atol, rtol))
@@ -452,6 +478,33 @@ _FAST_DTYPES = {torch.float16: torch.float32, torch.bfloat16: torch.float32, tor
 CHUNK_HOST = 1 << 16
 
 
+# below this many elements in all, pairs are measured one after the other (threads cost more than they save)
+HOST_PARALLEL_MIN = 1 << 18
+
+
+def _measure_host_many(items: list[tuple[torch.Tensor, torch.Tensor, float, float]]) -> list[PendingStats]:
+    """`_measure_host` for many CPU pairs: one pair per worker thread, as many workers as torch has
+    intra-op threads, each running its passes on one thread (torch releases the GIL inside an op, so
+    the workers' chunks run side by side)."""
+    def one(item):
+        r, c, atol, rtol = item
+        return _measure_host_1(r.detach().reshape(-1), c.detach().reshape(-1), atol, rtol, tuple(r.shape))
+
+    threads = torch.get_num_threads()
+    workers = min(threads, len(items))
+    torch.set_num_threads(1)
+    try:
+        if workers < 2 or sum(r.numel() for r, _, _, _ in items) < HOST_PARALLEL_MIN:
+            return [one(item) for item in items]
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(workers, thread_name_prefix="diffkit-measure",
+                                initializer=torch.set_num_threads, initargs=(1,)) as pool:
+            return list(pool.map(one, items))
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _measure_host(r: torch.Tensor, c: torch.Tensor, atol: float, rtol: float, shape) -> PendingStats:
     # one thread: the passes over a cache-sized chunk are short, and waking a thread pool for each
     # costs more than the pass (and stalls badly when the cores are shared)
@@ -499,19 +552,26 @@ def _measure_host_1(r: torch.Tensor, c: torch.Tensor, atol: float, rtol: float, 
             exact(start)
             continue
         ra = a.abs()
-        e = torch.add(d, ra, alpha=-rtol)  # |c - r| - rtol |r|: out of tolerance where > atol
-        emax = float(e.amax()) - atol
-        if emax > 0:
-            mism += int(torch.count_nonzero(e > atol))
-        rel = torch.div(d, ra).nan_to_num_(nan=0.0, posinf=0.0)  # over r != 0 only
-        max_rel = max(max_rel, float(rel.amax()))
+        e = None
+        if dmax > atol:
+            e = torch.add(d, ra, alpha=-rtol)  # |c - r| - rtol |r|: out of tolerance where > atol
+            emax = float(e.amax()) - atol
+            if emax > 0:
+                mism += int(torch.count_nonzero(e > atol))
+        else:
+            emax = dmax - atol  # every element within atol: a bound on the excess, at most 0
+        rel = torch.div(d, ra)
+        rmax = float(rel.amax())
+        if not math.isfinite(rmax):  # an exact zero in the reference (0/0, d/0): over r != 0 only
+            rmax = float(rel.nan_to_num_(nan=0.0, posinf=0.0).amax())
+        max_rel = max(max_rel, rmax)
         # sums within a chunk by vectorised (blocked, cascade) float32 kernels; across chunks in float64
         dd, rr, cc = float(torch.dot(d, d)), float(torch.dot(a, a)), float(torch.dot(b, b))
         if not (math.isfinite(dd) and math.isfinite(rr) and math.isfinite(cc)) or \
                 (dd == 0.0 and dmax > 0) or (rr == 0.0 and float(ra.amax()) > 0):
             # squares beyond float32's range (or below it): this chunk the exact float64 way
             exact(start)
-            if emax > 0:
+            if emax > 0 and e is not None:
                 mism -= int(torch.count_nonzero(e > atol))  # counted again by the exact chunk
             continue
         sum_abs += float(d.sum())

@@ -1,27 +1,43 @@
 """The CUDA metric kernel: every statistic a pair's `Stats` needs, in one read of both tensors.
 
-One Triton program measures one block of `BLOCK` elements of one pair, in float32 (float64 when
-either side is float64), and writes that block's partial statistics (the `measure._Part` slots,
-sums accumulated in float64); a batch of pairs of one dtype combination is one launch, the pairs'
-tensors reached through a table of their addresses.  The blocks are then combined per pair on the
-device (scatter reductions: sums, maxima, and the first index of each maximum, as `torch.argmax`
-takes the first of equal maxima), the worst element's two values are gathered by a second small
-launch, and the packed vectors (`measure._Packed` slots) of the whole batch travel to the host in
-one copy behind one event.  Nothing synchronises until a result is read.
+Two launches per batch of pairs (one dtype combination, one tolerance), nothing built per block on
+the host:
 
-The rule is `measure.compare_elements`'s (``torch.allclose(equal_nan=False)``); `tests/test_metrics.py`
-checks the kernel against the float64 reductions of `measure._packed_exact`.
+* `partials`: each program reads a tile of `TILE` elements of one pair (its pair found by a binary
+  search of the pairs' first tiles, through a table of the pairs' addresses), `BLOCK` lanes at a
+  time, keeping per-lane accumulators (float32 arithmetic -- float64 when either side is -- with
+  float64 sums; each lane keeps the first index of its maxima), and reduces them once into the
+  tile's partial statistics (the `measure._Part` slots).
+* `combine`: one program per pair folds its tiles' partials (sums; maxima with the first index of
+  each, as `torch.argmax` takes the first of equal maxima), reads the worst element's two values and
+  writes the pair's packed vector (`measure._Packed` slots).
+
+The packed vectors of the whole batch travel to the host in one copy behind one event; nothing
+synchronises until a result is read.  The rule is `measure.compare_elements`'s
+(``torch.allclose(equal_nan=False)``); `tests/test_metrics.py` checks the kernel against the
+float64 reductions of `measure._packed_exact` (on a GPU, or on the CPU under ``TRITON_INTERPRET=1``).
 """
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
 from .measure import _COUNTS, _Packed, _Part
 
-BLOCK = 1024
+BLOCK = 1024  # lanes of a program
+NUM_WARPS = 8  # (four lanes a thread: the per-lane accumulators stay in registers)
+TILE_BLOCKS = 16  # blocks of BLOCK elements a program reads (a tile)
+DIRECT_MIN = 1 << 20  # pairs at least this large are launched on their own, tensors passed directly
+TILE = BLOCK * TILE_BLOCKS
+COMBINE_ROWS = 256  # tiles a combining program reads at a time
 _NPART = len(_Part)
+_NPACKED = len(_Packed)
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @functools.cache
@@ -46,70 +62,200 @@ def _kernels():
         return None
 
     @triton.jit
-    def partials(ref_ptrs, cand_ptrs, numels, block_pair, block_first, out, atol, rtol,
+    def partials(ref_ptrs, cand_ptrs, numels, tile_first, out, atol, rtol, n_pairs, n_direct, row0,
                  REF_T: tl.constexpr, CAND_T: tl.constexpr, WORK_T: tl.constexpr, BLOCK: tl.constexpr,
-                 NPART: tl.constexpr):
+                 TILE_BLOCKS: tl.constexpr, NPART: tl.constexpr, SEARCH: tl.constexpr, DIRECT: tl.constexpr):
         pid = tl.program_id(0)
-        pair = tl.load(block_pair + pid)
-        start = (pid - tl.load(block_first + pair)).to(tl.int64) * BLOCK
-        n = tl.load(numels + pair)
-        rp = tl.load(ref_ptrs + pair).to(tl.pointer_type(REF_T))
-        cp = tl.load(cand_ptrs + pair).to(tl.pointer_type(CAND_T))
-        offs = start + tl.arange(0, BLOCK).to(tl.int64)
-        live = offs < n
-        r = tl.load(rp + offs, mask=live, other=0.0).to(WORK_T)
-        c = tl.load(cp + offs, mask=live, other=0.0).to(WORK_T)
-        # infinities without an infinite constant: x - x is NaN exactly where x is infinite (or NaN)
-        r_nan = r != r
-        c_nan = c != c
-        r_inf = (~r_nan) & ((r - r) != 0)
-        c_inf = (~c_nan) & ((c - c) != 0)
-        special = r_nan | c_nan | r_inf | c_inf
-        disagree = special & ~(r_inf & c_inf & (r == c))
-        rabs = tl.abs(r)
-        zero = tl.zeros_like(r)
-        diff = tl.where(special, zero, tl.abs(c - r))
-        bound = atol + rtol * rabs
-        bad = ((~special) & (diff > bound)) | disagree
-        bad = bad & live
-        rel = tl.where((rabs > 0) & (~special) & live, diff / tl.where(rabs > 0, rabs, 1.0), zero)
-        excess = diff - bound
-        excess = tl.where((excess != excess) | (~live), -1.0e38, excess)  # "none" (as -inf in measure._partials)
-        fr = tl.where(r_nan | r_inf, zero, r).to(tl.float64)
-        fc = tl.where(c_nan | c_inf, zero, c).to(tl.float64)
-        d64 = diff.to(tl.float64)
-        big = tl.full([BLOCK], 9.0e18, tl.float64)
-        idx = offs.to(tl.float64)
-        i_d = tl.argmax(diff, axis=0)
-        i_e = tl.argmax(excess, axis=0)
-        base = out + pid.to(tl.int64) * NPART
-        tl.store(base + 0, tl.sum(bad.to(tl.float64), axis=0))  # MISMATCHES
-        tl.store(base + 1, tl.max(diff, axis=0).to(tl.float64))  # MAX_ABS
-        tl.store(base + 2, (start + i_d).to(tl.float64))  # MAX_ABS_AT
-        tl.store(base + 3, tl.sum(d64, axis=0))  # SUM_ABS
-        tl.store(base + 4, tl.max(rel, axis=0).to(tl.float64))  # MAX_REL
-        tl.store(base + 5, tl.sum(fr * fc, axis=0))  # DOT
-        tl.store(base + 6, tl.sum(fr * fr, axis=0))  # REF_SQ
-        tl.store(base + 7, tl.sum(fc * fc, axis=0))  # CAND_SQ
-        tl.store(base + 8, tl.sum((r_nan & live).to(tl.float64), axis=0))  # REF_NAN
-        tl.store(base + 9, tl.sum((r_inf & live).to(tl.float64), axis=0))  # REF_INF
-        tl.store(base + 10, tl.sum((c_nan & live).to(tl.float64), axis=0))  # CAND_NAN
-        tl.store(base + 11, tl.sum((c_inf & live).to(tl.float64), axis=0))  # CAND_INF
-        tl.store(base + 12, tl.max(excess, axis=0).to(tl.float64))  # MAX_EXCESS
-        tl.store(base + 13, (start + i_e).to(tl.float64))  # MAX_EXCESS_AT
-        tl.store(base + 14, tl.min(tl.where(disagree & live, idx, big), axis=0))  # FIRST_DISAGREE_AT
-        tl.store(base + 15, tl.sum(d64 * d64, axis=0))  # DIFF_SQ
+        if DIRECT:
+            # one large pair, its tensors given as they are (aligned, so the loads are vectorised)
+            start = pid.to(tl.int64) * (BLOCK * TILE_BLOCKS)
+            n = n_direct
+            rp = ref_ptrs
+            cp = cand_ptrs
+            row = row0 + pid
+        else:
+            # this tile's pair: the last whose first tile is at or before it
+            lo = pid * 0
+            hi = lo + n_pairs - 1
+            for _ in tl.static_range(SEARCH):
+                mid = (lo + hi + 1) // 2
+                ok = tl.load(tile_first + mid) <= pid
+                lo = tl.where(ok, mid, lo)
+                hi = tl.where(ok, hi, mid - 1)
+            pair = lo
+            start = (pid - tl.load(tile_first + pair)).to(tl.int64) * (BLOCK * TILE_BLOCKS)
+            n = tl.load(numels + pair)
+            rp = tl.load(ref_ptrs + pair).to(tl.pointer_type(REF_T))
+            cp = tl.load(cand_ptrs + pair).to(tl.pointer_type(CAND_T))
+            row = pid
+        lane = tl.arange(0, BLOCK)
+        # positions within the tile (int32: fewer registers per lane); the tile's start is added at the end
+        none = tl.full([BLOCK], 1 << 30, tl.int32)
+        mism = tl.zeros([BLOCK], tl.int32)
+        r_nans = tl.zeros([BLOCK], tl.int32)
+        r_infs = tl.zeros([BLOCK], tl.int32)
+        c_nans = tl.zeros([BLOCK], tl.int32)
+        c_infs = tl.zeros([BLOCK], tl.int32)
+        sum_abs = tl.zeros([BLOCK], tl.float64)
+        dot = tl.zeros([BLOCK], tl.float64)
+        rsq = tl.zeros([BLOCK], tl.float64)
+        csq = tl.zeros([BLOCK], tl.float64)
+        dsq = tl.zeros([BLOCK], tl.float64)
+        max_d = tl.full([BLOCK], -1.0, WORK_T)
+        max_d_at = none
+        max_e = tl.full([BLOCK], -3.0e38, WORK_T)
+        max_e_at = none
+        max_rel = tl.zeros([BLOCK], WORK_T)
+        first_bad = none
+        for k in tl.static_range(TILE_BLOCKS):
+            loc = k * BLOCK + lane
+            offs = start + loc
+            live = offs < n
+            r = tl.load(rp + offs, mask=live, other=0.0).to(WORK_T)
+            c = tl.load(cp + offs, mask=live, other=0.0).to(WORK_T)
+            # infinities without an infinite constant: x - x is NaN exactly where x is infinite (or NaN)
+            r_nan = r != r
+            c_nan = c != c
+            r_inf = (~r_nan) & ((r - r) != 0)
+            c_inf = (~c_nan) & ((c - c) != 0)
+            special = r_nan | c_nan | r_inf | c_inf
+            disagree = special & ~(r_inf & c_inf & (r == c)) & live
+            rabs = tl.abs(r)
+            zero = tl.zeros_like(r)
+            diff = tl.where(special, zero, tl.abs(c - r))
+            bound = atol + rtol * rabs
+            bad = (((~special) & (diff > bound)) | disagree) & live
+            mism += bad.to(tl.int32)
+            rel = tl.where((rabs > 0) & (~special) & live, diff / tl.where(rabs > 0, rabs, 1.0), zero)
+            max_rel = tl.maximum(max_rel, rel)
+            excess = diff - bound
+            excess = tl.where((excess != excess) | (~live), -1.0e38, excess)  # "none" (-inf in measure._partials)
+            up = diff > max_d  # strictly greater: a lane keeps the first position of its maximum
+            max_d = tl.where(up, diff, max_d)
+            max_d_at = tl.where(up, loc, max_d_at)
+            up = excess > max_e
+            max_e = tl.where(up, excess, max_e)
+            max_e_at = tl.where(up, loc, max_e_at)
+            first_bad = tl.minimum(first_bad, tl.where(disagree, loc, none))
+            fr = tl.where(r_nan | r_inf, zero, r).to(tl.float64)
+            fc = tl.where(c_nan | c_inf, zero, c).to(tl.float64)
+            d64 = diff.to(tl.float64)
+            sum_abs += d64
+            dot += fr * fc
+            rsq += fr * fr
+            csq += fc * fc
+            dsq += d64 * d64
+            r_nans += (r_nan & live).to(tl.int32)
+            r_infs += (r_inf & live).to(tl.int32)
+            c_nans += (c_nan & live).to(tl.int32)
+            c_infs += (c_inf & live).to(tl.int32)
+        m_d = tl.max(max_d, axis=0)
+        m_e = tl.max(max_e, axis=0)
+        fb = tl.min(first_bad, axis=0)
+        s0 = start.to(tl.float64)
+        base = out + row.to(tl.int64) * NPART
+        tl.store(base + 0, tl.sum(mism, axis=0).to(tl.float64))  # MISMATCHES
+        tl.store(base + 1, m_d.to(tl.float64))  # MAX_ABS
+        tl.store(base + 2, s0 + tl.min(tl.where(max_d == m_d, max_d_at, none), axis=0).to(tl.float64))  # MAX_ABS_AT
+        tl.store(base + 3, tl.sum(sum_abs, axis=0))  # SUM_ABS
+        tl.store(base + 4, tl.max(max_rel, axis=0).to(tl.float64))  # MAX_REL
+        tl.store(base + 5, tl.sum(dot, axis=0))  # DOT
+        tl.store(base + 6, tl.sum(rsq, axis=0))  # REF_SQ
+        tl.store(base + 7, tl.sum(csq, axis=0))  # CAND_SQ
+        tl.store(base + 8, tl.sum(r_nans, axis=0).to(tl.float64))  # REF_NAN
+        tl.store(base + 9, tl.sum(r_infs, axis=0).to(tl.float64))  # REF_INF
+        tl.store(base + 10, tl.sum(c_nans, axis=0).to(tl.float64))  # CAND_NAN
+        tl.store(base + 11, tl.sum(c_infs, axis=0).to(tl.float64))  # CAND_INF
+        tl.store(base + 12, m_e.to(tl.float64))  # MAX_EXCESS
+        tl.store(base + 13, s0 + tl.min(tl.where(max_e == m_e, max_e_at, none), axis=0).to(tl.float64))  # MAX_EXCESS_AT
+        tl.store(base + 14, tl.where(fb < (1 << 30), s0 + fb.to(tl.float64), 9.0e18))  # FIRST_DISAGREE_AT
+        tl.store(base + 15, tl.sum(dsq, axis=0))  # DIFF_SQ
 
     @triton.jit
-    def gather(ref_ptrs, cand_ptrs, flat, out, REF_T: tl.constexpr, CAND_T: tl.constexpr):
+    def combine(parts, ref_ptrs, cand_ptrs, numels, tile_first, dest, packed,
+                REF_T: tl.constexpr, CAND_T: tl.constexpr, NPART: tl.constexpr, NPACKED: tl.constexpr,
+                ROWS: tl.constexpr):
         pair = tl.program_id(0)
+        first = tl.load(tile_first + pair)
+        last = tl.load(tile_first + pair + 1)
+        n = tl.load(numels + pair)
+        rows0 = tl.arange(0, ROWS).to(tl.int64)
+        big = 9.0e18
+        s_mism = tl.zeros([ROWS], tl.float64)
+        s_abs = tl.zeros([ROWS], tl.float64)
+        s_dot = tl.zeros([ROWS], tl.float64)
+        s_rsq = tl.zeros([ROWS], tl.float64)
+        s_csq = tl.zeros([ROWS], tl.float64)
+        s_dsq = tl.zeros([ROWS], tl.float64)
+        s_rn = tl.zeros([ROWS], tl.float64)
+        s_ri = tl.zeros([ROWS], tl.float64)
+        s_cn = tl.zeros([ROWS], tl.float64)
+        s_ci = tl.zeros([ROWS], tl.float64)
+        m_rel = tl.zeros([ROWS], tl.float64)
+        m_d = tl.full([ROWS], -2.0, tl.float64)
+        m_d_at = tl.full([ROWS], big, tl.float64)
+        m_e = tl.full([ROWS], -3.0e38, tl.float64)
+        m_e_at = tl.full([ROWS], big, tl.float64)
+        f_bad = tl.full([ROWS], big, tl.float64)
+        lo = first
+        while lo < last:
+            rows = lo + rows0
+            live = rows < last
+            lo += ROWS
+            b = parts + rows * NPART
+            s_mism += tl.load(b + 0, mask=live, other=0.0)
+            d = tl.load(b + 1, mask=live, other=-2.0)
+            d_at = tl.load(b + 2, mask=live, other=big)
+            up = d > m_d  # tiles come in order: strictly greater keeps the first
+            m_d = tl.where(up, d, m_d)
+            m_d_at = tl.where(up, d_at, m_d_at)
+            s_abs += tl.load(b + 3, mask=live, other=0.0)
+            m_rel = tl.maximum(m_rel, tl.load(b + 4, mask=live, other=0.0))
+            s_dot += tl.load(b + 5, mask=live, other=0.0)
+            s_rsq += tl.load(b + 6, mask=live, other=0.0)
+            s_csq += tl.load(b + 7, mask=live, other=0.0)
+            s_rn += tl.load(b + 8, mask=live, other=0.0)
+            s_ri += tl.load(b + 9, mask=live, other=0.0)
+            s_cn += tl.load(b + 10, mask=live, other=0.0)
+            s_ci += tl.load(b + 11, mask=live, other=0.0)
+            e = tl.load(b + 12, mask=live, other=-3.0e38)
+            e_at = tl.load(b + 13, mask=live, other=big)
+            up = e > m_e
+            m_e = tl.where(up, e, m_e)
+            m_e_at = tl.where(up, e_at, m_e_at)
+            f_bad = tl.minimum(f_bad, tl.load(b + 14, mask=live, other=big))
+            s_dsq += tl.load(b + 15, mask=live, other=0.0)
+        mism = tl.sum(s_mism, axis=0)
+        top_d = tl.max(m_d, axis=0)
+        by_diff = tl.min(tl.where(m_d == top_d, m_d_at, big), axis=0)
+        top_e = tl.max(m_e, axis=0)
+        by_excess = tl.min(tl.where(m_e == top_e, m_e_at, big), axis=0)
+        first_nb = tl.min(f_bad, axis=0)
+        nf = n.to(tl.float64)
+        flat = tl.where(first_nb < nf, first_nb, tl.where(mism > 0, by_excess, by_diff)).to(tl.int64)
+        nr = tl.sqrt(tl.sum(s_rsq, axis=0))
+        nc = tl.sqrt(tl.sum(s_csq, axis=0))
+        denom = nr * nc
+        cosine = tl.where(denom > 0, tl.sum(s_dot, axis=0) / tl.where(denom > 0, denom, 1.0),
+                          (nr == nc).to(tl.float64))
         rp = tl.load(ref_ptrs + pair).to(tl.pointer_type(REF_T))
         cp = tl.load(cand_ptrs + pair).to(tl.pointer_type(CAND_T))
-        i = tl.load(flat + pair)
-        tl.store(out + 2 * pair, tl.load(rp + i).to(tl.float64))
-        tl.store(out + 2 * pair + 1, tl.load(cp + i).to(tl.float64))
+        o = packed + tl.load(dest + pair) * NPACKED
+        tl.store(o + 0, mism)  # MISMATCHES
+        tl.store(o + 1, top_d)  # MAX_ABS
+        tl.store(o + 2, tl.sum(s_abs, axis=0) / nf)  # MEAN_ABS
+        tl.store(o + 3, tl.max(m_rel, axis=0))  # MAX_REL
+        tl.store(o + 4, cosine)  # COSINE
+        tl.store(o + 5, tl.sum(s_rn, axis=0))  # REF_NAN
+        tl.store(o + 6, tl.sum(s_ri, axis=0))  # REF_INF
+        tl.store(o + 7, tl.sum(s_cn, axis=0))  # CAND_NAN
+        tl.store(o + 8, tl.sum(s_ci, axis=0))  # CAND_INF
+        tl.store(o + 9, flat.to(tl.float64))  # WORST_AT
+        tl.store(o + 10, tl.load(rp + flat).to(tl.float64))  # WORST_REF
+        tl.store(o + 11, tl.load(cp + flat).to(tl.float64))  # WORST_CAND
+        tl.store(o + 12, tl.sqrt(tl.sum(s_dsq, axis=0)) / tl.where(nr > 0, nr, 1.0))  # REL_L2
 
-    return partials, gather
+    return partials, combine
 
 
 def _triton_dtype(dtype: torch.dtype):
@@ -119,71 +265,53 @@ def _triton_dtype(dtype: torch.dtype):
             torch.float64: tl.float64}[dtype]
 
 
-def _first_max(values: torch.Tensor, at: torch.Tensor, group: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per group: the largest of `values` and the smallest `at` among the blocks holding it."""
-    top = torch.full((groups,), float("-inf"), dtype=values.dtype, device=values.device)
-    top = top.scatter_reduce(0, group, values, "amax", include_self=True)
-    cand_at = torch.where(values == top[group], at, torch.full_like(at, float("inf")))
-    first = torch.full((groups,), float("inf"), dtype=at.dtype, device=at.device)
-    first = first.scatter_reduce(0, group, cand_at, "amin", include_self=True)
-    return top, first
-
-
 def packed_batch(pairs: list[tuple[torch.Tensor, torch.Tensor]], atol: float, rtol: float) -> torch.Tensor:
     """The packed metric vectors ([len(pairs), len(_Packed)], float64, on the device) of pairs that
     share one device, one dtype combination and one tolerance; each pair is two equal-length flat
-    tensors (made contiguous here when they are not)."""
-    partials, gather = _kernels()
+    tensors of at least one element (made contiguous here when they are not)."""
+    partials, combine = _kernels()
     dev = pairs[0][0].device
-    refs = [r.contiguous() for r, _ in pairs]
-    cands = [c.contiguous() for _, c in pairs]
+    P = len(pairs)
+    sizes = [r.numel() for r, _ in pairs]
+    # the table holds the small pairs first (one launch reads them all through it), then the large ones
+    # (a launch each, their tensors passed directly); `dest` says where each one's vector goes
+    order = [k for k in range(P) if sizes[k] < DIRECT_MIN] + [k for k in range(P) if sizes[k] >= DIRECT_MIN]
+    small = sum(1 for k in order if sizes[k] < DIRECT_MIN)
+    refs = [pairs[k][0].contiguous() for k in order]
+    cands = [pairs[k][1].contiguous() for k in order]
     rdt, cdt = refs[0].dtype, cands[0].dtype
     work = torch.float64 if torch.float64 in (rdt, cdt) else torch.float32
-    numels = [t.numel() for t in refs]
-    blocks = [-(-n // BLOCK) for n in numels]
+    numels = [sizes[k] for k in order]
     first = [0]
-    for b in blocks[:-1]:
-        first.append(first[-1] + b)
-    total = first[-1] + blocks[-1]
-    # the address table and each block's pair go over in one pinned, asynchronous copy
-    host = torch.cat([torch.tensor([[r.data_ptr() for r in refs], [c.data_ptr() for c in cands], numels, first],
-                                   dtype=torch.int64).reshape(-1),
-                      torch.repeat_interleave(torch.arange(len(pairs)), torch.tensor(blocks))])
-    if torch.cuda.is_available():
+    for n in numels:
+        first.append(first[-1] + -(-n // TILE))
+    # the address table goes over in one small copy (pinned and asynchronous on a GPU)
+    host = torch.tensor([[r.data_ptr() for r in refs], [c.data_ptr() for c in cands], numels, order, first[:-1]],
+                        dtype=torch.int64).reshape(-1)
+    host = torch.cat([host, torch.tensor(first[-1:], dtype=torch.int64)])
+    if dev.type == "cuda":
         host = host.pin_memory()
     sent = host.to(dev, non_blocking=True)
-    table = sent[:4 * len(pairs)].reshape(4, len(pairs))
-    block_pair = sent[4 * len(pairs):]
-    out = torch.empty((total, _NPART), dtype=torch.float64, device=dev)
-    partials[(total,)](table[0], table[1], table[2], block_pair, table[3], out, float(atol), float(rtol),
-                       REF_T=_triton_dtype(rdt), CAND_T=_triton_dtype(cdt), WORK_T=_triton_dtype(work),
-                       BLOCK=BLOCK, NPART=_NPART)
-    P = len(pairs)
-
-    def total_of(slot):
-        return torch.zeros(P, dtype=torch.float64, device=dev).index_add_(0, block_pair, out[:, slot])
-
-    n = table[2].to(torch.float64)
-    mism = total_of(_Part.MISMATCHES)
-    max_abs, by_diff = _first_max(out[:, _Part.MAX_ABS], out[:, _Part.MAX_ABS_AT], block_pair, P)
-    _, by_excess = _first_max(out[:, _Part.MAX_EXCESS], out[:, _Part.MAX_EXCESS_AT], block_pair, P)
-    first_nb = torch.full((P,), float("inf"), dtype=torch.float64, device=dev).scatter_reduce(
-        0, block_pair, out[:, _Part.FIRST_DISAGREE_AT], "amin", include_self=True)
-    flat = torch.where(first_nb < n, first_nb, torch.where(mism > 0, by_excess, by_diff)).to(torch.int64)
-    max_rel = torch.zeros(P, dtype=torch.float64, device=dev).scatter_reduce(
-        0, block_pair, out[:, _Part.MAX_REL], "amax", include_self=True)
-    dot, rsq, csq = total_of(_Part.DOT), total_of(_Part.REF_SQ), total_of(_Part.CAND_SQ)
-    nr, nc = rsq.sqrt(), csq.sqrt()
-    denom = nr * nc
-    cosine = torch.where(denom > 0, dot / torch.where(denom > 0, denom, 1.0), (nr == nc).to(torch.float64))
-    worst = torch.empty((P, 2), dtype=torch.float64, device=dev)
-    gather[(P,)](table[0], table[1], flat, worst, REF_T=_triton_dtype(rdt), CAND_T=_triton_dtype(cdt))
-    counts = {slot.name.lower(): total_of(slot) for slot in _COUNTS}
-    cols = dict(mismatches=mism, max_abs=max_abs, mean_abs=total_of(_Part.SUM_ABS) / n, max_rel=max_rel,
-                cosine=cosine, **counts, worst_at=flat.to(torch.float64), worst_ref=worst[:, 0],
-                worst_cand=worst[:, 1], rel_l2=total_of(_Part.DIFF_SQ).sqrt() / torch.where(nr > 0, nr, 1.0))
+    ref_ptrs, cand_ptrs, ns, dest, tile_first = (sent[:P], sent[P:2 * P], sent[2 * P:3 * P], sent[3 * P:4 * P],
+                                                 sent[4 * P:])
+    if _interpreted():  # the interpreter reads addresses as host pointers into these tensors' storage
+        ref_ptrs = torch.tensor([r.data_ptr() for r in refs], dtype=torch.int64)
+        cand_ptrs = torch.tensor([c.data_ptr() for c in cands], dtype=torch.int64)
+    out = torch.empty((first[-1], _NPART), dtype=torch.float64, device=dev)
+    rt, ct = _triton_dtype(rdt), _triton_dtype(cdt)
+    const = dict(REF_T=rt, CAND_T=ct, WORK_T=_triton_dtype(work), BLOCK=BLOCK, TILE_BLOCKS=TILE_BLOCKS, NPART=_NPART,
+                 num_warps=NUM_WARPS)
+    if small:
+        partials[(first[small],)](ref_ptrs, cand_ptrs, ns, tile_first, out, float(atol), float(rtol), small, 0, 0,
+                                  SEARCH=max(1, (small - 1).bit_length()), DIRECT=False, **const)
+    for k in range(small, P):
+        partials[(first[k + 1] - first[k],)](refs[k], cands[k], ns, tile_first, out, float(atol), float(rtol), P,
+                                             numels[k], first[k], SEARCH=1, DIRECT=True, **const)
+    packed = torch.empty((P, _NPACKED), dtype=torch.float64, device=dev)
+    combine[(P,)](out, ref_ptrs, cand_ptrs, ns, tile_first, dest, packed, REF_T=rt, CAND_T=ct, NPART=_NPART,
+                  NPACKED=_NPACKED, ROWS=COMBINE_ROWS)
     # (temporaries freed here are reused only by later work on this stream: no wait is needed)
-    return torch.stack([cols[s.name.lower()] for s in _Packed], dim=1)
+    return packed
 
 
 def packed(r: torch.Tensor, c: torch.Tensor, atol: float, rtol: float) -> torch.Tensor:

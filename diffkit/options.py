@@ -69,6 +69,11 @@ class Tolerance:
         return {"atol": self.atol, "rtol": self.rtol, "mode": self.mode, "stat": self.stat}
 
 
+# folding (see diffkit.capture): a call site's results of unpairable sizes are recorded this many times,
+# then folded into lineage
+FOLD_AFTER = 8
+
+
 @dataclass(frozen=True)
 class Options:
     """One diff's configuration.
@@ -101,6 +106,9 @@ class Options:
     explain_budget: forwards of the reference a what-if search may spend.
     trusted_capture: the reference capture was written by this diff (an isolated diff's own child):
                    what-if runs may rebuild the reference from the file it names without --explain.
+    fold:          capture the candidate after the reference and fold its unpairable loop results
+                   (a call site's results of sizes no reference record has, past capture.FOLD_AFTER
+                   of them) into lineage instead of records (False: record every result).
     """
 
     tolerance: Tolerance = field(default_factory=Tolerance)
@@ -123,6 +131,7 @@ class Options:
     explain: bool | None = None
     explain_budget: int = 1000
     trusted_capture: bool = False
+    fold: bool = True
 
     def __post_init__(self):
         if isinstance(self.trials, bool) or not isinstance(self.trials, int) or self.trials < 1:

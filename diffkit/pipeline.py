@@ -11,6 +11,7 @@ after that is shared.  `judge` is the only place that sets the verdict.
 from __future__ import annotations
 
 import contextlib
+import math
 import copy
 import os
 from dataclasses import dataclass, field
@@ -20,7 +21,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from .align import Alignment, align, param_map, to_ref_layout, torch_op
-from .capture import StopCapture, Trace, capture
+from .capture import FOLD_AFTER, StopCapture, Trace, capture
 from .diagnose import diagnose
 from .locate import build_stages, locate
 from .measure import measure
@@ -52,11 +53,13 @@ class ModelSource:
     """A live model and the inputs of its forward (cloned before every run).
 
     `seed`: set before its captured forward (KernelBench seeds each trial before the forwards, so a
-    model that draws random numbers draws the same ones)."""
+    model that draws random numbers draws the same ones).  `fold`: the element counts its records
+    may pair with, set by a diff once the other side is captured (see capture's folding)."""
 
     model: torch.nn.Module
     inputs: Sequence[Any]
     seed: int | None = None
+    fold: frozenset | None = None
 
     def params(self) -> dict[str, torch.Tensor]:
         return named_tensors(self.model)
@@ -122,17 +125,17 @@ Source = ModelSource | CaptureSource | TraceSource
 # ------------------------------------------------------------------------------------------ running
 def run_captured(model: torch.nn.Module, inputs: Sequence[Any], *, no_grad: bool = True, only=None,
                  stream_to: str | None = None, sink: Any = None, info: dict | None = None, snapshot: bool = True,
-                 mutator: Any = None) -> Trace:
+                 mutator: Any = None, fold: frozenset | None = None) -> Trace:
     """Run one forward under capture; an exception is kept in ``trace.error``, not raised.
     `stream_to` writes each record to a capture directory as it is made (crash insurance), with the
     model's parameters and `info`; `sink` receives the records instead (store.CaptureWriter,
     stream.TieredStore, stream.StreamComparer, whatif's grab); `snapshot=False` keeps no values;
-    `mutator` plants a what-if mistake (see diffkit.whatif)."""
+    `mutator` plants a what-if mistake (see diffkit.whatif); `fold` as `capture` takes it."""
     inputs = list(inputs)
     cm = torch.no_grad() if no_grad else contextlib.nullcontext()
     if stream_to and sink is None:
         sink = capture_writer(stream_to, model, info)
-    cap = capture(model, inputs=tuple(inputs), only=only, sink=sink, snapshot=snapshot)
+    cap = capture(model, inputs=tuple(inputs), only=only, sink=sink, snapshot=snapshot, fold=fold)
     cap.state.mutator = mutator
     try:
         with cm, cap:
@@ -182,7 +185,7 @@ def _run_side(src: ModelSource, options: Options, state: dict, side: str, **capt
     before = snapshot_state(src.model)
     if src.seed is not None:
         seed_all(src.seed)
-    trace = run_captured(src.model, clone_inputs(list(src.inputs)), no_grad=options.no_grad, **capture)
+    trace = run_captured(src.model, clone_inputs(list(src.inputs)), no_grad=options.no_grad, fold=src.fold, **capture)
     state[side] = (before, snapshot_state(src.model))
     return trace
 
@@ -199,10 +202,17 @@ def _full_traces(reference: Source, candidate: Source, options: Options, known: 
         return _run_side(src, options, state, side, stream_to=os.path.join(sd, f"{side}.dkt") if sd else None)
     rename = param_map(reference.params(), candidate.params())  # by value too: before a forward changes buffers
     ref = trace_of(reference, "ref")
+    if options.fold and isinstance(candidate, ModelSource) and candidate.fold is None:
+        candidate.fold = pairable_sizes(ref)
     cand = trace_of(candidate, "cand")
     fixed = {k[1]: (k[0], k[2]) for k in known} if known else None
     alignment = align(ref.records, cand.records, fixed=fixed, rename=rename, tolerance=options.tolerance.for_dtype)
     return _Traces(ref, cand, alignment, known={**alignment.measured, **(known or {})}, state=state)
+
+
+def pairable_sizes(trace: Trace) -> frozenset:
+    """The element counts of a trace's records: what the other side's records may pair with."""
+    return frozenset(math.prod(r.shape) for r in trace.records)
 
 
 def _lazy(store, device):
@@ -249,6 +259,8 @@ def _streaming_traces(reference: Source, candidate: ModelSource, options: Option
     else:
         ref_store = TieredStore(ref_dev, ref_host, meta=meta_ref)
         ref_trace = _run_side(reference, options, state, "ref", only=keep_filter, sink=ref_store)
+    if options.fold and candidate.fold is None:
+        candidate.fold = pairable_sizes(ref_trace)
     comparer = StreamComparer(ref_trace, ref_store, keep, options.tolerance.atol, options.tolerance.rtol,
                               window=STREAM_WINDOW, stop_at_first=options.stop_at_first, journal=journal,
                               meta=meta_cand, rename=rename, stat=options.tolerance.stat)
@@ -392,6 +404,11 @@ def _explain(traces: _Traces, reference: Source, candidate: Source, options: Opt
         result.error = ErrorInfo(missing, "output", f"the {missing} returned no tensor output to compare", "")
     result.meta.update({"ref_records": len(ref.records), "cand_records": len(cand.records),
                         "paired": len(traces.alignment.pairs)})
+    if cand.folded:
+        # loop results folded into lineage (capture's folding): how many, and where the most were made
+        top = sorted(cand.folded.items(), key=lambda kv: -kv[1])[:10]
+        result.meta["cand_folded"] = {"results": sum(cand.folded.values()), "sites": dict(top),
+                                      "recorded_per_site": FOLD_AFTER}
     if traces.fetch is not None:
         traces.fetch(result)
     ref_params = reference.params()
@@ -859,7 +876,7 @@ def _check_nondeterminism(result: Result, ref: Trace, cand_trace: Trace, candida
     restore_state(model, before)
     if traces.window is None:
         sink = _RerunComparer(cand_trace)
-        run_captured(model, clone_inputs(inputs), no_grad=options.no_grad, sink=sink)
+        run_captured(model, clone_inputs(inputs), no_grad=options.no_grad, sink=sink, fold=candidate.fold)
         diffs = sink.differences()
     else:
         # streaming: the first run's values are kept for a few stages only -- re-capture those (the first

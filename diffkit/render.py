@@ -92,6 +92,7 @@ def text_report(result, color: bool = False, full: bool = False) -> str:
     out += describe.divergence_lines(result)
     out += [f"warning: {w}" for w in result.warnings]
     out += [f"reference health: {h}" for h in result.health]
+    out += [f"note: {n}" for n in describe.notes(result)]
     out += ["", describe.headline(result)]
     return "\n".join(out)
 
@@ -194,7 +195,8 @@ def stage_html(stage) -> str:
 
 def result_html(result) -> str:
     """The result in a notebook: banner, warnings and the stage table (no images)."""
-    return template("result.html").render(banner=banner(result), warnings=list(result.warnings) + list(result.health),
+    return template("result.html").render(banner=banner(result), warnings=list(result.warnings) + list(result.health)
+                                          + describe.notes(result),
                                           table=stage_table(result))
 
 
@@ -276,6 +278,7 @@ def summary_markdown(result, limit: int = 15) -> str:
             lines.append(f"\n… and {len(failed) - limit} more stages out of tolerance")
         lines.append("")
     lines += [f"> ⚠️ {md_escape(w)}" for w in list(result.warnings) + list(result.health)]
+    lines += [f"> ℹ️ {md_escape(n)}" for n in describe.notes(result)]
     return "\n".join(lines).rstrip() + "\n"
 
 

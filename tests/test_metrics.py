@@ -109,3 +109,46 @@ def test_host_path_outside_float32_squares_range_matches_the_exact_path():
                  (torch.tensor([1e-23, 2e-23]), torch.tensor([3e-23, 2e-23]))):
         st = _assert_agrees_with_exact(r, c, 1e-4, 1e-4)
         assert math.isfinite(st.cosine)
+
+
+def test_triton_kernels_under_the_interpreter_agree_with_the_exact_path(monkeypatch):
+    """The metric kernels' logic on the CPU (TRITON_INTERPRET=1), with tiles and lanes made small so
+    pairs span many tiles, the combining loop runs several rounds and ties of maxima cross tiles."""
+    import sys
+
+    if torch.cuda.is_available():
+        pytest.skip("the compiled kernels are tested on this machine's GPU (tests marked cuda)")
+    if "triton" in sys.modules:
+        pytest.skip("Triton is imported already: its interpreter is chosen when it is imported")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # (read by Triton when it is imported)
+    pytest.importorskip("triton")
+    from diffkit import metrics_kernel as K
+
+    monkeypatch.setattr(K, "BLOCK", 16)
+    monkeypatch.setattr(K, "TILE_BLOCKS", 2)
+    monkeypatch.setattr(K, "TILE", 32)
+    monkeypatch.setattr(K, "COMBINE_ROWS", 4)
+    monkeypatch.setattr(K, "DIRECT_MIN", 500)  # the larger pairs take the direct launch
+    K._kernels.cache_clear()
+    try:
+        for dtypes in ((torch.float32, torch.float32), (torch.float16, torch.float16), (torch.float64, torch.float32)):
+            pairs = [_pair(kind, n, *dtypes, seed=n) for kind, n in
+                     (("close", 1), ("bad", 37), ("zeros", 300), ("specials", 301), ("bad", 1000))]
+            tie_r = torch.zeros(200, dtype=dtypes[0])
+            tie_c = tie_r.clone()
+            tie_c[[70, 150]] = 0.5  # equal maxima in different tiles: the first one is the worst
+            pairs.append((tie_r, tie_c.to(dtypes[1])))
+            atol, rtol = 1e-4, 1e-3
+            got = K.packed_batch(pairs, atol, rtol)
+            for k, (r, c) in enumerate(pairs):
+                st = M.PendingStats(got[k], tuple(r.shape), atol, rtol)
+                want, wp = _exact(r, c, atol, rtol)
+                have = st.result()
+                assert (have.ref_nan, have.ref_inf, have.cand_nan, have.cand_inf, have.mismatches) == \
+                    (want.ref_nan, want.ref_inf, want.cand_nan, want.cand_inf, want.mismatches), k
+                assert have.worst.index == want.worst.index, k
+                for f in ("max_abs", "mean_abs", "max_rel", "cosine"):
+                    assert getattr(have, f) == pytest.approx(getattr(want, f), rel=1e-5, abs=1e-12), (k, f)
+                assert st.rel_l2 == pytest.approx(wp.rel_l2, rel=1e-4, abs=1e-12)
+    finally:
+        K._kernels.cache_clear()
