@@ -6,6 +6,7 @@ set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp}
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(0))"
+timeout 150 python bench/metrics_kernel_tune.py 2>&1 | tail -20
 timeout 200 python -m pytest -q -x -m cuda -p no:cacheprovider tests/test_metrics.py 2>&1 | tail -6
 DIFFKIT_DEPTH=24 DIFFKIT_BATCH=4 DIFFKIT_SEQ=2048 DIFFKIT_DIM=1024 DIFFKIT_HEADS=16 timeout 200 python - <<'PY' 2>&1 | tail -45
 import cProfile, pstats, time, torch, diffkit

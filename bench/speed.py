@@ -8,10 +8,13 @@ Each mode runs in its own process (memory figures are per process); times are me
   plain      two plain forwards (reference, candidate), no_grad
   compare    diffkit.compare in memory, one diffed forward per side (health check and rerun off)
   default    diffkit.compare with its defaults (reference health, candidate rerun when they can matter)
+  compare_nofold  `compare` with folding off (every loop result recorded: what folding saves)
   naive      the by-hand baseline: forward hooks cloning every module output, then assert_close by name
   stream     diffkit.compare streaming with --max-memory (CUDA preset: 40G)
   isolated   `diffkit diff REF CAND --trials 1 --no-report` as a user runs it: two child processes,
              values handed over through shared memory (wall time including process start)
+  isolated_warm  the same command run in a process that has imported torch and diffkit already (the
+             interpreter start and torch's import left out; the children are forked all the same)
   metrics    CUDA: the metric kernel alone over 1 GiB float32 pairs, as bytes read per second
 Ratios are against `plain` of the same model measured in the same run.
 """
@@ -38,10 +41,11 @@ MODELS = {
     "h200": dict(ref="references/deep_transformer.py", cand="kernels/deep_transformer_fused.py",
                  env=dict(DIFFKIT_DEPTH=24, DIFFKIT_BATCH=4, DIFFKIT_SEQ=2048, DIFFKIT_DIM=1024, DIFFKIT_HEADS=16)),
 }
-PRESETS = {"cpu": [("stack12", ["plain", "compare", "default", "naive", "isolated"]),
-                   ("gru", ["plain", "compare", "default"])],
+PRESETS = {"cpu": [("stack12", ["plain", "compare", "default", "naive", "isolated", "isolated_warm"]),
+                   ("gru", ["plain", "compare", "default", "compare_nofold"])],
            "h200": [("h200", ["plain", "compare", "stream", "naive", "metrics"])]}
-TARGETS = {("stack12", "compare"): 2.0, ("stack12", "isolated"): 3.0, ("gru", "compare"): 5.0,
+TARGETS = {("stack12", "compare"): 2.0, ("stack12", "isolated"): 3.0, ("stack12", "isolated_warm"): 3.0,
+           ("gru", "compare"): 5.0,
            ("h200", "compare"): 3.0, ("h200", "stream"): 2.0}
 
 
@@ -71,6 +75,24 @@ def child(model, mode, dev, repeat, max_memory):
         out.update(seconds=statistics.median(times), bytes=2 * 4 * n, triton=metrics_kernel.available(),
                    copy_bandwidth=_copy_bandwidth(dev))
         out["bytes_per_s"] = out["bytes"] / out["seconds"]
+        print("RESULT " + json.dumps(out))
+        return
+    if mode == "isolated_warm":
+        # the same command in a process that has imported torch and diffkit already (the interpreter start
+        # and torch's import, ~1.5 s here, are not the diff's): the children are forked as in a CLI run
+        from diffkit.cli import main as cli_main
+
+        argv = ["diff", ref_path, cand_path, "--trials", "1", "--no-report"] + (["--device", dev] if dev != "cpu" else [])
+        sys.argv = ["diffkit", *argv]
+        times = []
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            try:
+                cli_main.main(args=argv, standalone_mode=False)
+            except SystemExit:
+                pass
+            times.append(time.perf_counter() - t0)
+        out.update(seconds=statistics.median(times), all_seconds=times)
         print("RESULT " + json.dumps(out))
         return
     if mode == "isolated":
@@ -105,8 +127,10 @@ def child(model, mode, dev, repeat, max_memory):
             out["naive_mismatching_modules"] = naive(ref, cand, ri, ci)
         else:
             kw = {}
-            if mode in ("compare", "stream"):
+            if mode in ("compare", "stream", "compare_nofold"):
                 kw = dict(health=False, rerun=False)
+            if mode == "compare_nofold":
+                kw["fold"] = False
             if mode == "stream":
                 kw.update(streaming=True, max_memory=parse_size(max_memory or "40G"))
             r = diffkit.compare(ref, cand, ri, cand_inputs=ci, **kw)
@@ -173,6 +197,9 @@ def main():
                          f"of copy bandwidth ({r['copy_bandwidth'] / 1e9:.0f} GB/s)")
         if "compare_bytes_per_s" in r and "copy_bandwidth" in r:
             notes.append(f"whole diff {100 * r['compare_bytes_per_s'] / r['copy_bandwidth']:.1f}% of copy bandwidth")
+        naive_s = next((x["seconds"] for x in rows if x["model"] == r["model"] and x["mode"] == "naive"), None)
+        if r["mode"] == "compare" and naive_s:
+            notes.append(f"{r['seconds'] / naive_s:.2f}x the by-hand baseline")
         if "naive_mismatching_modules" in r:
             notes.append(f"{r['naive_mismatching_modules']} modules mismatching")
         print(f"{r['model']:8s} {r['mode']:9s} {r['seconds']:9.3f} {('%.2f' % ratio) if ratio else '-':>8s} "

@@ -835,12 +835,19 @@ def pass_name(state: AlignState) -> None:
 
 
 def pass_outputs(state: AlignState) -> None:
-    """Pair the two models' outputs (one on each side) whatever their shapes: with SHAPE_MISMATCH
-    as the transform where their element counts differ."""
+    """Pair the two models' outputs whatever their shapes (one on each side; several by their place in
+    the output structure, ``output[0]`` with ``output[0]``): with SHAPE_MISMATCH as the transform
+    where their element counts differ."""
     rout = [r.index for r in state.ref if r.is_output]
     cout = [c.index for c in state.cand if c.is_output]
-    if len(rout) == 1 and len(cout) == 1 and cout[0] not in state.pairs:
-        ri, ci = rout[0], cout[0]
+    if len(rout) == 1 and len(cout) == 1:
+        matches = [(rout[0], cout[0])]
+    else:  # several outputs (a tuple, a dict): the same position in the structure, whatever the shapes
+        by_name = {state.ref[ri].name: ri for ri in rout}
+        matches = [(by_name[state.cand[ci].name], ci) for ci in cout if state.cand[ci].name in by_name]
+    for ri, ci in matches:
+        if ci in state.pairs:
+            continue
         if ri in state.paired_ref:  # a record the output aliases was paired by name: the output decides
             state.remove(state.paired_ref[ri])
         state.add(ci, ri, "name", OUTPUT_CONFIDENCE,

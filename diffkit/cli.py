@@ -393,6 +393,12 @@ class _Forked:
         return self.returncode
 
 
+def _preload() -> None:
+    """Import what the children run (a forked child inherits it).  Imports only: a parent that has run
+    torch computations before forking could leave its children's thread pool unusable."""
+    from . import compare, pipeline, report, store, trials, whatif  # noqa: F401
+
+
 def _can_fork(device: str | None = None) -> bool:
     """Children are forked from this process (saving an interpreter start and torch's import each)
     on POSIX with a CPU-only torch, or with `--device cpu`; DIFFKIT_NO_FORK=1 asks for fresh
@@ -462,6 +468,8 @@ def _isolated(argv, ref_path, cand_path, options: Options, timeout, out: _Output
         errlog = os.path.join(tmp, "stderr")
         code, why, err_text = 0, None, ""
         fork = _can_fork(options.device)
+        if fork:
+            _preload()  # imported once here, not once in each child
         for cmd, cenv, marker in steps:
             with open(errlog, "w") as err_fh:
                 # its own process group, so stopping it also stops what it started (compute-sanitizer, ninja)

@@ -109,7 +109,8 @@ def diff_files(ref_path: str, cand_path: str, *, options: Options | None = None,
                            "capture directory too (diffkit capture REF.py -o ref.dkt)", cand_path)
     reinit: list[str] = []
     if ref_cap:
-        ref_src = CaptureSource(ref_path, device=opts.device or "cpu")
+        # an isolated diff's own handoff (its reference child wrote it, nothing else will): mapped, not read
+        ref_src = CaptureSource(ref_path, device=opts.device or "cpu", mapped=opts.trusted_capture)
         if cand_cap:  # nothing is re-run: the two captures' trials are compared
             cand_src = CaptureSource(cand_path, device=opts.device or "cpu")
             reference = CapturedTrials(ref_path, ref_src.file.info, device=ref_src.device)

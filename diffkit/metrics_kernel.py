@@ -26,10 +26,11 @@ import torch
 
 from .measure import _COUNTS, _Packed, _Part
 
-BLOCK = 1024  # lanes of a program
-NUM_WARPS = 8  # (four lanes a thread: the per-lane accumulators stay in registers)
-TILE_BLOCKS = 16  # blocks of BLOCK elements a program reads (a tile)
+BLOCK = 512  # lanes of a program
+NUM_WARPS = 8  # (two lanes a thread: the per-lane accumulators stay in registers, several programs an SM)
+TILE_BLOCKS = 32  # blocks of BLOCK elements a program reads, in a loop (a tile)
 DIRECT_MIN = 1 << 20  # pairs at least this large are launched on their own, tensors passed directly
+LANE_SUMS_64 = True  # per-lane running sums in float64 (False: the working precision, float64 from the tile up)
 TILE = BLOCK * TILE_BLOCKS
 COMBINE_ROWS = 256  # tiles a combining program reads at a time
 _NPART = len(_Part)
@@ -64,7 +65,8 @@ def _kernels():
     @triton.jit
     def partials(ref_ptrs, cand_ptrs, numels, tile_first, out, atol, rtol, n_pairs, n_direct, row0,
                  REF_T: tl.constexpr, CAND_T: tl.constexpr, WORK_T: tl.constexpr, BLOCK: tl.constexpr,
-                 TILE_BLOCKS: tl.constexpr, NPART: tl.constexpr, SEARCH: tl.constexpr, DIRECT: tl.constexpr):
+                 TILE_BLOCKS: tl.constexpr, NPART: tl.constexpr, SEARCH: tl.constexpr, DIRECT: tl.constexpr,
+                 SUM_T: tl.constexpr):
         pid = tl.program_id(0)
         if DIRECT:
             # one large pair, its tensors given as they are (aligned, so the loads are vectorised)
@@ -96,18 +98,18 @@ def _kernels():
         r_infs = tl.zeros([BLOCK], tl.int32)
         c_nans = tl.zeros([BLOCK], tl.int32)
         c_infs = tl.zeros([BLOCK], tl.int32)
-        sum_abs = tl.zeros([BLOCK], tl.float64)
-        dot = tl.zeros([BLOCK], tl.float64)
-        rsq = tl.zeros([BLOCK], tl.float64)
-        csq = tl.zeros([BLOCK], tl.float64)
-        dsq = tl.zeros([BLOCK], tl.float64)
+        sum_abs = tl.zeros([BLOCK], SUM_T)
+        dot = tl.zeros([BLOCK], SUM_T)
+        rsq = tl.zeros([BLOCK], SUM_T)
+        csq = tl.zeros([BLOCK], SUM_T)
+        dsq = tl.zeros([BLOCK], SUM_T)
         max_d = tl.full([BLOCK], -1.0, WORK_T)
         max_d_at = none
         max_e = tl.full([BLOCK], -3.0e38, WORK_T)
         max_e_at = none
         max_rel = tl.zeros([BLOCK], WORK_T)
         first_bad = none
-        for k in tl.static_range(TILE_BLOCKS):
+        for k in tl.range(0, TILE_BLOCKS):  # a loop, not unrolled: unrolled, every load is hoisted and spills
             loc = k * BLOCK + lane
             offs = start + loc
             live = offs < n
@@ -137,9 +139,9 @@ def _kernels():
             max_e = tl.where(up, excess, max_e)
             max_e_at = tl.where(up, loc, max_e_at)
             first_bad = tl.minimum(first_bad, tl.where(disagree, loc, none))
-            fr = tl.where(r_nan | r_inf, zero, r).to(tl.float64)
-            fc = tl.where(c_nan | c_inf, zero, c).to(tl.float64)
-            d64 = diff.to(tl.float64)
+            fr = tl.where(r_nan | r_inf, zero, r).to(SUM_T)
+            fc = tl.where(c_nan | c_inf, zero, c).to(SUM_T)
+            d64 = diff.to(SUM_T)
             sum_abs += d64
             dot += fr * fc
             rsq += fr * fr
@@ -157,11 +159,11 @@ def _kernels():
         tl.store(base + 0, tl.sum(mism, axis=0).to(tl.float64))  # MISMATCHES
         tl.store(base + 1, m_d.to(tl.float64))  # MAX_ABS
         tl.store(base + 2, s0 + tl.min(tl.where(max_d == m_d, max_d_at, none), axis=0).to(tl.float64))  # MAX_ABS_AT
-        tl.store(base + 3, tl.sum(sum_abs, axis=0))  # SUM_ABS
+        tl.store(base + 3, tl.sum(sum_abs.to(tl.float64), axis=0))  # SUM_ABS
         tl.store(base + 4, tl.max(max_rel, axis=0).to(tl.float64))  # MAX_REL
-        tl.store(base + 5, tl.sum(dot, axis=0))  # DOT
-        tl.store(base + 6, tl.sum(rsq, axis=0))  # REF_SQ
-        tl.store(base + 7, tl.sum(csq, axis=0))  # CAND_SQ
+        tl.store(base + 5, tl.sum(dot.to(tl.float64), axis=0))  # DOT
+        tl.store(base + 6, tl.sum(rsq.to(tl.float64), axis=0))  # REF_SQ
+        tl.store(base + 7, tl.sum(csq.to(tl.float64), axis=0))  # CAND_SQ
         tl.store(base + 8, tl.sum(r_nans, axis=0).to(tl.float64))  # REF_NAN
         tl.store(base + 9, tl.sum(r_infs, axis=0).to(tl.float64))  # REF_INF
         tl.store(base + 10, tl.sum(c_nans, axis=0).to(tl.float64))  # CAND_NAN
@@ -169,7 +171,7 @@ def _kernels():
         tl.store(base + 12, m_e.to(tl.float64))  # MAX_EXCESS
         tl.store(base + 13, s0 + tl.min(tl.where(max_e == m_e, max_e_at, none), axis=0).to(tl.float64))  # MAX_EXCESS_AT
         tl.store(base + 14, tl.where(fb < (1 << 30), s0 + fb.to(tl.float64), 9.0e18))  # FIRST_DISAGREE_AT
-        tl.store(base + 15, tl.sum(dsq, axis=0))  # DIFF_SQ
+        tl.store(base + 15, tl.sum(dsq.to(tl.float64), axis=0))  # DIFF_SQ
 
     @triton.jit
     def combine(parts, ref_ptrs, cand_ptrs, numels, tile_first, dest, packed,
@@ -300,7 +302,7 @@ def packed_batch(pairs: list[tuple[torch.Tensor, torch.Tensor]], atol: float, rt
     out = torch.empty((first[-1], _NPART), dtype=torch.float64, device=dev)
     rt, ct = _triton_dtype(rdt), _triton_dtype(cdt)
     const = dict(REF_T=rt, CAND_T=ct, WORK_T=_triton_dtype(work), BLOCK=BLOCK, TILE_BLOCKS=TILE_BLOCKS, NPART=_NPART,
-                 num_warps=NUM_WARPS)
+                 num_warps=NUM_WARPS, SUM_T=_triton_dtype(torch.float64 if LANE_SUMS_64 else work))
     if small:
         partials[(first[small],)](ref_ptrs, cand_ptrs, ns, tile_first, out, float(atol), float(rtol), small, 0, 0,
                                   SEARCH=max(1, (small - 1).bit_length()), DIRECT=False, **const)

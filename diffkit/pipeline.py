@@ -81,6 +81,7 @@ class CaptureSource:
 
     path: str
     device: str = "cpu"
+    mapped: bool = False  # its values as views of its mapped files (a capture this diff's own child wrote)
     _file: Any = field(default=None, repr=False)
 
     @property
@@ -89,6 +90,7 @@ class CaptureSource:
             from .store import CaptureFile
 
             self._file = CaptureFile.open(self.path)
+            self._file.mapped = self.mapped
         return self._file
 
     def params(self) -> dict[str, torch.Tensor]:
@@ -728,7 +730,7 @@ _RANDOM_OPS = ("dropout", "rand", "randn", "randint", "rand_like", "randn_like",
 def may_be_random(model: torch.nn.Module, trace: Trace) -> bool:
     """Whether a forward may draw random numbers: a dropout module live in training mode, or a record
     made by a sampling function (the second-run check confirms it)."""
-    if "dropout" in stochastic_reason(model):
+    if stochastic_reason(model).startswith(_LIVE_DROPOUT):
         return True
     for r in trace.records:
         name = torch_op(r)
@@ -746,6 +748,9 @@ def may_be_random(model: torch.nn.Module, trace: Trace) -> bool:
     return False
 
 
+_LIVE_DROPOUT = "dropout live in training mode: "
+
+
 def stochastic_reason(model: torch.nn.Module) -> str:
     """Why a model's forward is random, in words: the dropout modules live in training mode, else
     randomness drawn in its own code."""
@@ -756,7 +761,7 @@ def stochastic_reason(model: torch.nn.Module) -> str:
     mha = [n for n, m in model.named_modules() if isinstance(m, torch.nn.MultiheadAttention) and m.training
            and m.dropout > 0]
     if active or mha:
-        return "dropout live in training mode: " + ", ".join((active + [f"{n} (attention dropout)" for n in mha])[:4])
+        return _LIVE_DROPOUT + ", ".join((active + [f"{n} (attention dropout)" for n in mha])[:4])
     return "randomness drawn in its forward (torch.rand/randn/dropout in its code)"
 
 

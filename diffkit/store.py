@@ -27,6 +27,7 @@ every problem is a `DiffkitError` naming the file, the record and the field.
 from __future__ import annotations
 
 import collections
+import ctypes
 import dataclasses
 import errno
 import json
@@ -36,6 +37,7 @@ import stat
 import struct
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Any, Iterable, Iterator
 
@@ -323,8 +325,9 @@ def _st_header(fd: int, size: int) -> tuple[dict, int]:
     return hdr, 8 + n
 
 
-def _st_tensor(fd: int, size: int, start: int, key: str, entry: Any) -> torch.Tensor:
-    """One tensor of a safetensors file, read with pread after checking its header entry.
+def _st_tensor(fd: int, size: int, start: int, key: str, entry: Any, mapped: Any = None) -> torch.Tensor:
+    """One tensor of a safetensors file, read with pread after checking its header entry (`mapped`: the
+    file mapped into memory, a copy-on-write `mmap`: the tensor is a view of it, nothing is copied).
     Raises ValueError with the reason."""
     if not isinstance(entry, dict):
         raise ValueError(f"entry {key!r} is {_show(entry)}, not an object")
@@ -347,6 +350,23 @@ def _st_tensor(fd: int, size: int, start: int, key: str, entry: Any) -> torch.Te
         raise ValueError(f"the data of {key!r} ends at byte {start + offs[1]}, the file has {size}")
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
+    if mapped is not None and _LITTLE and dtype != torch.bool:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return torch.frombuffer(mapped, dtype=dtype, count=numel, offset=start + offs[0]).reshape(shape)
+    if _LITTLE and dtype != torch.bool and hasattr(os, "preadv"):
+        # straight into the tensor's memory: one copy, no intermediate bytes
+        out = torch.empty(numel, dtype=dtype)
+        view = memoryview((ctypes.c_char * nbytes).from_address(out.data_ptr())).cast("B")
+        got = 0
+        while got < nbytes:
+            n = os.preadv(fd, [view[got:got + (1 << 30)]], start + offs[0] + got)
+            if n <= 0:
+                break
+            got += n
+        if got != nbytes:
+            raise ValueError(f"the data of {key!r} is cut short ({got} of {nbytes} bytes)")
+        return out.reshape(shape)
     data = _pread(fd, nbytes, start + offs[0])
     if len(data) != nbytes:
         raise ValueError(f"the data of {key!r} is cut short ({len(data)} of {nbytes} bytes)")
@@ -767,6 +787,10 @@ class CaptureFile:
     index: dict
     _headers: collections.OrderedDict = field(default_factory=collections.OrderedDict, init=False, repr=False,
                                               compare=False)
+    # values as views of the shards mapped into memory (copy-on-write), not copies: only for a capture
+    # this diff's own process wrote and nothing else changes (an isolated diff's handoff)
+    mapped: bool = field(default=False, init=False, compare=False)
+    _maps: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def open(cls, path: str) -> "CaptureFile":
@@ -867,6 +891,23 @@ class CaptureFile:
             self._headers.popitem(last=False)
         return hdr, start, st.st_size
 
+    def _map(self, shard: str, fd: int, size: int):
+        """The shard mapped into memory (copy-on-write, its pages mapped at once), when `mapped`."""
+        if not self.mapped or size == 0:
+            return None
+        hit = self._maps.get(shard)
+        if hit is None:
+            import mmap
+
+            try:
+                hit = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0),
+                                prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            except (OSError, ValueError, AttributeError):  # no mmap here: read instead
+                self.mapped = False
+                return None
+            self._maps[shard] = hit
+        return hit
+
     def _value(self, meta: dict) -> torch.Tensor | None:
         if "key" not in meta:
             return None
@@ -883,7 +924,7 @@ class CaptureFile:
                     raise DiffkitError("", "read", f"shard {shard} holds no tensor {_show(key)} for {rec}: the files "
                                        f"do not belong together", root.where(shard))
                 try:
-                    value = _st_tensor(fd, size, start, key, hdr[key])
+                    value = _st_tensor(fd, size, start, key, hdr[key], self._map(shard, fd, size))
                 except ValueError as e:
                     raise DiffkitError("", "read", f"shard {shard} is truncated or corrupt ({e}) while reading {rec}",
                                        root.where(shard)) from None

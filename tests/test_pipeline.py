@@ -130,3 +130,25 @@ def test_cli_rejects_bad_tolerances():
         proc = _cli("diff", os.path.join(REFS, "tempered_softmax.py"), os.path.join(KERNELS, "tempered_softmax_cpp.py"),
                     *flag, "--no-report")
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, (flag, proc.stderr[-500:])
+
+
+def test_may_be_random_only_for_dropout_or_sampling():
+    """The reference's second run (its health check) happens only where randomness is possible: a
+    deterministic model is not re-run because of the wording of a message."""
+    from diffkit.pipeline import may_be_random, run_captured
+
+    class Plain(torch.nn.Module):
+        def __init__(self, p=0.0, sample=False):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+            self.drop = torch.nn.Dropout(p)
+            self.sample = sample
+
+        def forward(self, x):
+            y = self.drop(torch.softmax(self.lin(x), -1))
+            return y + torch.rand_like(y) if self.sample else y
+
+    x = torch.randn(2, 4)
+    for model, want in ((Plain(), False), (Plain(p=0.3), True), (Plain(sample=True), True)):
+        assert may_be_random(model, run_captured(model, [x])) is want
+    assert may_be_random(Plain(p=0.3).eval(), run_captured(Plain(p=0.3).eval(), [x])) is False

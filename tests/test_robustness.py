@@ -161,6 +161,17 @@ def test_generated_outputs_give_kernelbench_exit_codes(isolate, pair):
     assert data is not None and data["verdict"] == {0: "match", 1: "diverged"}[expected]
 
 
+@pytest.mark.parametrize("isolate", [False, True], ids=["in-process", "isolated"])
+def test_tuple_outputs_whose_shapes_differ_are_a_divergence(isolate):
+    """Outputs in a structure pair by their place in it even when no element count agrees (empty
+    reference tensors against one-element candidate ones): a shape mismatch, not a missing output."""
+    ref = (torch.tensor([], dtype=torch.float16), torch.tensor([], dtype=torch.float16))
+    cand = (torch.tensor([0.0], dtype=torch.float16), torch.tensor([0.0], dtype=torch.float16))
+    proc, data = _run(ref, cand, isolate)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert data["verdict"] == "diverged" and data["error"] is None
+
+
 def _cli(*args, **kw):
     return subprocess.run([sys.executable, os.path.join(ROOT, "cli.py"), *args], capture_output=True, text=True, **kw)
 
