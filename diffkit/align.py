@@ -764,7 +764,14 @@ class AlignState:
     def prefetch_errors(self, cis: Sequence[int]) -> None:
         """`pair_error` for many pairs at once: their metrics measured together (`measure_many`: one
         launch per batch on CUDA, worker threads on the CPU), so later `pair_error` calls find them."""
-        todo, items = [], []
+        todo, items, held = [], [], 0
+
+        def flush():
+            for (ci, (p, v, cv)), pending in zip(todo, measure_many(items) if items else ()):
+                self._settle(ci, p, v, cv, pending)
+            todo.clear()
+            items.clear()
+
         for ci in cis:
             if ci in self.errors:
                 continue
@@ -775,8 +782,12 @@ class AlignState:
             if tol is not None:
                 todo.append((ci, got))
                 items.append((got[1], got[2], *tol))
-        for (ci, (p, v, cv)), pending in zip(todo, measure_many(items) if items else ()):
-            self._settle(ci, p, v, cv, pending)
+                # values read from a store (streaming) are held only a batch at a time
+                held += sum(t.numel() * t.element_size() for t in got[1:])
+                if held >= PREFETCH_BYTES:
+                    flush()
+                    held = 0
+        flush()
 
     def add_checked(self, ci: int, ri: int, via: str, confidence: float) -> None:
         """`add`, unless the pair is on a reused name (`reused_name`) and its values disagree beyond
@@ -1415,6 +1426,10 @@ def _holds_another(state: AlignState, ci: int, ri: int) -> _ValueMatch | None:
         if layout.rel_err <= ANOTHER_ROLE_REL_ERR:
             return _ValueMatch(ref=other, transform=layout.transform, rel_err=layout.rel_err, score=layout.rel_err)
     return None
+
+
+# bytes of values `AlignState.prefetch_errors` holds for one batch of measurements
+PREFETCH_BYTES = 1 << 30
 
 
 def pass_consistency(state: AlignState) -> None:

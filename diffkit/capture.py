@@ -391,8 +391,9 @@ class _State:
         self.fold = fold
         self.unpairable: dict[tuple, int] = {}
         self.lineage: dict[int, tuple[Any, frozenset, frozenset]] = {}
-        self.lineage_storage: dict[int, tuple[frozenset, frozenset]] = {}
+        self.lineage_storage: dict[int, tuple[Any, frozenset, frozenset]] = {}  # (weakref of the written tensor, …)
         self.folded_params: tuple[str, ...] = ()  # what `template`'s last call read through folded results
+        self.folded_writes: dict[int, int] = {}  # storage -> records made before the last folded write into it
         self.sink = sink  # a store.CaptureWriter streaming records to disk, or None
         self.snapshot = snapshot
         self.only = only
@@ -515,6 +516,8 @@ class _State:
         hit = self.tracked.get(id(t))
         if hit is None or hit[0]() is not t or hit[2] != t._version or self._later_writes(t, hit[1]):
             return None
+        if self.folded_writes and self.folded_writes.get(_storage_key(t), -1) > hit[1]:
+            return None  # a folded write (a kernel's raw write bumps no version) came after the record
         return Ref(hit[1])
 
     def _later_writes(self, t: torch.Tensor, index: int) -> list[int]:
@@ -608,11 +611,12 @@ class _State:
                 if hit is not None and hit[0]() is x:
                     got = hit[1:]
                     break
-        found = self.sources(t) if got is None else []
+        # a folded tensor's own lineage, plus what recorded writes put into its memory since
+        found = self.sources(t) if got is None else self._later_writes(t, -1)
         if self.lineage_storage:
-            more = self.lineage_storage.get(_storage_key(t))
-            if more is not None:
-                got = more if got is None else (got[0] | more[0], got[1] | more[1])
+            hit = self.lineage_storage.get(_storage_key(t))
+            if hit is not None and hit[0]() is not None:  # the written tensor still holds that memory
+                got = hit[1:] if got is None else (got[0] | hit[1], got[1] | hit[2])
         if got is None:
             return found
         for n in sorted(got[1]):
@@ -701,6 +705,8 @@ class _State:
         for _, t in tensors:
             if id(t) in self.param_ids:
                 continue  # a parameter written in place stays a parameter
+            if not in_place and self.ref_of(t) is not None:
+                continue  # a record holds exactly this tensor (a module handing back what an op inside made)
             if in_place:
                 hit = self.lineage.get(id(t))
                 if hit is not None and hit[0]() is t:
@@ -708,7 +714,13 @@ class _State:
                 key = _storage_key(t)
                 if key is not None:
                     old = self.lineage_storage.get(key)
-                    self.lineage_storage[key] = lineage if old is None else (old[0] | lineage[0], old[1] | lineage[1])
+                    if old is not None and old[0]() is not None:
+                        lineage = (old[1] | lineage[0], old[2] | lineage[1])
+                    try:
+                        self.lineage_storage[key] = (weakref.ref(t), *lineage)
+                    except TypeError:
+                        pass
+                    self.folded_writes[key] = len(self.trace.records)
             try:
                 self.lineage[id(t)] = (weakref.ref(t), *lineage)
             except TypeError:
@@ -777,6 +789,8 @@ class _State:
         self.trace.records.append(rec)
         if self.lineage:
             self.lineage.pop(id(tensor), None)  # recorded now: its record is where its value comes from
+        if self.lineage_storage and kind != "write" and getattr(tensor, "_base", None) is None:
+            self.lineage_storage.pop(_storage_key(tensor), None)  # new memory under an old address
         # written in place: the tensor was recorded before and has changed since (a kernel's raw write
         # does not bump the version, so a write record or an extension handing back its argument counts)
         in_place = kind == "write" or (hit is not None and hit[0]() is tensor

@@ -110,7 +110,8 @@ def diff_files(ref_path: str, cand_path: str, *, options: Options | None = None,
     reinit: list[str] = []
     if ref_cap:
         # an isolated diff's own handoff (its reference child wrote it, nothing else will): mapped, not read
-        ref_src = CaptureSource(ref_path, device=opts.device or "cpu", mapped=opts.trusted_capture)
+        ref_src = CaptureSource(ref_path, device=opts.device or "cpu",
+                                mapped=opts.trusted_capture and not opts.is_streaming)
         if cand_cap:  # nothing is re-run: the two captures' trials are compared
             cand_src = CaptureSource(cand_path, device=opts.device or "cpu")
             reference = CapturedTrials(ref_path, ref_src.file.info, device=ref_src.device)

@@ -893,7 +893,7 @@ def _check_nondeterminism(result: Result, ref: Trace, cand_trace: Trace, candida
             wanted |= set(fd.cand.names())
         bases = {n.split("#")[0] for n in wanted}
         again = run_captured(model, clone_inputs(inputs), no_grad=options.no_grad,
-                             only=lambda n: n.split("#")[0] in bases)
+                             only=lambda n: n.split("#")[0] in bases, fold=candidate.fold)
         by_name = {r.name: r for r in again.records}
         diffs = {n: (d, by_name[n].value) for n, d in rerun_differences(cand_trace, again, wanted).items()}
     result.meta["second_run"] = {"differs": len(diffs)}

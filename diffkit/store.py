@@ -777,6 +777,10 @@ def _recover_journal(path: str, records: list, root: _Root | None = None) -> tup
 # ---------------------------------------------------------------- reading
 
 
+# shards of one capture mapped into memory at most (`CaptureFile.mapped`)
+MAX_MAPPED = 256
+
+
 @dataclass
 class CaptureFile:
     """A capture on disk, read lazily.  `load()` gives a Trace with every value.
@@ -892,16 +896,18 @@ class CaptureFile:
         return hdr, start, st.st_size
 
     def _map(self, shard: str, fd: int, size: int):
-        """The shard mapped into memory (copy-on-write, its pages mapped at once), when `mapped`."""
+        """The shard mapped into memory (copy-on-write: its pages are the file's until written), when
+        `mapped`; at most MAX_MAPPED shards (each mapping holds a file descriptor), later ones are read."""
         if not self.mapped or size == 0:
             return None
         hit = self._maps.get(shard)
         if hit is None:
             import mmap
 
+            if len(self._maps) >= MAX_MAPPED:
+                return None
             try:
-                hit = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0),
-                                prot=mmap.PROT_READ | mmap.PROT_WRITE)
+                hit = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
             except (OSError, ValueError, AttributeError):  # no mmap here: read instead
                 self.mapped = False
                 return None

@@ -242,3 +242,49 @@ def test_cli_diff_folds_and_says_so(tmp_path):
                             "--no-report", "--no-fold", "--json", str(out)], capture_output=True, text=True, cwd=ROOT)
     assert plain.returncode == 0, plain.stdout + plain.stderr
     assert "cand_folded" not in json.loads(out.read_text())["meta"]
+
+
+class WriteIntoFolded(nn.Module):
+    """The last of a loop's folded results is written into by a recorded op through a view, then read."""
+
+    def forward(self, x, h):
+        for i in range(12):
+            buf = x[i].reshape(2, 3) * 2.0
+        buf[:, :1].copy_(h)
+        return buf.sum(1)
+
+
+def _ancestors(trace, rec):
+    seen, todo = set(), [r.index for r in rec.inputs]
+    while todo:
+        i = todo.pop()
+        if i not in seen:
+            seen.add(i)
+            todo += [r.index for r in trace.records[i].inputs]
+    return seen
+
+
+def test_a_recorded_write_into_a_folded_tensor_is_read_by_what_follows():
+    x, h = torch.randn(12, 6), torch.randn(2, 1)
+    trace = _capture(WriteIntoFolded(), [x, h], frozenset({2}))
+    assert sum(trace.folded.values()) > 0
+    out = trace.records[-1]
+    torch.testing.assert_close(out.value, (x[11].reshape(2, 3) * 2.0).index_put((torch.arange(2)[:, None],
+                                                                                 torch.zeros(2, 1, dtype=torch.long)),
+                                                                                h).sum(1))
+    h_rec = next(r.index for r in trace.records if r.kind == "input" and r.shape == (2, 1))
+    x_rec = next(r.index for r in trace.records if r.kind == "input" and r.shape == (12, 6))
+    assert {h_rec, x_rec} <= _ancestors(trace, out)
+
+
+def test_a_folded_write_makes_an_earlier_record_of_that_memory_stale():
+    """A kernel's raw write bumps no version counter: once folded, it must still stop the record made
+    before it from standing for the memory's new contents."""
+    st = C._State(None, True, None, fold=frozenset())
+    buf = torch.zeros(4)
+    rec = st.add(name="buf", kind="op", label="buf", function="f", file="", line=0, op="torch.zeros", tensor=buf)
+    assert st.ref_of(buf).index == rec.index
+    st.fold_into([((0,), buf)], (frozenset({7}), frozenset({"w"})), in_place=True)
+    assert st.ref_of(buf) is None
+    params: list[str] = []
+    assert 7 in st._folded_sources(buf, params) and params == ["w"]
