@@ -192,8 +192,8 @@ def _rel_err(c: torch.Tensor, r: torch.Tensor) -> float:
             d, s = float(torch.linalg.vector_norm(c - r)), float(torch.linalg.vector_norm(r))
             if math.isfinite(d) and math.isfinite(s) and s > 1e-18 and (d == 0 or d > 1e-18):
                 return d, s  # (tiny norms may have lost their squares below float32's range: float64 then)
-        return (float(torch.linalg.vector_norm(c - r, dtype=torch.float64)),
-                float(torch.linalg.vector_norm(r, dtype=torch.float64)))
+        wide = torch.complex128 if work.is_complex else torch.float64  # (a complex norm is real all the same)
+        return (float(torch.linalg.vector_norm(c - r, dtype=wide)), float(torch.linalg.vector_norm(r, dtype=wide)))
 
     d, s = norms(c, r)
     if not (math.isfinite(d) and math.isfinite(s)):  # a NaN or Inf somewhere: those elements do not count

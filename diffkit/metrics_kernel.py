@@ -71,7 +71,7 @@ def _kernels():
                  SUM_T: tl.constexpr):
         pid = tl.program_id(0)
         if DIRECT:
-            # one large pair, its tensors given as they are (aligned, so the loads are vectorised)
+            # one large pair, its tensors given as they are (Triton specialises on their alignment)
             start = pid.to(tl.int64) * (BLOCK * TILE_BLOCKS)
             n = n_direct
             rp = ref_ptrs

@@ -312,3 +312,14 @@ def test_measure_a_nan_both_sides_share_is_a_mismatch_and_the_worst():
     s = M.measure(r, c, 1e-4, 1e-4)
     assert s.worst.index == (2, 5) and s.mismatches == 3  # the shared NaN plus two out of tolerance
     assert not torch.allclose(c, r, atol=1e-4, rtol=1e-4, equal_nan=False)
+
+
+def test_relative_error_of_complex_values_including_empty_ones():
+    """The float64 fallback of the layout check keeps complex values complex (an empty pair, whose
+    float32 norms are zero, takes it)."""
+    from diffkit.align import _rel_err
+
+    empty = torch.zeros(0, dtype=torch.complex64)
+    assert _rel_err(empty, empty) == 0.0
+    r, c = torch.tensor([1 + 2j, 3 - 1j]), torch.tensor([1 + 1j, 3 - 1j])
+    assert _rel_err(c, r) == pytest.approx(float((c - r).abs().norm() / r.abs().norm()))

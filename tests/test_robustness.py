@@ -161,12 +161,19 @@ def test_generated_outputs_give_kernelbench_exit_codes(isolate, pair):
     assert data is not None and data["verdict"] == {0: "match", 1: "diverged"}[expected]
 
 
+def _empty(dtype=torch.float16):
+    return torch.tensor([], dtype=dtype)
+
+
 @pytest.mark.parametrize("isolate", [False, True], ids=["in-process", "isolated"])
-def test_tuple_outputs_whose_shapes_differ_are_a_divergence(isolate):
-    """Outputs in a structure pair by their place in it even when no element count agrees (empty
-    reference tensors against one-element candidate ones): a shape mismatch, not a missing output."""
-    ref = (torch.tensor([], dtype=torch.float16), torch.tensor([], dtype=torch.float16))
-    cand = (torch.tensor([0.0], dtype=torch.float16), torch.tensor([0.0], dtype=torch.float16))
+@pytest.mark.parametrize("ref,cand", [
+    # pair by their place in the structure even when no element count agrees: a shape mismatch
+    ((_empty(), _empty()), (torch.zeros(1, dtype=torch.float16), torch.zeros(1, dtype=torch.float16))),
+    # empty complex tensors nested one level deeper on one side: a structure mismatch
+    ((_empty(), _empty(), _empty(torch.complex64)), ((_empty(), _empty(), _empty(torch.complex64)), _empty())),
+], ids=["shapes", "structure"])
+def test_structured_outputs_that_differ_are_a_divergence(isolate, ref, cand):
+    """Found by the generated-outputs test: neither a missing output nor an internal error."""
     proc, data = _run(ref, cand, isolate)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert data["verdict"] == "diverged" and data["error"] is None
