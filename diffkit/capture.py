@@ -392,7 +392,6 @@ class _State:
         self.unpairable: dict[tuple, int] = {}
         self.lineage: dict[int, tuple[Any, frozenset, frozenset]] = {}
         self.lineage_storage: dict[int, tuple[Any, frozenset, frozenset]] = {}  # (weakref of the written tensor, …)
-        self.folded_params: tuple[str, ...] = ()  # what `template`'s last call read through folded results
         self.folded_writes: dict[int, int] = {}  # storage -> records made before the last folded write into it
         self.sink = sink  # a store.CaptureWriter streaming records to disk, or None
         self.snapshot = snapshot
@@ -563,41 +562,54 @@ class _State:
             return [owner[1], *self._later_writes(t, owner[1])]
         return []
 
-    def template(self, obj: Any) -> tuple[Any, tuple[Ref, ...], tuple[str, ...]]:
+    def _origin(self, t: torch.Tensor) -> tuple[str | None, Ref | None, list[int], list[str]]:
+        """Where a tensor argument's value comes from, as (parameter name, exact record, records,
+        parameters read through folded results): the parameter or buffer it is (or is a view of), else
+        the record holding exactly it, else the records it comes from (`_folded_sources`)."""
+        name = self.param_of(t)
+        if name is not None:
+            return name, None, [], []
+        exact = self.ref_of(t)
+        if exact is not None:
+            return None, exact, [exact.index], []
+        via: list[str] = []
+        return None, None, self._folded_sources(t, via), via
+
+    def template(self, obj: Any, folded: list[str] | None = None) -> tuple[Any, tuple[Ref, ...], tuple[str, ...]]:
         """Call arguments as a replayable template, and what the call read.
 
         Returns (template, inputs, params): in the template a tensor holding exactly a record's value
         becomes that record's `Ref` (others, parameters included, stay as they are); `inputs` are the
         records the tensor arguments' values come from (views and in-place writes followed), in
         argument order; `params` the model parameters and buffers read, directly, through a view, or
-        through a record made from parameters alone (``W = self.w.t()``)."""
+        through a record made from parameters alone (``W = self.w.t()``).  `folded`, when given,
+        receives the parameters read through folded results (part of `params` too)."""
         inputs: list[int] = []
         params: list[str] = []
+
+        def add_param(n: str) -> None:
+            if n not in params:
+                params.append(n)
 
         def read(o):
             if not isinstance(o, torch.Tensor):
                 return o
-            name = self.param_of(o)
+            name, exact, found, via = self._origin(o)
             if name is not None:
-                if name not in params:
-                    params.append(name)
+                add_param(name)
                 return o
-            exact = self.ref_of(o)
-            found = [exact.index] if exact is not None else self._folded_sources(o, folded)
-            for n in folded:
-                if n not in params:
-                    params.append(n)
+            for n in via:
+                add_param(n)
+                if folded is not None and n not in folded:
+                    folded.append(n)
             for i in found:
                 if i not in inputs:
                     inputs.append(i)
                 for n in self.derived.get(i, ()):
-                    if n not in params:
-                        params.append(n)
+                    add_param(n)
             return exact if exact is not None else o
 
-        folded: list[str] = []  # parameters read through folded results (`folded_params`)
         tmpl = _map_tensors(read, obj)
-        self.folded_params = tuple(folded)
         return tmpl, tuple(Ref(i) for i in inputs), tuple(params)
 
     def _folded_sources(self, t: torch.Tensor, params: list[str]) -> list[int]:
@@ -625,6 +637,10 @@ class _State:
         return sorted(set(found) | got[0])
 
     # -- folding (module docstring)
+    def non_param_tensors(self, args: tuple) -> list[tuple[tuple, torch.Tensor]]:
+        """A kernel's tensor arguments other than parameters, by position: what it may have written."""
+        return [((i,), a) for i, a in enumerate(args) if isinstance(a, torch.Tensor) and self.param_of(a) is None]
+
     def may_fold(self, args: tuple) -> bool:
         """Whether an extension call given `args` is one folding may take (no tensor argument other than
         a parameter has a pairable size, and its call site is past FOLD_AFTER): then the copies that
@@ -634,7 +650,7 @@ class _State:
         f = naming.user_frame(sys._getframe(2))
         if f is None or self.unpairable.get((f.f_code, f.f_lineno), 0) < FOLD_AFTER:
             return False
-        return all(a.numel() not in self.fold for a in args if isinstance(a, torch.Tensor) and self.param_of(a) is None)
+        return all(a.numel() not in self.fold for _, a in self.non_param_tensors(args))
 
     def foldable(self, tensors: list[tuple[tuple, torch.Tensor]], frame: Any) -> bool:
         """Whether this call's results are folded: none of them has a size the other side's records
@@ -668,14 +684,11 @@ class _State:
                 ins.append(hit[1])
                 prm.append(hit[2])
                 return
-            name = self.param_of(o)
+            name, _, found, via = self._origin(o)
             if name is not None:
                 prm.append(frozenset((name,)))
                 return
-            exact = self.ref_of(o)
-            got: list[str] = []
-            found = [exact.index] if exact is not None else self._folded_sources(o, got)
-            prm.append(frozenset(got))
+            prm.append(frozenset(via))
             ins.append(frozenset(found))
             prm.extend(frozenset(self.derived[i]) for i in found if i in self.derived)
 
@@ -858,8 +871,7 @@ class _State:
     # -- extension functions
     def on_ext(self, qualname: str, fn, args, kwargs, out, before: list[tuple[int, torch.Tensor]] | None) -> None:
         if self.fold is not None:
-            found = _tensors(out) if out is not None else \
-                [((i,), a) for i, a in enumerate(args) if isinstance(a, torch.Tensor) and self.param_of(a) is None]
+            found = _tensors(out) if out is not None else self.non_param_tensors(args)
             if self.foldable(found, naming.user_frame(sys._getframe(1))):
                 self.fold_into(found, self.lineage_of((args, kwargs)), in_place=out is None)
                 return
@@ -992,9 +1004,9 @@ def _post_hook(module, args, *rest):
                 return None
             site = naming.site_of(site)
         parent = st.scope
-        tmpl, refs, _ = st.template((margs, {}))
         # (what it read through folded results stands where the records it would have read stood)
-        through_folded = st.folded_params
+        through_folded: list[str] = []
+        tmpl, refs, _ = st.template((margs, {}), through_folded)
         call = ("module", module, tmpl)
         # a torch.nn module is one call to capture: it reads all its parameters and buffers; a user
         # module's output is usually a record made inside it (which keeps what its own call read),
@@ -1202,7 +1214,7 @@ class _TritonPatch:
                     f = naming.user_frame(sys._getframe(1))
                     if st.fold is not None:
                         # folded: every tensor argument not a parameter may be what it wrote
-                        written = [((i,), a) for i, a in tensors if st.param_of(a) is None]
+                        written = st.non_param_tensors(args)
                         if st.foldable(written, f):
                             out = _launch(st, f"triton:{name}", launch, args, kwargs)
                             st.fold_into(written, st.lineage_of((args, kwargs)), in_place=True)

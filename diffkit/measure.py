@@ -8,6 +8,7 @@ infinities agree only when equal.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from dataclasses import asdict, dataclass
@@ -490,10 +491,8 @@ def _measure_host_many(items: list[tuple[torch.Tensor, torch.Tensor, float, floa
         r, c, atol, rtol = item
         return _measure_host_1(r.detach().reshape(-1), c.detach().reshape(-1), atol, rtol, tuple(r.shape))
 
-    threads = torch.get_num_threads()
-    workers = min(threads, len(items))
-    torch.set_num_threads(1)
-    try:
+    workers = min(torch.get_num_threads(), len(items))
+    with _one_thread():
         if workers < 2 or sum(r.numel() for r, _, _, _ in items) < HOST_PARALLEL_MIN:
             return [one(item) for item in items]
         from concurrent.futures import ThreadPoolExecutor
@@ -501,21 +500,27 @@ def _measure_host_many(items: list[tuple[torch.Tensor, torch.Tensor, float, floa
         with ThreadPoolExecutor(workers, thread_name_prefix="diffkit-measure",
                                 initializer=torch.set_num_threads, initargs=(1,)) as pool:
             return list(pool.map(one, items))
+
+
+@contextlib.contextmanager
+def _one_thread():
+    """torch's intra-op threads set to one for the block: the passes over a cache-sized chunk are
+    short, and waking a thread pool for each costs more than the pass (and stalls badly when the
+    cores are shared)."""
+    threads = torch.get_num_threads()
+    if threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
     finally:
         torch.set_num_threads(threads)
 
 
 def _measure_host(r: torch.Tensor, c: torch.Tensor, atol: float, rtol: float, shape) -> PendingStats:
-    # one thread: the passes over a cache-sized chunk are short, and waking a thread pool for each
-    # costs more than the pass (and stalls badly when the cores are shared)
-    threads = torch.get_num_threads()
-    if threads == 1:
+    with _one_thread():
         return _measure_host_1(r, c, atol, rtol, shape)
-    torch.set_num_threads(1)
-    try:
-        return _measure_host_1(r, c, atol, rtol, shape)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _measure_host_1(r: torch.Tensor, c: torch.Tensor, atol: float, rtol: float, shape) -> PendingStats:

@@ -11,7 +11,6 @@ after that is shared.  `judge` is the only place that sets the verdict.
 from __future__ import annotations
 
 import contextlib
-import math
 import copy
 import os
 from dataclasses import dataclass, field
@@ -20,7 +19,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.utils._pytree as pytree
 
-from .align import Alignment, align, param_map, to_ref_layout, torch_op
+from .align import Alignment, align, param_map, record_numel, to_ref_layout, torch_op
 from .capture import FOLD_AFTER, StopCapture, Trace, capture
 from .diagnose import diagnose
 from .locate import build_stages, locate
@@ -204,17 +203,18 @@ def _full_traces(reference: Source, candidate: Source, options: Options, known: 
         return _run_side(src, options, state, side, stream_to=os.path.join(sd, f"{side}.dkt") if sd else None)
     rename = param_map(reference.params(), candidate.params())  # by value too: before a forward changes buffers
     ref = trace_of(reference, "ref")
-    if options.fold and isinstance(candidate, ModelSource) and candidate.fold is None:
-        candidate.fold = pairable_sizes(ref)
+    _fold_against(candidate, ref, options)
     cand = trace_of(candidate, "cand")
     fixed = {k[1]: (k[0], k[2]) for k in known} if known else None
     alignment = align(ref.records, cand.records, fixed=fixed, rename=rename, tolerance=options.tolerance.for_dtype)
     return _Traces(ref, cand, alignment, known={**alignment.measured, **(known or {})}, state=state)
 
 
-def pairable_sizes(trace: Trace) -> frozenset:
-    """The element counts of a trace's records: what the other side's records may pair with."""
-    return frozenset(math.prod(r.shape) for r in trace.records)
+def _fold_against(candidate: Source, ref: Trace, options: Options) -> None:
+    """With `options.fold`, a live candidate is captured folding what cannot pair with `ref`'s records
+    (capture's folding): the element counts they hold (set once: its reruns fold alike)."""
+    if options.fold and isinstance(candidate, ModelSource) and candidate.fold is None:
+        candidate.fold = frozenset(record_numel(r) for r in ref.records)
 
 
 def _lazy(store, device):
@@ -261,8 +261,7 @@ def _streaming_traces(reference: Source, candidate: ModelSource, options: Option
     else:
         ref_store = TieredStore(ref_dev, ref_host, meta=meta_ref)
         ref_trace = _run_side(reference, options, state, "ref", only=keep_filter, sink=ref_store)
-    if options.fold and candidate.fold is None:
-        candidate.fold = pairable_sizes(ref_trace)
+    _fold_against(candidate, ref_trace, options)
     comparer = StreamComparer(ref_trace, ref_store, keep, options.tolerance.atol, options.tolerance.rtol,
                               window=STREAM_WINDOW, stop_at_first=options.stop_at_first, journal=journal,
                               meta=meta_cand, rename=rename, stat=options.tolerance.stat)

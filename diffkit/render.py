@@ -193,11 +193,14 @@ def stage_html(stage) -> str:
     return template("stage.html").render(stage=stage, rows=stage_rows(stage))
 
 
+def notices(result) -> list[str]:
+    """What an HTML page lists under its banner: warnings, the reference's health, notes."""
+    return list(result.warnings) + list(result.health) + describe.notes(result)
+
+
 def result_html(result) -> str:
     """The result in a notebook: banner, warnings and the stage table (no images)."""
-    return template("result.html").render(banner=banner(result), warnings=list(result.warnings) + list(result.health)
-                                          + describe.notes(result),
-                                          table=stage_table(result))
+    return template("result.html").render(banner=banner(result), warnings=notices(result), table=stage_table(result))
 
 
 # ----------------------------------------------------------------------------- Markdown

@@ -15,8 +15,8 @@ import time
 
 from markupsafe import Markup
 
-from . import describe, plots
-from .render import banner, junit_xml, stage_table, stages_csv, summary_markdown, template
+from . import plots
+from .render import banner, junit_xml, notices, stage_table, stages_csv, summary_markdown, template
 from .result import Result, Stage
 
 MAX_STAGES = 6
@@ -95,7 +95,7 @@ def html_report(result: Result, max_stages: int = MAX_STAGES) -> str:
     error = result.error
     return template("report.html").render(
         title=title, result=result, written=time.strftime("%Y-%m-%d %H:%M:%S"), banner=banner(result),
-        warnings=list(result.warnings) + list(result.health) + describe.notes(result), weights=weights, profile=_profile(result),
+        warnings=notices(result), weights=weights, profile=_profile(result),
         sections=[_section(s, heading) for s, heading in chosen], left_out=left_out, table=stage_table(result),
         what_if=[w for w in (result.what_if or []) if isinstance(w, dict)],
         what_if_info=(result.meta or {}).get("what_if") or {},
