@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+import time
 
 import click
 
@@ -20,6 +21,9 @@ from .result import ErrorInfo, Result
 EXIT = {"match": 0, "diverged": 1, "error": 2}
 INTERNAL = 3  # diffkit's own fault, never the user's
 DEFAULT_TIMEOUT = 1800.0  # seconds per side; a kernel that never returns must not hold a CI job forever
+INSURED_ENV = "DIFFKIT_INSURED"  # how an isolated diff tells its candidate child what its capture file keeps
+CAUGHT_UP = "was stopped once it had got as far as the first"
+AGAIN_MARGIN = 30.0  # seconds a hung candidate's second run gets beyond twice the first run's progress
 
 
 class Terminated(BaseException):
@@ -191,8 +195,13 @@ def _diff(ref_path, cand_path, atol, rtol, seed, device, json_path, csv_path, st
     options = _options(atol, rtol, tolerance, max_memory=max_memory, stream=stream, seed=seed, device=device,
                        strict=strict, reinit_zero=reinit_zero, only=only, stop_at_first=stop_at_first,
                        stream_dir=stream_dir, **(protocol or {}))
+    # an isolated diff's candidate child (see _isolated): "0" keeps names and shapes only as crash insurance,
+    # "again" is the second run after a crash or hang, which keeps every value and leaves the answer to the parent
+    insured = os.environ.get(INSURED_ENV) if ref_capture else None
+    if insured == "0":
+        options = options.replace(insured=False)
     out = _Outputs(json_path, csv_path, report_dir, no_report, html_path, md_path, junit_path, sys.stdout.isatty(),
-                   full)
+                   full, silent=insured == "again")
     if sanitize and no_isolate:
         raise click.UsageError("--sanitize runs the candidate in a child process under compute-sanitizer; "
                                "drop --no-isolate")
@@ -242,16 +251,20 @@ def _diff(ref_path, cand_path, atol, rtol, seed, device, json_path, csv_path, st
 class _Outputs:
     """Where a diff's answer goes: the terminal, --json/--csv, the report directory and single files."""
 
-    def __init__(self, json_path, csv_path, report_dir, no_report, html_path, md_path, junit_path, color, full):
+    def __init__(self, json_path, csv_path, report_dir, no_report, html_path, md_path, junit_path, color, full,
+                 silent=False):
         self.json_path, self.csv_path, self.report_dir, self.no_report = json_path, csv_path, report_dir, no_report
         self.html_path, self.md_path, self.junit_path = html_path, md_path, junit_path
         self.color, self.full = color, full
+        self.silent = silent  # an isolated diff's second candidate run: the parent writes the answer
 
     def write(self, result: Result, error: DiffkitError | None = None) -> bool:
         """Print the answer and write every artifact asked for; False when one could not be written."""
         from . import report
         from .render import text_report
 
+        if self.silent:
+            return True
         click.echo(f"diffkit: ERROR: {error}" if error is not None else text_report(result, color=self.color,
                                                                                   full=self.full))
         try:
@@ -417,6 +430,57 @@ SHM = "/dev/shm"
 SHM_MIN_FREE = 4 << 30
 
 
+def _run_again(tmp: str, cand_cmd: list[str], cand_env: dict, run_step, timeout: float, took: float,
+               hung: bool) -> str:
+    """The candidate child crashed or hung, and its capture file holds names and shapes only: run it
+    again keeping every value (and writing no answer), so the parent can diff what was captured before
+    the failure.  A hang's second run gets twice the time the first took to make its last record (plus
+    a margin), not the whole timeout again.  Returns a line for the error's details saying how the
+    second run ended; nothing when there was nothing to recapture."""
+    import shutil
+
+    journal = os.path.join(tmp, "cand.dkt", "records.jsonl")
+
+    def lines() -> int:
+        try:
+            with open(journal, "rb") as fh:
+                return fh.read().count(b"\n")
+        except OSError:
+            return 0
+
+    made = lines()
+    if not made:
+        return ""  # it failed before its first record: a second run would find nothing more
+    try:
+        last = os.path.getmtime(journal) - (time.time() - took)  # seconds into the first run
+    except OSError:
+        last = took
+    limit = timeout or None
+    if hung:
+        limit = min(timeout, 2 * max(last, 0.0) + AGAIN_MARGIN) if timeout else 2 * max(last, 0.0) + AGAIN_MARGIN
+    crumb = os.path.join(tmp, "breadcrumb")
+    first_crumb = open(crumb, encoding="utf-8").read() if os.path.exists(crumb) else None
+    shutil.rmtree(os.path.join(tmp, "cand.dkt"), ignore_errors=True)
+    for marker in ("done", "internal"):
+        if os.path.exists(os.path.join(tmp, marker)):
+            os.remove(os.path.join(tmp, marker))
+    # a hang: stop the second run once its journal is as long as the first's (it has every value the first
+    # one had captured); a crash is left to happen again by itself
+    code, why, _ = run_step(cand_cmd, dict(cand_env, **{INSURED_ENV: "again"}), limit,
+                            enough=(lambda: lines() >= made) if hung else None)
+    if first_crumb is not None:  # where the first run was when it failed is the answer's "where"
+        with open(crumb, "w", encoding="utf-8") as fh:
+            fh.write(first_crumb)
+    if code in (0, 1, 2) and os.path.exists(os.path.join(tmp, "done")):
+        how = "finished without failing (the failure does not repeat: a race or an uninitialised read?)"
+    elif why == CAUGHT_UP:
+        how = why
+    else:
+        how = f"{why or f'exited with status {code}'} as well"
+    return (f"\ndiffkit: the candidate was run a second time to capture the values its first run computed "
+            f"before failing; the second run {how}.")
+
+
 def _handoff_dir(options: Options) -> str | None:
     """Where the reference child writes its capture for the candidate child: the shared-memory
     filesystem (the values never touch a disk) when it is there, writable and has room (at least
@@ -464,13 +528,21 @@ def _isolated(argv, ref_path, cand_path, options: Options, timeout, out: _Output
             flags = (os.environ.get("NVCC_APPEND_FLAGS", "") + " -lineinfo").strip()
             cand_env.update(DIFFKIT_SANITIZER_LOG=san_log, DIFFKIT_SANITIZER_TOOL=sanitize, NVCC_APPEND_FLAGS=flags,
                             DIFFKIT_SANITIZER_CANDIDATE=os.path.abspath(cand_path))
+        # the candidate's capture file is crash insurance only: without a sanitizer it keeps names and shapes,
+        # and the values are captured by a second run only if this one crashes or hangs (_run_again)
+        insure = not sanitize and not options.is_streaming  # (a streaming child keeps its stats in a journal)
+        if insure:
+            cand_env[INSURED_ENV] = "0"
         steps.append((cand_cmd, cand_env, "done"))
         errlog = os.path.join(tmp, "stderr")
         code, why, err_text = 0, None, ""
         fork = _can_fork(options.device)
         if fork:
             _preload()  # imported once here, not once in each child
-        for cmd, cenv, marker in steps:
+
+        def run_step(cmd, cenv, limit, enough=None):
+            """One child to its end (or `limit` seconds, or until `enough()` says it has done what it was
+            run for): its exit code, why it failed (None when it ended by itself), its stderr."""
             with open(errlog, "w") as err_fh:
                 # its own process group, so stopping it also stops what it started (compute-sanitizer, ninja)
                 proc = None
@@ -482,15 +554,31 @@ def _isolated(argv, ref_path, cand_path, options: Options, timeout, out: _Output
                 if proc is None:
                     proc = subprocess.Popen(cmd, env=cenv, stderr=err_fh, start_new_session=True)
                 try:
-                    code = proc.wait(timeout=timeout or None)
+                    if enough is None:
+                        code = proc.wait(timeout=limit or None)
+                    else:
+                        end = time.monotonic() + limit if limit else None
+                        while proc.poll() is None and not enough():
+                            if end is not None and time.monotonic() >= end:
+                                raise subprocess.TimeoutExpired(cmd, limit)
+                            time.sleep(0.05)
+                        if proc.poll() is None:
+                            _stop(proc)
+                            return -9, CAUGHT_UP, ""
+                        code = proc.returncode
                     why = None if code >= 0 else f"killed by {signal.Signals(-code).name}"
                 except subprocess.TimeoutExpired:
                     _stop(proc)
-                    code, why = -9, f"did not finish within {timeout:g} s and was stopped"
+                    code, why = -9, f"did not finish within {limit:g} s and was stopped"
                 except BaseException:  # Terminated (SIGTERM/SIGINT) or anything else: leave no child behind
                     _stop(proc)
                     raise
-            err_text = open(errlog, encoding="utf-8", errors="replace").read()
+            return code, why, open(errlog, encoding="utf-8", errors="replace").read()
+
+        started = 0.0
+        for cmd, cenv, marker in steps:
+            started = time.monotonic()
+            code, why, err_text = run_step(cmd, cenv, timeout)
             if not (code in (0, 1, 2) and os.path.exists(os.path.join(tmp, marker))):
                 break
         if sanitize and os.environ.get("DIFFKIT_SANITIZER_COPY") and os.path.exists(san_log):
@@ -503,6 +591,10 @@ def _isolated(argv, ref_path, cand_path, options: Options, timeout, out: _Output
         if os.path.exists(os.path.join(tmp, "internal")):  # the child hit a bug of diffkit's, not a crash
             sys.stderr.write(err_text)
             return INTERNAL
+        again = ""
+        if insure and os.path.exists(os.path.join(tmp, "ref-done") if not given else ref_dkt):
+            again = _run_again(tmp, cand_cmd, cand_env, run_step, timeout, time.monotonic() - started, code == -9
+                               and why is not None and why.startswith("did not finish"))
         # a child crashed or hung: diff what both capture files hold, with the failure as the error
         lines = [ln.strip() for ln in err_text.splitlines() if ln.strip() and not ln.startswith(" ")]
         last_err = next((ln for ln in reversed(lines) if re.match(r"^[\w.]*(Error|Exception)\b.*:", ln)),
@@ -520,7 +612,7 @@ def _isolated(argv, ref_path, cand_path, options: Options, timeout, out: _Output
         where = crumb or (f"after {last[-1].name} ({last[-1].where})" if last else "before any stage was captured")
         from .stream import read_journal
 
-        error = ErrorInfo(side, "forward", f"the {side} process {why}", where, err_text[-6000:])
+        error = ErrorInfo(side, "forward", f"the {side} process {why}", where, err_text[-6000:] + again)
         evidence = None
         if sanitize and os.path.exists(san_log):
             def evidence(result):

@@ -129,7 +129,8 @@ def diff_files(ref_path: str, cand_path: str, *, options: Options | None = None,
                 if chosen:
                     sync_weights(chosen, side.model)
                     reinit = sorted(chosen)
-            reference = CapturedTrials(ref_path, ref_src.file.info, device=side.device())
+            reference = CapturedTrials(ref_path, ref_src.file.info, device=side.device(),
+                                       first=ref_src if ref_src.device == side.device() else None)
             result = run_trials(reference, LiveCandidate(side.model, opts), side.inputs, opts, evidence=evidence)
             if opts.eval and not captured_eval:
                 result.warnings.append("--eval: the captured reference ran as constructed (training mode); capture "

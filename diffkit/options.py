@@ -100,6 +100,9 @@ class Options:
     only:          comma-separated globs on record names; only those are captured (streaming).
     stop_at_first: end the candidate's forward at its first divergent record (streaming).
     stream_dir:    where an isolated child writes its crash insurance (capture journals, stats).
+    insured:       with stream_dir, the live candidate's capture there keeps every record's value and
+                   the model's parameters (False: names and shapes only; an isolated diff runs the
+                   candidate again with values kept when this run crashes or hangs).
     explain:       what-if runs of the reference (diffkit.whatif) on a divergence: True always, False
                    never, None (default) when the divergent candidate record covers more than one
                    reference stage (a fused kernel).
@@ -128,6 +131,7 @@ class Options:
     only: str | None = None
     stop_at_first: bool = False
     stream_dir: str | None = None
+    insured: bool = True
     explain: bool | None = None
     explain_budget: int = 1000
     trusted_capture: bool = False

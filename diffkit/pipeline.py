@@ -126,16 +126,16 @@ Source = ModelSource | CaptureSource | TraceSource
 # ------------------------------------------------------------------------------------------ running
 def run_captured(model: torch.nn.Module, inputs: Sequence[Any], *, no_grad: bool = True, only=None,
                  stream_to: str | None = None, sink: Any = None, info: dict | None = None, snapshot: bool = True,
-                 mutator: Any = None, fold: frozenset | None = None) -> Trace:
+                 mutator: Any = None, fold: frozenset | None = None, stream_values: bool = True) -> Trace:
     """Run one forward under capture; an exception is kept in ``trace.error``, not raised.
     `stream_to` writes each record to a capture directory as it is made (crash insurance), with the
-    model's parameters and `info`; `sink` receives the records instead (store.CaptureWriter,
+    model's parameters and `info` (`stream_values=False`: names and shapes only); `sink` receives the records instead (store.CaptureWriter,
     stream.TieredStore, stream.StreamComparer, whatif's grab); `snapshot=False` keeps no values;
     `mutator` plants a what-if mistake (see diffkit.whatif); `fold` as `capture` takes it."""
     inputs = list(inputs)
     cm = torch.no_grad() if no_grad else contextlib.nullcontext()
     if stream_to and sink is None:
-        sink = capture_writer(stream_to, model, info)
+        sink = capture_writer(stream_to, model, info, values=stream_values)
     cap = capture(model, inputs=tuple(inputs), only=only, sink=sink, snapshot=snapshot, fold=fold)
     cap.state.mutator = mutator
     try:
@@ -146,15 +146,17 @@ def run_captured(model: torch.nn.Module, inputs: Sequence[Any], *, no_grad: bool
     return cap.state.trace
 
 
-def capture_writer(path: str, model: torch.nn.Module, info: dict | None = None):
+def capture_writer(path: str, model: torch.nn.Module, info: dict | None = None, values: bool = True):
     """A capture directory that streams each record as it is made (crash insurance), holding the
-    model's parameters and `info` (how the side was built: source, init inputs, inputs …)."""
+    model's parameters and `info` (how the side was built: source, init inputs, inputs …);
+    `values=False`: the records' names and shapes only, no values and no parameters."""
     from .store import CaptureWriter
 
-    writer = CaptureWriter(path, shard_bytes=0)
+    writer = CaptureWriter(path, shard_bytes=0, values=values)
     if info is not None:
         writer.set_info(info)
-    writer.add_parameters(named_tensors(model))
+    if values:
+        writer.add_parameters(named_tensors(model))
     return writer
 
 
@@ -200,7 +202,8 @@ def _full_traces(reference: Source, candidate: Source, options: Options, known: 
     def trace_of(src: Source, side: str) -> Trace:
         if not isinstance(src, ModelSource):
             return src.trace(values=True)
-        return _run_side(src, options, state, side, stream_to=os.path.join(sd, f"{side}.dkt") if sd else None)
+        return _run_side(src, options, state, side, stream_to=os.path.join(sd, f"{side}.dkt") if sd else None,
+                         stream_values=options.insured or side == "ref")
     rename = param_map(reference.params(), candidate.params())  # by value too: before a forward changes buffers
     ref = trace_of(reference, "ref")
     _fold_against(candidate, ref, options)

@@ -487,7 +487,9 @@ class CaptureWriter:
             key = f"r{rec.index:06d}"
             v = rec.value.detach()
             host = v.to("cpu").contiguous()
-            if host.data_ptr() == v.data_ptr():  # the record may hold live memory (capture copies on write)
+            if host.data_ptr() == v.data_ptr() and self.shard_bytes > 0:
+                # the record may hold live memory (capture copies on write) and the shard is written later;
+                # with shard_bytes=0 the value is written before add returns, so no copy is needed
                 host = host.clone()
             self.pending[key] = host
             meta["key"] = key
@@ -795,6 +797,7 @@ class CaptureFile:
     # this diff's own process wrote and nothing else changes (an isolated diff's handoff)
     mapped: bool = field(default=False, init=False, compare=False)
     _maps: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _params: dict | None = field(default=None, init=False, repr=False, compare=False)  # parameters(), read once
 
     @classmethod
     def open(cls, path: str) -> "CaptureFile":
@@ -944,7 +947,13 @@ class CaptureFile:
         return value
 
     def parameters(self) -> dict[str, torch.Tensor]:
-        """The model's parameters and buffers by qualified name (empty when the capture has none)."""
+        """The model's parameters and buffers by qualified name (empty when the capture has none).
+        Read once per CaptureFile; each call returns its own dict of the same tensors."""
+        if self._params is None:
+            self._params = self._read_parameters()
+        return dict(self._params)
+
+    def _read_parameters(self) -> dict[str, torch.Tensor]:
         name = self.index.get("parameters")
         if not name:
             return {}

@@ -327,6 +327,9 @@ class CapturedTrials:
     info: dict
     device: str = "cpu"
     tolerance: Tolerance = field(default_factory=Tolerance)  # judging its outputs as a captured candidate
+    # trial 1's pipeline.CaptureSource when the caller has opened the capture already (its index read once,
+    # its values mapped when it is this diff's own handoff)
+    first: Any = None
 
     @property
     def entries(self) -> list[dict]:
@@ -354,11 +357,14 @@ class CapturedTrials:
         from .store import CaptureFile
 
         where = self._where(k)
-        cap = CaptureFile.open(where)
+        cap = self.first.file if k == 1 and self.first is not None else CaptureFile.open(where)
         inputs_values, outputs = {}, {}
-        for r in cap.records():
+        # the values of the inputs and outputs only (trial 1 is the whole capture)
+        for r in cap.records(values=lambda m: m.get("kind") == "input" or bool(m.get("is_output"))):
             if r.value is None:
                 continue
+            if cap.mapped:  # a view of the mapped file, shared with trial 1's records: theirs to keep
+                r.value = r.value.clone()
             if r.kind == "input":
                 inputs_values[r.name] = r.value
             elif r.is_output:
@@ -393,6 +399,8 @@ class CapturedTrials:
     def source(self, k: int, inputs: list, seed: int | None = None):
         from .pipeline import CaptureSource
 
+        if k == 1 and self.first is not None:
+            return self.first
         return CaptureSource(self._where(k), device=self.device)
 
 

@@ -162,3 +162,51 @@ def test_streaming_flags_on_the_command_line(tmp_path):
     assert bad.returncode == 2 and "--max-memory" in bad.stderr + bad.stdout
 
 
+
+
+FLAKY = """
+import ctypes, os, runpy
+import torch
+_ref = runpy.run_path({refs!r} + "/transformer_block.py")
+get_inputs, get_init_inputs = _ref["get_inputs"], _ref["get_init_inputs"]
+FLAG = {flag!r}
+
+class ModelNew(_ref["Model"]):
+    def forward(self, x):
+        normed = self.ln1(x)
+        mixed = self.qkv(normed)
+        if {always} or not os.path.exists(FLAG):  # the first process to get here crashes
+            open(FLAG, "w").close()
+            ctypes.string_at(0)
+        return super().forward(x)
+"""
+
+
+@pytest.mark.parametrize("always", [True, False])
+def test_a_crashing_candidate_is_run_again_for_its_values(tmp_path, always):
+    """The candidate child keeps names and shapes only; after its crash a second run captures the values
+    (and writes no answer of its own), so the stages before the crash are still compared.  A crash that
+    does not repeat is said to be so."""
+    cand = tmp_path / "cand.py"
+    cand.write_text(FLAKY.format(refs=REFS, flag=str(tmp_path / "crashed"), always=always))
+    out = _cli("diff", os.path.join(REFS, "transformer_block.py"), str(cand), "--json", str(tmp_path / "r.json"),
+               "--no-report")
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert out.stdout.count("diffkit: ERROR") == 1  # the second run printed nothing
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["verdict"] == "error" and "SIGSEGV" in data["error"]["message"]
+    measured = {s["ref_name"]: s for s in data["stages"] if s["max_abs"] is not None}
+    assert measured["ln1"]["status"] == "ok" and measured["qkv"]["status"] == "ok"
+    note = data["error"]["traceback"]
+    assert "run a second time" in note
+    assert ("does not repeat" in note) != always
+
+
+def test_uninsured_capture_file_keeps_names_only(tmp_path):
+    mod = diffkit.load.exec_file(os.path.join(REFS, "transformer_block.py"), "reference")
+    model = mod.Model(*mod.get_init_inputs())
+    trace = run_captured(model, mod.get_inputs(), stream_to=str(tmp_path / "c.dkt"), stream_values=False)
+    cap = CaptureFile.open(str(tmp_path / "c.dkt"))
+    assert [r.name for r in cap.records(values=False)] == [r.name for r in trace.records]
+    assert all(r.value is None for r in cap.records()) and cap.parameters() == {}
+    assert all(r.value is not None for r in trace.records)  # the run itself keeps its values
