@@ -27,17 +27,26 @@ c = r + 1e-6 * torch.randn(n, device="cuda")
 copy = timed(lambda: c.copy_(r))
 print(f"copy 1 GiB: {copy * 1e3:.2f} ms = {2 * 4 * n / copy / 1e9:.0f} GB/s", flush=True)
 print(f"sum of both: {timed(lambda: (r.sum(), c.sum())) * 1e3:.2f} ms", flush=True)
-for block, tiles, warps, s64 in [(512, 32, 8, True), (512, 32, 8, False), (256, 64, 8, True), (256, 64, 4, True),
-                                  (1024, 16, 16, True), (1024, 16, 8, True), (256, 16, 8, True), (128, 128, 4, True),
-                                  (512, 8, 8, True), (256, 64, 8, False)]:
+shipped = (K.BLOCK, K.TILE_BLOCKS, K.NUM_WARPS, K.LANE_SUMS_64, K.PREFETCH, K.STAGES, K.FAST)
+K.FAST = False
+ref_vec = K.packed_batch([(r, c)], 1e-4, 1e-4).cpu()
+for block, tiles, warps, s64, pre, stages, fast in [
+        (128, 128, 4, True, False, 1, False), (128, 128, 4, True, False, 1, True), (128, 128, 4, True, True, 1, True),
+        (256, 64, 4, True, False, 1, True), (256, 64, 8, True, False, 1, True), (512, 32, 8, True, False, 1, True),
+        (128, 128, 4, False, False, 1, True), (256, 64, 4, False, False, 1, True), (128, 64, 4, True, False, 1, True),
+        (128, 256, 4, True, False, 1, True), (64, 256, 2, True, False, 1, True), (128, 128, 4, True, False, 2, True)]:
     K.BLOCK, K.TILE_BLOCKS, K.TILE, K.NUM_WARPS, K.LANE_SUMS_64 = block, tiles, block * tiles, warps, s64
+    K.PREFETCH, K.STAGES, K.FAST = pre, stages, fast
     try:
         t = timed(lambda: K.packed_batch([(r, c)], 1e-4, 1e-4))
-        print(f"BLOCK {block:5d} tiles {tiles:3d} warps {warps} sums64 {s64!s:5}: {t * 1e3:7.2f} ms "
-              f"{2 * 4 * n / t / 1e9:6.0f} GB/s", flush=True)
+        same = torch.allclose(K.packed_batch([(r, c)], 1e-4, 1e-4).cpu(), ref_vec, rtol=1e-6, atol=0)
+        print(f"BLOCK {block:5d} tiles {tiles:3d} warps {warps} sums64 {s64!s:5} prefetch {pre!s:5} stages {stages} "
+              f"fast {fast!s:5}: {t * 1e3:7.2f} ms {2 * 4 * n / t / 1e9:6.0f} GB/s  same={same}", flush=True)
     except Exception as e:
-        print(f"BLOCK {block} tiles {tiles} warps {warps} sums64 {s64}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-K.BLOCK, K.TILE_BLOCKS, K.TILE, K.NUM_WARPS, K.LANE_SUMS_64 = 512, 32, 512 * 32, 8, True
+        print(f"BLOCK {block} tiles {tiles} warps {warps} sums64 {s64} prefetch {pre} stages {stages} fast {fast}: "
+              f"{type(e).__name__}: {str(e)[:300]}", flush=True)
+K.BLOCK, K.TILE_BLOCKS, K.NUM_WARPS, K.LANE_SUMS_64, K.PREFETCH, K.STAGES, K.FAST = shipped
+K.TILE = K.BLOCK * K.TILE_BLOCKS
 for n_small in (1024, 1 << 20, 1 << 24):
     print(f"one pair of {n_small} elements: {timed(lambda: K.packed_batch([(r[:n_small], c[:n_small])], 1e-4, 1e-4)) * 1e3:.3f} ms",
           flush=True)

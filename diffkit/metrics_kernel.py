@@ -33,6 +33,9 @@ NUM_WARPS = 4  # (one lane a thread: the per-lane accumulators stay in registers
 TILE_BLOCKS = 128  # blocks of BLOCK elements a program reads, in a loop (a tile)
 DIRECT_MIN = 1 << 20  # pairs at least this large are launched on their own, tensors passed directly
 LANE_SUMS_64 = True  # per-lane running sums in float64 (False: the working precision, float64 from the tile up)
+PREFETCH = False  # load the next block while reducing this one (two blocks' loads in flight per lane)
+STAGES = 1  # the tile loop's software-pipelining depth (tl.range num_stages; 1: none)
+FAST = False  # a tile is first measured assuming finite values, again by the NaN/Inf rules only if it holds one
 TILE = BLOCK * TILE_BLOCKS
 COMBINE_ROWS = 256  # tiles a combining program reads at a time
 _NPART = len(_Part)
@@ -65,10 +68,109 @@ def _kernels():
         return None
 
     @triton.jit
+    def tile_stats(rp, cp, start, n, atol, rtol, WORK_T: tl.constexpr, BLOCK: tl.constexpr,
+                   TILE_BLOCKS: tl.constexpr, SUM_T: tl.constexpr, PREFETCH: tl.constexpr, STAGES: tl.constexpr,
+                   FULL: tl.constexpr):
+        """One tile's per-lane accumulators.  FULL=False assumes no NaN or infinity on either side (about
+        half the instructions per element) and returns, as `seen`, which lanes met one: the caller then
+        measures the tile again with FULL=True, which applies the NaN/Inf rules."""
+        lane = tl.arange(0, BLOCK)
+        # positions within the tile (int32: fewer registers per lane); the tile's start is added at the end
+        none = tl.full([BLOCK], 1 << 30, tl.int32)
+        mism = tl.zeros([BLOCK], tl.int32)
+        r_nans = tl.zeros([BLOCK], tl.int32)
+        r_infs = tl.zeros([BLOCK], tl.int32)
+        c_nans = tl.zeros([BLOCK], tl.int32)
+        c_infs = tl.zeros([BLOCK], tl.int32)
+        seen = tl.zeros([BLOCK], tl.int32)
+        sum_abs = tl.zeros([BLOCK], SUM_T)
+        dot = tl.zeros([BLOCK], SUM_T)
+        rsq = tl.zeros([BLOCK], SUM_T)
+        csq = tl.zeros([BLOCK], SUM_T)
+        dsq = tl.zeros([BLOCK], SUM_T)
+        max_d = tl.full([BLOCK], -1.0, WORK_T)
+        max_d_at = none
+        max_e = tl.full([BLOCK], -3.0e38, WORK_T)
+        max_e_at = none
+        max_rel = tl.zeros([BLOCK], WORK_T)
+        first_bad = none
+        if PREFETCH:  # the first block's loads, issued before the loop
+            r_next = tl.load(rp + start + lane, mask=start + lane < n, other=0.0)
+            c_next = tl.load(cp + start + lane, mask=start + lane < n, other=0.0)
+        for k in tl.range(0, TILE_BLOCKS, num_stages=STAGES):  # not unrolled: unrolled, every load is hoisted and spills
+            loc = k * BLOCK + lane
+            offs = start + loc
+            live = offs < n
+            if PREFETCH:
+                # this block's values were loaded one iteration ago; the next block's loads go out now
+                r = r_next.to(WORK_T)
+                c = c_next.to(WORK_T)
+                ahead = offs + BLOCK
+                r_next = tl.load(rp + ahead, mask=(ahead < n) & (k + 1 < TILE_BLOCKS), other=0.0)
+                c_next = tl.load(cp + ahead, mask=(ahead < n) & (k + 1 < TILE_BLOCKS), other=0.0)
+            else:
+                r = tl.load(rp + offs, mask=live, other=0.0).to(WORK_T)
+                c = tl.load(cp + offs, mask=live, other=0.0).to(WORK_T)
+            rabs = tl.abs(r)
+            zero = tl.zeros_like(r)
+            bound = atol + rtol * rabs
+            if FULL:
+                # infinities without an infinite constant: x - x is NaN exactly where x is infinite (or NaN)
+                r_nan = r != r
+                c_nan = c != c
+                r_inf = (~r_nan) & ((r - r) != 0)
+                c_inf = (~c_nan) & ((c - c) != 0)
+                special = r_nan | c_nan | r_inf | c_inf
+                disagree = special & ~(r_inf & c_inf & (r == c)) & live
+                diff = tl.where(special, zero, tl.abs(c - r))
+                bad = (((~special) & (diff > bound)) | disagree) & live
+                rel = tl.where((rabs > 0) & (~special) & live, diff / tl.where(rabs > 0, rabs, 1.0), zero)
+                excess = diff - bound
+                excess = tl.where((excess != excess) | (~live), -1.0e38, excess)  # "none" (-inf in measure._partials)
+                first_bad = tl.minimum(first_bad, tl.where(disagree, loc, none))
+                fr = tl.where(r_nan | r_inf, zero, r).to(SUM_T)
+                fc = tl.where(c_nan | c_inf, zero, c).to(SUM_T)
+                r_nans += (r_nan & live).to(tl.int32)
+                r_infs += (r_inf & live).to(tl.int32)
+                c_nans += (c_nan & live).to(tl.int32)
+                c_infs += (c_inf & live).to(tl.int32)
+            else:
+                # every value finite (`seen` marks a lane where one is not): no masks but the tail's.  A
+                # masked-off element reads 0 on both sides, so it is within tolerance, adds 0 to every
+                # sum and cannot be the first of a maximum; only its excess (-atol) is kept out.
+                odd = (r - r) + (c - c)
+                seen |= (odd != odd).to(tl.int32)
+                diff = tl.abs(c - r)
+                bad = diff > bound
+                rel = tl.where(rabs > 0, diff / tl.where(rabs > 0, rabs, 1.0), zero)
+                excess = tl.where(live, diff - bound, -1.0e38)
+                fr = r.to(SUM_T)
+                fc = c.to(SUM_T)
+            mism += bad.to(tl.int32)
+            max_rel = tl.maximum(max_rel, rel)
+            up = diff > max_d  # strictly greater: a lane keeps the first position of its maximum
+            max_d = tl.where(up, diff, max_d)
+            max_d_at = tl.where(up, loc, max_d_at)
+            up = excess > max_e
+            max_e = tl.where(up, excess, max_e)
+            max_e_at = tl.where(up, loc, max_e_at)
+            d64 = diff.to(SUM_T)
+            sum_abs += d64
+            dot += fr * fc
+            rsq += fr * fr
+            csq += fc * fc
+            dsq += d64 * d64
+        return (mism, r_nans, r_infs, c_nans, c_infs, sum_abs, dot, rsq, csq, dsq, max_d, max_d_at, max_e, max_e_at,
+                max_rel, first_bad, seen)
+
+    # a jit function calls another by a global name (Triton resolves names in the module, not a closure)
+    globals()["tile_stats"] = tile_stats
+
+    @triton.jit
     def partials(ref_ptrs, cand_ptrs, numels, tile_first, out, atol, rtol, n_pairs, n_direct, row0,
                  REF_T: tl.constexpr, CAND_T: tl.constexpr, WORK_T: tl.constexpr, BLOCK: tl.constexpr,
                  TILE_BLOCKS: tl.constexpr, NPART: tl.constexpr, SEARCH: tl.constexpr, DIRECT: tl.constexpr,
-                 SUM_T: tl.constexpr):
+                 SUM_T: tl.constexpr, PREFETCH: tl.constexpr, STAGES: tl.constexpr, FAST: tl.constexpr):
         pid = tl.program_id(0)
         if DIRECT:
             # one large pair, its tensors given as they are (Triton specialises on their alignment)
@@ -92,67 +194,19 @@ def _kernels():
             rp = tl.load(ref_ptrs + pair).to(tl.pointer_type(REF_T))
             cp = tl.load(cand_ptrs + pair).to(tl.pointer_type(CAND_T))
             row = pid
-        lane = tl.arange(0, BLOCK)
-        # positions within the tile (int32: fewer registers per lane); the tile's start is added at the end
         none = tl.full([BLOCK], 1 << 30, tl.int32)
-        mism = tl.zeros([BLOCK], tl.int32)
-        r_nans = tl.zeros([BLOCK], tl.int32)
-        r_infs = tl.zeros([BLOCK], tl.int32)
-        c_nans = tl.zeros([BLOCK], tl.int32)
-        c_infs = tl.zeros([BLOCK], tl.int32)
-        sum_abs = tl.zeros([BLOCK], SUM_T)
-        dot = tl.zeros([BLOCK], SUM_T)
-        rsq = tl.zeros([BLOCK], SUM_T)
-        csq = tl.zeros([BLOCK], SUM_T)
-        dsq = tl.zeros([BLOCK], SUM_T)
-        max_d = tl.full([BLOCK], -1.0, WORK_T)
-        max_d_at = none
-        max_e = tl.full([BLOCK], -3.0e38, WORK_T)
-        max_e_at = none
-        max_rel = tl.zeros([BLOCK], WORK_T)
-        first_bad = none
-        for k in tl.range(0, TILE_BLOCKS):  # a loop, not unrolled: unrolled, every load is hoisted and spills
-            loc = k * BLOCK + lane
-            offs = start + loc
-            live = offs < n
-            r = tl.load(rp + offs, mask=live, other=0.0).to(WORK_T)
-            c = tl.load(cp + offs, mask=live, other=0.0).to(WORK_T)
-            # infinities without an infinite constant: x - x is NaN exactly where x is infinite (or NaN)
-            r_nan = r != r
-            c_nan = c != c
-            r_inf = (~r_nan) & ((r - r) != 0)
-            c_inf = (~c_nan) & ((c - c) != 0)
-            special = r_nan | c_nan | r_inf | c_inf
-            disagree = special & ~(r_inf & c_inf & (r == c)) & live
-            rabs = tl.abs(r)
-            zero = tl.zeros_like(r)
-            diff = tl.where(special, zero, tl.abs(c - r))
-            bound = atol + rtol * rabs
-            bad = (((~special) & (diff > bound)) | disagree) & live
-            mism += bad.to(tl.int32)
-            rel = tl.where((rabs > 0) & (~special) & live, diff / tl.where(rabs > 0, rabs, 1.0), zero)
-            max_rel = tl.maximum(max_rel, rel)
-            excess = diff - bound
-            excess = tl.where((excess != excess) | (~live), -1.0e38, excess)  # "none" (-inf in measure._partials)
-            up = diff > max_d  # strictly greater: a lane keeps the first position of its maximum
-            max_d = tl.where(up, diff, max_d)
-            max_d_at = tl.where(up, loc, max_d_at)
-            up = excess > max_e
-            max_e = tl.where(up, excess, max_e)
-            max_e_at = tl.where(up, loc, max_e_at)
-            first_bad = tl.minimum(first_bad, tl.where(disagree, loc, none))
-            fr = tl.where(r_nan | r_inf, zero, r).to(SUM_T)
-            fc = tl.where(c_nan | c_inf, zero, c).to(SUM_T)
-            d64 = diff.to(SUM_T)
-            sum_abs += d64
-            dot += fr * fc
-            rsq += fr * fr
-            csq += fc * fc
-            dsq += d64 * d64
-            r_nans += (r_nan & live).to(tl.int32)
-            r_infs += (r_inf & live).to(tl.int32)
-            c_nans += (c_nan & live).to(tl.int32)
-            c_infs += (c_inf & live).to(tl.int32)
+        if FAST:
+            (mism, r_nans, r_infs, c_nans, c_infs, sum_abs, dot, rsq, csq, dsq, max_d, max_d_at, max_e, max_e_at,
+             max_rel, first_bad, seen) = tile_stats(rp, cp, start, n, atol, rtol, WORK_T, BLOCK, TILE_BLOCKS, SUM_T,
+                                                    PREFETCH, STAGES, False)
+            if tl.max(seen, axis=0) > 0:  # a NaN or an infinity in this tile: measured again by the full rules
+                (mism, r_nans, r_infs, c_nans, c_infs, sum_abs, dot, rsq, csq, dsq, max_d, max_d_at, max_e,
+                 max_e_at, max_rel, first_bad, seen) = tile_stats(rp, cp, start, n, atol, rtol, WORK_T, BLOCK,
+                                                                  TILE_BLOCKS, SUM_T, PREFETCH, STAGES, True)
+        else:
+            (mism, r_nans, r_infs, c_nans, c_infs, sum_abs, dot, rsq, csq, dsq, max_d, max_d_at, max_e, max_e_at,
+             max_rel, first_bad, seen) = tile_stats(rp, cp, start, n, atol, rtol, WORK_T, BLOCK, TILE_BLOCKS, SUM_T,
+                                                    PREFETCH, STAGES, True)
         m_d = tl.max(max_d, axis=0)
         m_e = tl.max(max_e, axis=0)
         fb = tl.min(first_bad, axis=0)
@@ -304,7 +358,8 @@ def packed_batch(pairs: list[tuple[torch.Tensor, torch.Tensor]], atol: float, rt
     out = torch.empty((first[-1], _NPART), dtype=torch.float64, device=dev)
     rt, ct = _triton_dtype(rdt), _triton_dtype(cdt)
     const = dict(REF_T=rt, CAND_T=ct, WORK_T=_triton_dtype(work), BLOCK=BLOCK, TILE_BLOCKS=TILE_BLOCKS, NPART=_NPART,
-                 num_warps=NUM_WARPS, SUM_T=_triton_dtype(torch.float64 if LANE_SUMS_64 else work))
+                 num_warps=NUM_WARPS, SUM_T=_triton_dtype(torch.float64 if LANE_SUMS_64 else work),
+                 PREFETCH=PREFETCH, STAGES=STAGES, FAST=FAST)
     if small:
         partials[(first[small],)](ref_ptrs, cand_ptrs, ns, tile_first, out, float(atol), float(rtol), small, 0, 0,
                                   SEARCH=max(1, (small - 1).bit_length()), DIRECT=False, **const)

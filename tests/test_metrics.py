@@ -1,4 +1,5 @@
 """The fast metric paths (CPU host path; the Triton kernel on CUDA) give the exact path's answer."""
+import itertools
 import math
 
 import pytest
@@ -131,7 +132,11 @@ def test_triton_kernels_under_the_interpreter_agree_with_the_exact_path(monkeypa
     monkeypatch.setattr(K, "DIRECT_MIN", 500)  # the larger pairs take the direct launch
     K._kernels.cache_clear()
     try:
-        for dtypes in ((torch.float32, torch.float32), (torch.float16, torch.float16), (torch.float64, torch.float32)):
+        # FAST: a tile assumed finite first (tiles holding a NaN/Inf measured again); False: the full rules only
+        for fast, dtypes in itertools.product((True, False), ((torch.float32, torch.float32),
+                                                             (torch.float16, torch.float16),
+                                                             (torch.float64, torch.float32))):
+            monkeypatch.setattr(K, "FAST", fast)
             pairs = [_pair(kind, n, *dtypes, seed=n) for kind, n in
                      (("close", 1), ("bad", 37), ("zeros", 300), ("specials", 301), ("bad", 1000))]
             tie_r = torch.zeros(200, dtype=dtypes[0])
@@ -139,16 +144,23 @@ def test_triton_kernels_under_the_interpreter_agree_with_the_exact_path(monkeypa
             tie_c[[70, 150]] = 0.5  # equal maxima in different tiles: the first one is the worst
             pairs.append((tie_r, tie_c.to(dtypes[1])))
             atol, rtol = 1e-4, 1e-3
+            # errors around the tolerance itself (about half of them out): the rule's boundary is exercised
+            g = torch.Generator().manual_seed(7)
+            edge_r = (torch.randn(333, generator=g, dtype=torch.float64) * 3).to(dtypes[0]).to(torch.float64)
+            step = (atol + rtol * edge_r.abs()) * (0.5 + torch.rand(333, generator=g, dtype=torch.float64))
+            pairs.append((edge_r.to(dtypes[0]), (edge_r + step * torch.sign(torch.randn(333, generator=g,
+                                                                                          dtype=torch.float64)))
+                          .to(dtypes[1])))
             got = K.packed_batch(pairs, atol, rtol)
             for k, (r, c) in enumerate(pairs):
                 st = M.PendingStats(got[k], tuple(r.shape), atol, rtol)
                 want, wp = _exact(r, c, atol, rtol)
                 have = st.result()
                 assert (have.ref_nan, have.ref_inf, have.cand_nan, have.cand_inf, have.mismatches) == \
-                    (want.ref_nan, want.ref_inf, want.cand_nan, want.cand_inf, want.mismatches), k
-                assert have.worst.index == want.worst.index, k
+                    (want.ref_nan, want.ref_inf, want.cand_nan, want.cand_inf, want.mismatches), (fast, k)
+                assert have.worst.index == want.worst.index, (fast, k)
                 for f in ("max_abs", "mean_abs", "max_rel", "cosine"):
-                    assert getattr(have, f) == pytest.approx(getattr(want, f), rel=1e-5, abs=1e-12), (k, f)
+                    assert getattr(have, f) == pytest.approx(getattr(want, f), rel=1e-5, abs=1e-12), (fast, k, f)
                 assert st.rel_l2 == pytest.approx(wp.rel_l2, rel=1e-4, abs=1e-12)
     finally:
         K._kernels.cache_clear()
