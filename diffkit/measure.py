@@ -475,8 +475,10 @@ def _packed_exact(r: torch.Tensor, c: torch.Tensor, atol: float, rtol: float) ->
 # difference is not exact in their own precision), float32 and float64 are used as they are
 _FAST_DTYPES = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.float32: torch.float32,
                 torch.float64: torch.float64}
-# elements per step of the host path: two float32 chunks and their temporaries stay in a core's cache
+# elements per chunk of the host path (sums in float32 within a chunk, float64 across), and chunks per
+# torch call: about a million elements, long enough that threads measuring other pairs run meanwhile
 CHUNK_HOST = 1 << 16
+GROUP_ROWS = 16
 
 
 # below this many elements in all, pairs are measured one after the other (threads cost more than they save)
@@ -524,13 +526,14 @@ def _measure_host(r: torch.Tensor, c: torch.Tensor, atol: float, rtol: float, sh
 
 
 def _measure_host_1(r: torch.Tensor, c: torch.Tensor, atol: float, rtol: float, shape) -> PendingStats:
-    """The CPU path: per cache-sized chunk, d = |c - r| and e = d - rtol * |r| in the working
-    precision, their maxima, and the sums of d, d², r², c² (float32 within a chunk, float64 across
-    chunks) — about a dozen vectorised passes that each read data already in cache.  Where an element is out of tolerance
-    the chunk also counts them; a chunk holding a NaN or an infinity takes the exact float64 path
-    (`_partials`, which owns the NaN/Inf rules).  The worst element's index is looked up once, in
-    the chunk that holds it.  Same numbers as `_packed_exact` up to float32 rounding of single
-    terms (cosine from ||r||², ||c||², ||c - r||²)."""
+    """The CPU path.  Per chunk of CHUNK_HOST elements (a row; up to GROUP_ROWS rows go through each
+    torch call, so a call is long enough for worker threads to run side by side): d = |c - r| in the
+    working precision, its maximum and sum, the extremes of d / r, and the norms of d, r and c
+    (float32 within a chunk, float64 across chunks).  Where d exceeds atol the rows' excess
+    e = d - rtol |r| is reduced as well (maximum, and the count out of tolerance).  A chunk holding a
+    NaN or an infinity takes the exact float64 path (`_partials`, which owns the NaN/Inf rules).  The
+    worst element's index is looked up once, in the chunk that holds it.  Same numbers as
+    `_packed_exact` up to float32 rounding of single terms (cosine from ||r||², ||c||², ||c - r||²)."""
     n = r.numel()
     work = torch.float64 if torch.float64 in (r.dtype, c.dtype) else torch.float32
     mism = 0
@@ -545,51 +548,60 @@ def _measure_host_1(r: torch.Tensor, c: torch.Tensor, atol: float, rtol: float, 
         exact_parts.append((start, _partials(r[start:start + step], c[start:start + step], atol, rtol, False,
                                              start).tolist()))
 
-    # the chunk's two temporaries, allocated once (fresh allocations per chunk cost page faults)
-    d_buf, rel_buf = torch.empty(min(step, n), dtype=work), torch.empty(min(step, n), dtype=work)
-    for start in range(0, n, step):
-        a, b = r[start:start + step], c[start:start + step]
+    # the groups of rows: whole chunks, GROUP_ROWS at a time, then the short last chunk as a row of its own
+    full = n // step * step
+    groups = [(g, min(GROUP_ROWS, (full - g) // step), step) for g in range(0, full, GROUP_ROWS * step)]
+    if full < n:
+        groups.append((full, 1, n - full))
+    size = max(rows * length for _, rows, length in groups)
+    d_buf, q_buf = torch.empty(size, dtype=work), torch.empty(size, dtype=work)  # allocated once
+    norm = torch.linalg.vector_norm
+    for g, rows, length in groups:
+        a, b = r[g:g + rows * length], c[g:g + rows * length]
         if a.dtype != work:
             a = a.to(work)
         if b.dtype != work:
             b = b.to(work)
-        d = torch.sub(b, a, out=d_buf[:a.numel()]).abs_()
-        dmax = float(d.amax())
-        if not math.isfinite(dmax):
-            exact(start)
-            continue
-        e = None
-        if dmax > atol:
-            e = torch.add(d, a.abs(), alpha=-rtol)  # |c - r| - rtol |r|: out of tolerance where > atol
-            emax = float(e.amax()) - atol
-            if emax > 0:
-                mism += int(torch.count_nonzero(e > atol))
-        else:
-            emax = dmax - atol  # every element within atol: a bound on the excess, at most 0
+        a, b = a.view(rows, length), b.view(rows, length)
+        d = torch.sub(b, a, out=d_buf[:rows * length].view(rows, length)).abs_()
         # max |c - r| / |r| as the larger magnitude of d / r's extremes (IEEE division is sign-symmetric,
-        # so |d / r| is d / |r| exactly): one pass fewer than dividing by |r|
-        rel = torch.div(d, a, out=rel_buf[:a.numel()])
-        lo, hi = (float(x) for x in torch.aminmax(rel))
-        if math.isfinite(lo) and math.isfinite(hi):
-            rmax = max(-lo, hi)
-        else:  # an exact zero in the reference (0/0, d/0): over r != 0 only
-            rmax = float(rel.abs_().nan_to_num_(nan=0.0, posinf=0.0).amax())
-        max_rel = max(max_rel, rmax)
-        # sums within a chunk by vectorised (blocked, cascade) float32 kernels; across chunks in float64
-        dd, rr, cc = float(torch.dot(d, d)), float(torch.dot(a, a)), float(torch.dot(b, b))
-        if not (math.isfinite(dd) and math.isfinite(rr) and math.isfinite(cc)) or \
-                (dd == 0.0 and dmax > 0) or (rr == 0.0 and float(a.abs().amax()) > 0):
-            # squares beyond float32's range (or below it): this chunk the exact float64 way
-            exact(start)
-            if emax > 0 and e is not None:
-                mism -= int(torch.count_nonzero(e > atol))  # counted again by the exact chunk
-            continue
-        sum_abs += float(d.sum())
-        diff_sq, ref_sq, cand_sq, dot = diff_sq + dd, ref_sq + rr, cand_sq + cc, dot + (rr + cc - dd) / 2
-        if max_abs_chunk is None or dmax > max_abs:
-            max_abs, max_abs_chunk = dmax, start
-        if max_exc_chunk is None or emax > max_exc:
-            max_exc, max_exc_chunk = emax, start
+        # so |d / r| is d / |r| exactly)
+        q = torch.div(d, a, out=q_buf[:rows * length].view(rows, length))
+        # the sums of squares as norms (one pass each, nothing written), squared on the host
+        per_row = torch.stack([d.amax(dim=1), q.amin(dim=1), q.amax(dim=1), d.sum(dim=1), norm(d, dim=1),
+                               norm(a, dim=1), norm(b, dim=1)]).tolist()
+        excess = None
+        if any(x > atol for x in per_row[0]):  # (False for NaN) some row out of atol: the excess is needed
+            e = torch.add(d, a.abs(), alpha=-rtol)  # |c - r| - rtol |r|: out of tolerance where > atol
+            excess = torch.stack([e.amax(dim=1), (e > atol).sum(dim=1).to(work)]).tolist()
+        for i, (dmax, lo, hi, sa, nd, na, nb) in enumerate(zip(*per_row)):
+            start = g + i * length
+            if not math.isfinite(dmax):
+                exact(start)
+                continue
+            if dmax > atol and excess is not None:
+                emax = excess[0][i] - atol
+                row_mism = int(excess[1][i]) if emax > 0 else 0
+            else:
+                emax, row_mism = dmax - atol, 0  # every element within atol: a bound on the excess, at most 0
+            if math.isfinite(lo) and math.isfinite(hi):
+                rmax = max(-lo, hi)
+            else:  # an exact zero in the reference (0/0, d/0): over r != 0 only
+                rmax = float(q[i].abs().nan_to_num_(nan=0.0, posinf=0.0).amax())
+            dd, rr, cc = nd * nd, na * na, nb * nb
+            if not (math.isfinite(dd) and math.isfinite(rr) and math.isfinite(cc)) or \
+                    (dd == 0.0 and dmax > 0) or (rr == 0.0 and float(a[i].abs().amax()) > 0):
+                # squares beyond float32's range (or below it): this chunk the exact float64 way
+                exact(start)
+                continue
+            mism += row_mism
+            max_rel = max(max_rel, rmax)
+            sum_abs += sa
+            diff_sq, ref_sq, cand_sq, dot = diff_sq + dd, ref_sq + rr, cand_sq + cc, dot + (rr + cc - dd) / 2
+            if max_abs_chunk is None or dmax > max_abs:
+                max_abs, max_abs_chunk = dmax, start
+            if max_exc_chunk is None or emax > max_exc:
+                max_exc, max_exc_chunk = emax, start
     counts = [0, 0, 0, 0]
     first_nb = math.inf
     by_abs = by_exc = None  # (value, flat index) found in the exact chunks
