@@ -31,15 +31,16 @@ shipped = (K.BLOCK, K.TILE_BLOCKS, K.NUM_WARPS, K.LANE_SUMS_64, K.PREFETCH, K.ST
 K.FAST = False
 ref_vec = K.packed_batch([(r, c)], 1e-4, 1e-4).cpu()
 for block, tiles, warps, s64, pre, stages, fast in [
-        (128, 128, 4, True, False, 1, False), (128, 128, 4, True, False, 1, True), (128, 128, 4, True, True, 1, True),
-        (256, 64, 4, True, False, 1, True), (256, 64, 8, True, False, 1, True), (512, 32, 8, True, False, 1, True),
-        (128, 128, 4, False, False, 1, True), (256, 64, 4, False, False, 1, True), (128, 64, 4, True, False, 1, True),
-        (128, 256, 4, True, False, 1, True), (64, 256, 2, True, False, 1, True), (128, 128, 4, True, False, 2, True)]:
+        (128, 128, 4, True, False, 1, False), (128, 128, 4, True, False, 1, True), (256, 64, 4, False, False, 1, True),
+        (256, 64, 4, False, True, 1, True), (256, 128, 4, False, False, 1, True), (256, 32, 4, False, False, 1, True),
+        (512, 32, 4, False, False, 1, True), (512, 32, 8, False, False, 1, True), (256, 64, 2, False, False, 1, True),
+        (128, 128, 2, False, False, 1, True), (256, 64, 4, True, True, 1, True), (1024, 16, 8, False, False, 1, True)]:
     K.BLOCK, K.TILE_BLOCKS, K.TILE, K.NUM_WARPS, K.LANE_SUMS_64 = block, tiles, block * tiles, warps, s64
     K.PREFETCH, K.STAGES, K.FAST = pre, stages, fast
     try:
         t = timed(lambda: K.packed_batch([(r, c)], 1e-4, 1e-4))
-        same = torch.allclose(K.packed_batch([(r, c)], 1e-4, 1e-4).cpu(), ref_vec, rtol=1e-6, atol=0)
+        got = K.packed_batch([(r, c)], 1e-4, 1e-4).cpu()
+        same = f"{float(((got - ref_vec).abs() / ref_vec.abs().clamp_min(1e-300)).max()):.1e}"  # largest rel. change
         print(f"BLOCK {block:5d} tiles {tiles:3d} warps {warps} sums64 {s64!s:5} prefetch {pre!s:5} stages {stages} "
               f"fast {fast!s:5}: {t * 1e3:7.2f} ms {2 * 4 * n / t / 1e9:6.0f} GB/s  same={same}", flush=True)
     except Exception as e:

@@ -26,16 +26,20 @@ import torch
 
 from .measure import _COUNTS, _Packed, _Part
 
-# (measured on an H200 by bench/metrics_kernel_tune.py: 128 lanes x 4 warps x 128 blocks read a 1 GiB
-# float32 pair at 1.5 TB/s; 512 x 8 x 32 at 1.1; 1024 x 8 x 16 at 0.7, its accumulators near the register limit)
-BLOCK = 128  # lanes of a program
-NUM_WARPS = 4  # (one lane a thread: the per-lane accumulators stay in registers, many programs an SM)
-TILE_BLOCKS = 128  # blocks of BLOCK elements a program reads, in a loop (a tile)
+# (measured on an H200 by bench/metrics_kernel_tune.py, 1 GiB float32 pair, copy bandwidth ~4.0 TB/s: the
+# finite-first tiles with float32 lane sums, 256 lanes x 4 warps x 64 blocks, read at 1.97-2.12 TB/s; with
+# float64 lane sums 1.6-1.7; the full NaN/Inf rules on every element 1.4; prefetching the next block and
+# software pipelining made no difference: the loop is bound by instructions, not by memory latency)
+BLOCK = 256  # lanes of a program
+NUM_WARPS = 4  # (two lanes a thread; the per-lane accumulators stay in registers)
+TILE_BLOCKS = 64  # blocks of BLOCK elements a program reads, in a loop (a tile)
 DIRECT_MIN = 1 << 20  # pairs at least this large are launched on their own, tensors passed directly
-LANE_SUMS_64 = True  # per-lane running sums in float64 (False: the working precision, float64 from the tile up)
+# per-lane running sums in the working precision over a tile's 64 blocks (float64 from the tile up: a partial
+# sum holds 64 terms, closer than the host path's float32 sums over 64 Ki-element chunks); True: float64 per lane
+LANE_SUMS_64 = False
 PREFETCH = False  # load the next block while reducing this one (two blocks' loads in flight per lane)
 STAGES = 1  # the tile loop's software-pipelining depth (tl.range num_stages; 1: none)
-FAST = False  # a tile is first measured assuming finite values, again by the NaN/Inf rules only if it holds one
+FAST = True  # a tile is first measured assuming finite values, again by the NaN/Inf rules only if it holds one
 TILE = BLOCK * TILE_BLOCKS
 COMBINE_ROWS = 256  # tiles a combining program reads at a time
 _NPART = len(_Part)
