@@ -22,6 +22,7 @@ EXIT = {"match": 0, "diverged": 1, "error": 2}
 INTERNAL = 3  # diffkit's own fault, never the user's
 DEFAULT_TIMEOUT = 1800.0  # seconds per side; a kernel that never returns must not hold a CI job forever
 INSURED_ENV = "DIFFKIT_INSURED"  # how an isolated diff tells its candidate child what its capture file keeps
+AFTER_ENV = "DIFFKIT_AFTER"  # the file an isolated diff's candidate child waits for (its reference's capture)
 CAUGHT_UP = "was stopped once it had got as far as the first"
 AGAIN_MARGIN = 30.0  # seconds a hung candidate's second run gets beyond twice the first run's progress
 
@@ -202,6 +203,16 @@ def _diff(ref_path, cand_path, atol, rtol, seed, device, json_path, csv_path, st
         options = options.replace(insured=False)
     out = _Outputs(json_path, csv_path, report_dir, no_report, html_path, md_path, junit_path, sys.stdout.isatty(),
                    full, silent=insured == "again")
+    after = os.environ.get(AFTER_ENV) if ref_capture else None
+    if after:  # started beside the reference's process: run the candidate's file now, then wait for its capture
+        from .load import prepare_candidate
+
+        prepare_candidate(cand_path)
+        parent = os.getppid()
+        while not os.path.exists(after):
+            if os.getppid() != parent:  # the diff that started this process is gone
+                sys.exit(2)
+            time.sleep(0.01)
     if sanitize and no_isolate:
         raise click.UsageError("--sanitize runs the candidate in a child process under compute-sanitizer; "
                                "drop --no-isolate")
@@ -540,47 +551,65 @@ def _isolated(argv, ref_path, cand_path, options: Options, timeout, out: _Output
         if fork:
             _preload()  # imported once here, not once in each child
 
-        def run_step(cmd, cenv, limit, enough=None):
-            """One child to its end (or `limit` seconds, or until `enough()` says it has done what it was
-            run for): its exit code, why it failed (None when it ended by itself), its stderr."""
-            with open(errlog, "w") as err_fh:
-                # its own process group, so stopping it also stops what it started (compute-sanitizer, ninja)
-                proc = None
+        def launch(cmd, cenv, log):
+            """Start one child, its stderr to `log`, in its own process group (so stopping it also stops
+            what it started: compute-sanitizer, ninja)."""
+            with open(log, "w") as err_fh:
                 if fork and cmd[:3] == base[:3]:  # diffkit itself (not wrapped in compute-sanitizer)
                     try:
-                        proc = _Forked(cmd[3:], cenv, err_fh)
+                        return _Forked(cmd[3:], cenv, err_fh)
                     except OSError:  # no fork here (memory, limits): a fresh interpreter instead
-                        proc = None
-                if proc is None:
-                    proc = subprocess.Popen(cmd, env=cenv, stderr=err_fh, start_new_session=True)
-                try:
-                    if enough is None:
-                        code = proc.wait(timeout=limit or None)
-                    else:
-                        end = time.monotonic() + limit if limit else None
-                        while proc.poll() is None and not enough():
-                            if end is not None and time.monotonic() >= end:
-                                raise subprocess.TimeoutExpired(cmd, limit)
-                            time.sleep(0.05)
-                        if proc.poll() is None:
-                            _stop(proc)
-                            return -9, CAUGHT_UP, ""
-                        code = proc.returncode
-                    why = None if code >= 0 else f"killed by {signal.Signals(-code).name}"
-                except subprocess.TimeoutExpired:
-                    _stop(proc)
-                    code, why = -9, f"did not finish within {limit:g} s and was stopped"
-                except BaseException:  # Terminated (SIGTERM/SIGINT) or anything else: leave no child behind
-                    _stop(proc)
-                    raise
-            return code, why, open(errlog, encoding="utf-8", errors="replace").read()
+                        pass
+                return subprocess.Popen(cmd, env=cenv, stderr=err_fh, start_new_session=True)
 
-        started = 0.0
-        for cmd, cenv, marker in steps:
-            started = time.monotonic()
-            code, why, err_text = run_step(cmd, cenv, timeout)
-            if not (code in (0, 1, 2) and os.path.exists(os.path.join(tmp, marker))):
-                break
+        def finish(proc, cmd, log, limit, enough=None):
+            """Wait for a child to end (or `limit` seconds, or until `enough()` says it has done what it was
+            run for): its exit code, why it failed (None when it ended by itself), its stderr."""
+            try:
+                if enough is None:
+                    code = proc.wait(timeout=limit or None)
+                else:
+                    end = time.monotonic() + limit if limit else None
+                    while proc.poll() is None and not enough():
+                        if end is not None and time.monotonic() >= end:
+                            raise subprocess.TimeoutExpired(cmd, limit)
+                        time.sleep(0.05)
+                    if proc.poll() is None:
+                        _stop(proc)
+                        return -9, CAUGHT_UP, ""
+                    code = proc.returncode
+                why = None if code >= 0 else f"killed by {signal.Signals(-code).name}"
+            except subprocess.TimeoutExpired:
+                _stop(proc)
+                code, why = -9, f"did not finish within {limit:g} s and was stopped"
+            except BaseException:  # Terminated (SIGTERM/SIGINT) or anything else: leave no child behind
+                _stop(proc)
+                raise
+            return code, why, open(log, encoding="utf-8", errors="replace").read()
+
+        def run_step(cmd, cenv, limit, enough=None):
+            return finish(launch(cmd, cenv, errlog), cmd, errlog, limit, enough)
+
+        # the candidate's process starts with the reference's: it runs its file (its extensions built or
+        # loaded, its imports done) while the reference is captured, then waits for that capture
+        ahead = None
+        started = time.monotonic()
+        if steps[:-1] and not sanitize:
+            ahead = launch(cand_cmd, dict(cand_env, **{AFTER_ENV: os.path.join(tmp, "ref-done")}), errlog)
+        try:
+            for cmd, cenv, marker in steps:
+                if marker == "done" and ahead is not None:
+                    code, why, err_text = finish(ahead, cmd, errlog, timeout)
+                else:
+                    if ahead is None:
+                        started = time.monotonic()
+                    log = errlog if marker == "done" else errlog + "-ref"
+                    code, why, err_text = finish(launch(cmd, cenv, log), cmd, log, timeout)
+                if not (code in (0, 1, 2) and os.path.exists(os.path.join(tmp, marker))):
+                    break
+        finally:
+            if ahead is not None and ahead.poll() is None:  # the reference failed: its partner is not needed
+                _stop(ahead)
         if sanitize and os.environ.get("DIFFKIT_SANITIZER_COPY") and os.path.exists(san_log):
             import shutil
 

@@ -458,6 +458,31 @@ def load_reference(path: str, *, seed: int = KERNELBENCH_SEED, device: str | Non
     return ModelSide(model, inputs, init, path, class_name, seed, module, inputs_from or path, src, eval_mode)
 
 
+# candidate files run ahead of their diff (`prepare_candidate`): absolute path -> module, or the error it raised
+_PREPARED: dict[str, Any] = {}
+
+
+def prepare_candidate(cand_path: str) -> None:
+    """Run a candidate file now (its extensions built or loaded, its imports done) for a later
+    `load_candidate_for_capture` of the same path in this process, which takes the module (or raises
+    the error it raised) instead of running the file again.  An isolated diff's candidate process does
+    this while the reference process is still capturing."""
+    key = os.path.abspath(cand_path)
+    try:
+        _PREPARED[key] = exec_file(cand_path, "candidate")
+    except Exception as e:  # raised where it would have been, by the load that takes it
+        _PREPARED[key] = e
+
+
+def _candidate_module(cand_path: str) -> types.ModuleType:
+    got = _PREPARED.pop(os.path.abspath(cand_path), None)
+    if got is None:
+        return exec_file(cand_path, "candidate")
+    if isinstance(got, BaseException):
+        raise got
+    return got
+
+
 def load_candidate_for_capture(cand_path: str, capture: Any, *, seed: int = KERNELBENCH_SEED,
                                device: str | None = None, eval_mode: bool = False,
                                sync: bool = False) -> tuple[ModelSide, WeightReport]:
@@ -465,7 +490,7 @@ def load_candidate_for_capture(cand_path: str, capture: Any, *, seed: int = KERN
     forward inputs are the capture's; its parameters are compared by name with the reference's
     (copied into it only with `sync`)."""
     info = getattr(capture, "info", None) or {}
-    module = exec_file(cand_path, "candidate")
+    module = _candidate_module(cand_path)
     cls = _candidate_class(module, cand_path)
     if info.get("init_inputs") is not None:
         init = decode_values(info["init_inputs"])

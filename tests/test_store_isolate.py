@@ -210,3 +210,42 @@ def test_uninsured_capture_file_keeps_names_only(tmp_path):
     assert [r.name for r in cap.records(values=False)] == [r.name for r in trace.records]
     assert all(r.value is None for r in cap.records()) and cap.parameters() == {}
     assert all(r.value is not None for r in trace.records)  # the run itself keeps its values
+
+
+SLOW_REF = """
+import time
+import torch
+_ref = __import__("runpy").run_path({refs!r} + "/transformer_block.py")
+get_inputs, get_init_inputs = _ref["get_inputs"], _ref["get_init_inputs"]
+
+class Model(_ref["Model"]):
+    def forward(self, x):
+        time.sleep(1.5)
+        with open({log!r}, "a") as fh:
+            fh.write("ref-forward-done %r\\n" % time.time())
+        return super().forward(x)
+"""
+
+COUNTED_CAND = """
+import time
+with open({log!r}, "a") as fh:
+    fh.write("cand-file-run %r\\n" % time.time())
+_ref = __import__("runpy").run_path({refs!r} + "/transformer_block.py")
+ModelNew = _ref["Model"]
+"""
+
+
+def test_candidate_file_runs_while_the_reference_is_captured(tmp_path):
+    """The candidate's process runs its file (builds, imports) beside the reference's process, once,
+    and the diff is the same as ever."""
+    log = str(tmp_path / "log")
+    ref, cand = tmp_path / "ref.py", tmp_path / "cand.py"
+    ref.write_text(SLOW_REF.format(refs=REFS, log=log))
+    cand.write_text(COUNTED_CAND.format(refs=REFS, log=log))
+    out = _cli("diff", str(ref), str(cand), "--trials", "1", "--no-report")
+    assert out.returncode == 0, out.stdout + out.stderr
+    events = [line.split() for line in open(log).read().splitlines()]
+    runs = [float(t) for name, t in events if name == "cand-file-run"]
+    ref_done = [float(t) for name, t in events if name == "ref-forward-done"]
+    assert len(runs) == 1  # run ahead, then taken by the load: not run a second time
+    assert runs[0] < ref_done[0]  # while the reference's capture was still running
