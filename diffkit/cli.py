@@ -595,7 +595,7 @@ def _isolated(argv, ref_path, cand_path, options: Options, timeout, out: _Output
         ahead = None
         started = time.monotonic()
         if steps[:-1] and not sanitize:
-            ahead = launch(cand_cmd, dict(cand_env, **{AFTER_ENV: os.path.join(tmp, "ref-done")}), errlog)
+            ahead = launch(cand_cmd, dict(cand_env, **{AFTER_ENV: os.path.join(tmp, "ref-exited")}), errlog)
         try:
             for cmd, cenv, marker in steps:
                 if marker == "done" and ahead is not None:
@@ -607,6 +607,9 @@ def _isolated(argv, ref_path, cand_path, options: Options, timeout, out: _Output
                     code, why, err_text = finish(launch(cmd, cenv, log), cmd, log, timeout)
                 if not (code in (0, 1, 2) and os.path.exists(os.path.join(tmp, marker))):
                     break
+                if marker == "ref-done":  # its process has exited too (its device memory is free): go on
+                    with open(os.path.join(tmp, "ref-exited"), "w") as fh:
+                        fh.write("ok")
         finally:
             if ahead is not None and ahead.poll() is None:  # the reference failed: its partner is not needed
                 _stop(ahead)

@@ -96,6 +96,14 @@ def capture_reference(ref_path: str, out_dir: str, options: Options | None = Non
     return trace
 
 
+def _resolved(device: str | torch.device) -> torch.device:
+    """A device with its index filled in (the current CUDA device for a bare "cuda")."""
+    d = torch.device(device)
+    if d.type == "cuda" and d.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return d
+
+
 def diff_files(ref_path: str, cand_path: str, *, options: Options | None = None, atol: float | None = None,
                rtol: float | None = None, evidence=None, **settings) -> Result:
     """Diff KernelBench files: REF (`Model`) against CAND (`ModelNew`), by KernelBench's protocol
@@ -129,8 +137,8 @@ def diff_files(ref_path: str, cand_path: str, *, options: Options | None = None,
                 if chosen:
                     sync_weights(chosen, side.model)
                     reinit = sorted(chosen)
-            reference = CapturedTrials(ref_path, ref_src.file.info, device=side.device(),
-                                       first=ref_src if ref_src.device == side.device() else None)
+            same = _resolved(ref_src.device) == _resolved(side.device())  # ("cuda" is "cuda:0" on device 0)
+            reference = CapturedTrials(ref_path, ref_src.file.info, device=side.device(), first=ref_src if same else None)
             result = run_trials(reference, LiveCandidate(side.model, opts), side.inputs, opts, evidence=evidence)
             if opts.eval and not captured_eval:
                 result.warnings.append("--eval: the captured reference ran as constructed (training mode); capture "

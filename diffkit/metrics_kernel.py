@@ -34,8 +34,10 @@ BLOCK = 256  # lanes of a program
 NUM_WARPS = 4  # (two lanes a thread; the per-lane accumulators stay in registers)
 TILE_BLOCKS = 64  # blocks of BLOCK elements a program reads, in a loop (a tile)
 DIRECT_MIN = 1 << 20  # pairs at least this large are launched on their own, tensors passed directly
-# per-lane running sums in the working precision over a tile's 64 blocks (float64 from the tile up: a partial
-# sum holds 64 terms, closer than the host path's float32 sums over 64 Ki-element chunks); True: float64 per lane
+# the finite-first pass's per-lane running sums in the working precision over a tile's 64 blocks (float64 from
+# the tile up: a partial sum holds 64 terms, closer than the host path's float32 sums over 64 Ki-element chunks;
+# a tile whose magnitudes leave float32's square range is measured again with float64 sums); True: float64
+# per lane.  The full-rules pass always sums in float64.
 LANE_SUMS_64 = False
 PREFETCH = False  # load the next block while reducing this one (two blocks' loads in flight per lane)
 STAGES = 1  # the tile loop's software-pipelining depth (tl.range num_stages; 1: none)
@@ -98,6 +100,8 @@ def _kernels():
         max_e_at = none
         max_rel = tl.zeros([BLOCK], WORK_T)
         first_bad = none
+        top_r = tl.zeros([BLOCK], WORK_T)  # (FULL=False) each side's largest magnitude in the lane
+        top_c = tl.zeros([BLOCK], WORK_T)
         if PREFETCH:  # the first block's loads, issued before the loop
             r_next = tl.load(rp + start + lane, mask=start + lane < n, other=0.0)
             c_next = tl.load(cp + start + lane, mask=start + lane < n, other=0.0)
@@ -144,6 +148,8 @@ def _kernels():
                 # sum and cannot be the first of a maximum; only its excess (-atol) is kept out.
                 odd = (r - r) + (c - c)
                 seen |= (odd != odd).to(tl.int32)
+                top_r = tl.maximum(top_r, rabs)
+                top_c = tl.maximum(top_c, tl.abs(c))
                 diff = tl.abs(c - r)
                 bad = diff > bound
                 rel = tl.where(rabs > 0, diff / tl.where(rabs > 0, rabs, 1.0), zero)
@@ -164,6 +170,11 @@ def _kernels():
             rsq += fr * fr
             csq += fc * fc
             dsq += d64 * d64
+        if not FULL:
+            # squares a float32 sum cannot hold (past 1e18 they can overflow over a tile, below 1e-18 the
+            # lane's largest ones vanish): the tile again, with float64 sums
+            seen |= ((top_r > 1.0e18) | (top_c > 1.0e18) | ((top_r < 1.0e-18) & (top_r > 0))
+                     | ((top_c < 1.0e-18) & (top_c > 0))).to(tl.int32)
         return (mism, r_nans, r_infs, c_nans, c_infs, sum_abs, dot, rsq, csq, dsq, max_d, max_d_at, max_e, max_e_at,
                 max_rel, first_bad, seen)
 
@@ -203,14 +214,16 @@ def _kernels():
             (mism, r_nans, r_infs, c_nans, c_infs, sum_abs, dot, rsq, csq, dsq, max_d, max_d_at, max_e, max_e_at,
              max_rel, first_bad, seen) = tile_stats(rp, cp, start, n, atol, rtol, WORK_T, BLOCK, TILE_BLOCKS, SUM_T,
                                                     PREFETCH, STAGES, False)
-            if tl.max(seen, axis=0) > 0:  # a NaN or an infinity in this tile: measured again by the full rules
+            if tl.max(seen, axis=0) > 0:
+                # a NaN, an infinity or a magnitude out of float32's square range in this tile: measured
+                # again by the full rules, with float64 sums
                 (mism, r_nans, r_infs, c_nans, c_infs, sum_abs, dot, rsq, csq, dsq, max_d, max_d_at, max_e,
                  max_e_at, max_rel, first_bad, seen) = tile_stats(rp, cp, start, n, atol, rtol, WORK_T, BLOCK,
-                                                                  TILE_BLOCKS, SUM_T, PREFETCH, STAGES, True)
-        else:
+                                                                  TILE_BLOCKS, tl.float64, PREFETCH, STAGES, True)
+        else:  # the full rules on every tile (float64 sums: nothing checks their range there)
             (mism, r_nans, r_infs, c_nans, c_infs, sum_abs, dot, rsq, csq, dsq, max_d, max_d_at, max_e, max_e_at,
-             max_rel, first_bad, seen) = tile_stats(rp, cp, start, n, atol, rtol, WORK_T, BLOCK, TILE_BLOCKS, SUM_T,
-                                                    PREFETCH, STAGES, True)
+             max_rel, first_bad, seen) = tile_stats(rp, cp, start, n, atol, rtol, WORK_T, BLOCK, TILE_BLOCKS,
+                                                    tl.float64, PREFETCH, STAGES, True)
         m_d = tl.max(max_d, axis=0)
         m_e = tl.max(max_e, axis=0)
         fb = tl.min(first_bad, axis=0)

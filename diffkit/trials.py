@@ -482,7 +482,10 @@ def run_trials(reference, candidate, first_inputs: list, options: Options, evide
             break
         outcomes.append(trial)
         if trial.failed and all(not o.failed for o in outcomes[:-1]):
-            full = run(reference.source(k, inputs), candidate.source(k, inputs, trial.seed), options)
+            # (no crash insurance of its own: the isolated child's capture file stays trial 1's, which a
+            # second run after a failure recaptures first)
+            full = run(reference.source(k, inputs), candidate.source(k, inputs, trial.seed),
+                       options.replace(stream_dir=None))
             trial.captured = True
             if trial.error and full.error is None:
                 full.error = ErrorInfo("candidate", "forward", f"on trial {k} (seed {trial.seed}) the candidate "

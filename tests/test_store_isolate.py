@@ -249,3 +249,16 @@ def test_candidate_file_runs_while_the_reference_is_captured(tmp_path):
     ref_done = [float(t) for name, t in events if name == "ref-forward-done"]
     assert len(runs) == 1  # run ahead, then taken by the load: not run a second time
     assert runs[0] < ref_done[0]  # while the reference's capture was still running
+
+
+def test_a_failing_reference_stops_the_waiting_candidate(tmp_path):
+    """The candidate's process, started beside the reference's, is stopped when the reference fails:
+    one answer (the reference's error), no candidate output after it."""
+    log = str(tmp_path / "log")
+    ref, cand = tmp_path / "ref.py", tmp_path / "cand.py"
+    ref.write_text("import torch\nraise RuntimeError('this reference is broken')\n")
+    cand.write_text(COUNTED_CAND.format(refs=REFS, log=log))
+    out = _cli("diff", str(ref), str(cand), "--no-report")
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert out.stdout.count("diffkit:") == 1 and "this reference is broken" in out.stdout
+    assert open(log).read().count("cand-file-run") <= 1
