@@ -353,7 +353,7 @@ class _Forked:
     no imports), running `diffkit ARGS` in its own session with `env` and its stderr to `err`.  The
     subset of subprocess.Popen the isolation uses: pid, wait(timeout), poll()."""
 
-    def __init__(self, args: list[str], env: dict, err):
+    def __init__(self, args: list[str], env: dict, err, quiet: bool = False):
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
@@ -367,6 +367,10 @@ class _Forked:
                 except OSError:  # the parent made it a group leader first: its own group all the same
                     pass
                 os.dup2(err.fileno(), 2)
+                if quiet:  # its standard output goes nowhere
+                    devnull = os.open(os.devnull, os.O_WRONLY)
+                    os.dup2(devnull, 1)
+                    os.close(devnull)
                 for sig in (signal.SIGTERM, signal.SIGINT):
                     signal.signal(sig, signal.SIG_DFL)
                 os.environ.clear()
@@ -553,14 +557,16 @@ def _isolated(argv, ref_path, cand_path, options: Options, timeout, out: _Output
 
         def launch(cmd, cenv, log):
             """Start one child, its stderr to `log`, in its own process group (so stopping it also stops
-            what it started: compute-sanitizer, ninja)."""
+            what it started: compute-sanitizer, ninja).  A second run after a failure prints nothing."""
+            quiet = cenv.get(INSURED_ENV) == "again"
             with open(log, "w") as err_fh:
                 if fork and cmd[:3] == base[:3]:  # diffkit itself (not wrapped in compute-sanitizer)
                     try:
-                        return _Forked(cmd[3:], cenv, err_fh)
+                        return _Forked(cmd[3:], cenv, err_fh, quiet=quiet)
                     except OSError:  # no fork here (memory, limits): a fresh interpreter instead
                         pass
-                return subprocess.Popen(cmd, env=cenv, stderr=err_fh, start_new_session=True)
+                return subprocess.Popen(cmd, env=cenv, stderr=err_fh, start_new_session=True,
+                                        stdout=subprocess.DEVNULL if quiet else None)
 
         def finish(proc, cmd, log, limit, enough=None):
             """Wait for a child to end (or `limit` seconds, or until `enough()` says it has done what it was

@@ -171,6 +171,9 @@ _ref = runpy.run_path({refs!r} + "/transformer_block.py")
 get_inputs, get_init_inputs = _ref["get_inputs"], _ref["get_init_inputs"]
 FLAG = {flag!r}
 
+print("candidate module ran")
+
+
 class ModelNew(_ref["Model"]):
     def forward(self, x):
         normed = self.ln1(x)
@@ -192,7 +195,8 @@ def test_a_crashing_candidate_is_run_again_for_its_values(tmp_path, always):
     out = _cli("diff", os.path.join(REFS, "transformer_block.py"), str(cand), "--json", str(tmp_path / "r.json"),
                "--no-report")
     assert out.returncode == 2, out.stdout + out.stderr
-    assert out.stdout.count("diffkit: ERROR") == 1  # the second run printed nothing
+    assert out.stdout.count("diffkit: ERROR") == 1  # the second run printed nothing:
+    assert out.stdout.count("candidate module ran") == 1  # not even the candidate's own output
     data = json.loads((tmp_path / "r.json").read_text())
     assert data["verdict"] == "error" and "SIGSEGV" in data["error"]["message"]
     measured = {s["ref_name"]: s for s in data["stages"] if s["max_abs"] is not None}
