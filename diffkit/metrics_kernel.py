@@ -26,19 +26,19 @@ import torch
 
 from .measure import _COUNTS, _Packed, _Part
 
-# (measured on an H200 by bench/metrics_kernel_tune.py, 1 GiB float32 pair, copy bandwidth ~4.0 TB/s: the
-# finite-first tiles with float32 lane sums, 256 lanes x 4 warps x 64 blocks, read at 1.97-2.12 TB/s; with
-# float64 lane sums 1.6-1.7; the full NaN/Inf rules on every element 1.4; prefetching the next block and
-# software pipelining made no difference: the loop is bound by instructions, not by memory latency)
-BLOCK = 256  # lanes of a program
-NUM_WARPS = 4  # (two lanes a thread; the per-lane accumulators stay in registers)
-TILE_BLOCKS = 64  # blocks of BLOCK elements a program reads, in a loop (a tile)
+# (measured on an H200 by bench/metrics_kernel_tune.py, 1 GiB float32 pair, copy bandwidth ~4.0-4.1 TB/s:
+# the finite-first tiles read at 1.43-1.71 TB/s with these settings, the full rules on every element at
+# 1.28-1.41; float32 lane sums, 256 lanes x 4 warps x 64 blocks, reached 1.97-2.12 TB/s before the range
+# check was added, but that variant has not been compiled since and is not the default; prefetching the
+# next block and software pipelining made no difference: the loop is bound by instructions)
+BLOCK = 128  # lanes of a program
+NUM_WARPS = 4  # (one lane a thread: the per-lane accumulators stay in registers, many programs an SM)
+TILE_BLOCKS = 128  # blocks of BLOCK elements a program reads, in a loop (a tile)
 DIRECT_MIN = 1 << 20  # pairs at least this large are launched on their own, tensors passed directly
-# the finite-first pass's per-lane running sums in the working precision over a tile's 64 blocks (float64 from
-# the tile up: a partial sum holds 64 terms, closer than the host path's float32 sums over 64 Ki-element chunks;
-# a tile whose magnitudes leave float32's square range is measured again with float64 sums); True: float64
-# per lane.  The full-rules pass always sums in float64.
-LANE_SUMS_64 = False
+# the finite-first pass's per-lane running sums: True float64; False the working precision over a tile's
+# blocks, float64 from the tile up (a tile whose magnitudes leave float32's square range is measured again
+# with float64 sums).  The full-rules pass always sums in float64.
+LANE_SUMS_64 = True
 PREFETCH = False  # load the next block while reducing this one (two blocks' loads in flight per lane)
 STAGES = 1  # the tile loop's software-pipelining depth (tl.range num_stages; 1: none)
 FAST = True  # a tile is first measured assuming finite values, again by the NaN/Inf rules only if it holds one
@@ -214,6 +214,12 @@ def _kernels():
             (mism, r_nans, r_infs, c_nans, c_infs, sum_abs, dot, rsq, csq, dsq, max_d, max_d_at, max_e, max_e_at,
              max_rel, first_bad, seen) = tile_stats(rp, cp, start, n, atol, rtol, WORK_T, BLOCK, TILE_BLOCKS, SUM_T,
                                                     PREFETCH, STAGES, False)
+            # (float64 from here: the branch below yields float64 sums, and both must agree in type)
+            sum_abs = sum_abs.to(tl.float64)
+            dot = dot.to(tl.float64)
+            rsq = rsq.to(tl.float64)
+            csq = csq.to(tl.float64)
+            dsq = dsq.to(tl.float64)
             if tl.max(seen, axis=0) > 0:
                 # a NaN, an infinity or a magnitude out of float32's square range in this tile: measured
                 # again by the full rules, with float64 sums
