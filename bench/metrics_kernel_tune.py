@@ -27,26 +27,24 @@ c = r + 1e-6 * torch.randn(n, device="cuda")
 copy = timed(lambda: c.copy_(r))
 print(f"copy 1 GiB: {copy * 1e3:.2f} ms = {2 * 4 * n / copy / 1e9:.0f} GB/s", flush=True)
 print(f"sum of both: {timed(lambda: (r.sum(), c.sum())) * 1e3:.2f} ms", flush=True)
-shipped = (K.BLOCK, K.TILE_BLOCKS, K.NUM_WARPS, K.LANE_SUMS_64, K.PREFETCH, K.STAGES, K.FAST)
+shipped = (K.BLOCK, K.TILE_BLOCKS, K.NUM_WARPS, K.LANE_SUMS_64, K.FAST)
 K.FAST = False
 ref_vec = K.packed_batch([(r, c)], 1e-4, 1e-4).cpu()
-for block, tiles, warps, s64, pre, stages, fast in [
-        (128, 128, 4, True, False, 1, False), (128, 128, 4, True, False, 1, True), (256, 64, 4, False, False, 1, True),
-        (256, 64, 4, False, True, 1, True), (256, 128, 4, False, False, 1, True), (256, 32, 4, False, False, 1, True),
-        (512, 32, 4, False, False, 1, True), (512, 32, 8, False, False, 1, True), (256, 64, 2, False, False, 1, True),
-        (128, 128, 2, False, False, 1, True), (256, 64, 4, True, True, 1, True), (1024, 16, 8, False, False, 1, True)]:
-    K.BLOCK, K.TILE_BLOCKS, K.TILE, K.NUM_WARPS, K.LANE_SUMS_64 = block, tiles, block * tiles, warps, s64
-    K.PREFETCH, K.STAGES, K.FAST = pre, stages, fast
+for block, tiles, warps, s64, fast in [
+        (128, 128, 4, True, False), (128, 128, 4, True, True), (256, 64, 4, False, True), (256, 128, 4, False, True),
+        (256, 32, 4, False, True), (512, 32, 4, False, True), (512, 32, 8, False, True), (256, 64, 2, False, True),
+        (128, 128, 2, False, True), (256, 64, 4, True, True), (1024, 16, 8, False, True)]:
+    K.BLOCK, K.TILE_BLOCKS, K.TILE, K.NUM_WARPS, K.LANE_SUMS_64, K.FAST = block, tiles, block * tiles, warps, s64, fast
     try:
         t = timed(lambda: K.packed_batch([(r, c)], 1e-4, 1e-4))
         got = K.packed_batch([(r, c)], 1e-4, 1e-4).cpu()
         same = f"{float(((got - ref_vec).abs() / ref_vec.abs().clamp_min(1e-300)).max()):.1e}"  # largest rel. change
-        print(f"BLOCK {block:5d} tiles {tiles:3d} warps {warps} sums64 {s64!s:5} prefetch {pre!s:5} stages {stages} "
-              f"fast {fast!s:5}: {t * 1e3:7.2f} ms {2 * 4 * n / t / 1e9:6.0f} GB/s  same={same}", flush=True)
+        print(f"BLOCK {block:5d} tiles {tiles:3d} warps {warps} sums64 {s64!s:5} fast {fast!s:5}: "
+              f"{t * 1e3:7.2f} ms {2 * 4 * n / t / 1e9:6.0f} GB/s  same={same}", flush=True)
     except Exception as e:
-        print(f"BLOCK {block} tiles {tiles} warps {warps} sums64 {s64} prefetch {pre} stages {stages} fast {fast}: "
+        print(f"BLOCK {block} tiles {tiles} warps {warps} sums64 {s64} fast {fast}: "
               f"{type(e).__name__}: {str(e)[:300]}", flush=True)
-K.BLOCK, K.TILE_BLOCKS, K.NUM_WARPS, K.LANE_SUMS_64, K.PREFETCH, K.STAGES, K.FAST = shipped
+K.BLOCK, K.TILE_BLOCKS, K.NUM_WARPS, K.LANE_SUMS_64, K.FAST = shipped
 K.TILE = K.BLOCK * K.TILE_BLOCKS
 for n_small in (1024, 1 << 20, 1 << 24):
     print(f"one pair of {n_small} elements: {timed(lambda: K.packed_batch([(r[:n_small], c[:n_small])], 1e-4, 1e-4)) * 1e3:.3f} ms",

@@ -24,6 +24,7 @@ DEFAULT_TIMEOUT = 1800.0  # seconds per side; a kernel that never returns must n
 INSURED_ENV = "DIFFKIT_INSURED"  # how an isolated diff tells its candidate child what its capture file keeps
 AFTER_ENV = "DIFFKIT_AFTER"  # the file an isolated diff's candidate child waits for (its reference's capture)
 CAUGHT_UP = "was stopped once it had got as far as the first"
+HUNG = "did not finish within"  # how a child stopped at its time limit is described (`why`)
 AGAIN_MARGIN = 30.0  # seconds a hung candidate's second run gets beyond twice the first run's progress
 
 
@@ -587,7 +588,7 @@ def _isolated(argv, ref_path, cand_path, options: Options, timeout, out: _Output
                 why = None if code >= 0 else f"killed by {signal.Signals(-code).name}"
             except subprocess.TimeoutExpired:
                 _stop(proc)
-                code, why = -9, f"did not finish within {limit:g} s and was stopped"
+                code, why = -9, f"{HUNG} {limit:g} s and was stopped"
             except BaseException:  # Terminated (SIGTERM/SIGINT) or anything else: leave no child behind
                 _stop(proc)
                 raise
@@ -631,8 +632,8 @@ def _isolated(argv, ref_path, cand_path, options: Options, timeout, out: _Output
             return INTERNAL
         again = ""
         if insure and os.path.exists(os.path.join(tmp, "ref-done") if not given else ref_dkt):
-            again = _run_again(tmp, cand_cmd, cand_env, run_step, timeout, time.monotonic() - started, code == -9
-                               and why is not None and why.startswith("did not finish"))
+            again = _run_again(tmp, cand_cmd, cand_env, run_step, timeout, time.monotonic() - started,
+                               hung=bool(why and why.startswith(HUNG)))
         # a child crashed or hung: diff what both capture files hold, with the failure as the error
         lines = [ln.strip() for ln in err_text.splitlines() if ln.strip() and not ln.startswith(" ")]
         last_err = next((ln for ln in reversed(lines) if re.match(r"^[\w.]*(Error|Exception)\b.*:", ln)),

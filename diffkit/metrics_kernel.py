@@ -30,7 +30,8 @@ from .measure import _COUNTS, _Packed, _Part
 # the finite-first tiles read at 1.43-1.71 TB/s with these settings, the full rules on every element at
 # 1.28-1.41; float32 lane sums, 256 lanes x 4 warps x 64 blocks, reached 1.97-2.12 TB/s before the range
 # check was added, but that variant has not been compiled since and is not the default; prefetching the
-# next block and software pipelining made no difference: the loop is bound by instructions)
+# next block and software pipelining (tried, then removed) made no difference: the loop is bound by
+# instructions)
 BLOCK = 128  # lanes of a program
 NUM_WARPS = 4  # (one lane a thread: the per-lane accumulators stay in registers, many programs an SM)
 TILE_BLOCKS = 128  # blocks of BLOCK elements a program reads, in a loop (a tile)
@@ -39,8 +40,6 @@ DIRECT_MIN = 1 << 20  # pairs at least this large are launched on their own, ten
 # blocks, float64 from the tile up (a tile whose magnitudes leave float32's square range is measured again
 # with float64 sums).  The full-rules pass always sums in float64.
 LANE_SUMS_64 = True
-PREFETCH = False  # load the next block while reducing this one (two blocks' loads in flight per lane)
-STAGES = 1  # the tile loop's software-pipelining depth (tl.range num_stages; 1: none)
 FAST = True  # a tile is first measured assuming finite values, again by the NaN/Inf rules only if it holds one
 TILE = BLOCK * TILE_BLOCKS
 COMBINE_ROWS = 256  # tiles a combining program reads at a time
@@ -75,8 +74,7 @@ def _kernels():
 
     @triton.jit
     def tile_stats(rp, cp, start, n, atol, rtol, WORK_T: tl.constexpr, BLOCK: tl.constexpr,
-                   TILE_BLOCKS: tl.constexpr, SUM_T: tl.constexpr, PREFETCH: tl.constexpr, STAGES: tl.constexpr,
-                   FULL: tl.constexpr):
+                   TILE_BLOCKS: tl.constexpr, SUM_T: tl.constexpr, FULL: tl.constexpr):
         """One tile's per-lane accumulators.  FULL=False assumes no NaN or infinity on either side (about
         half the instructions per element) and returns, as `seen`, which lanes met one: the caller then
         measures the tile again with FULL=True, which applies the NaN/Inf rules."""
@@ -102,23 +100,12 @@ def _kernels():
         first_bad = none
         top_r = tl.zeros([BLOCK], WORK_T)  # (FULL=False) each side's largest magnitude in the lane
         top_c = tl.zeros([BLOCK], WORK_T)
-        if PREFETCH:  # the first block's loads, issued before the loop
-            r_next = tl.load(rp + start + lane, mask=start + lane < n, other=0.0)
-            c_next = tl.load(cp + start + lane, mask=start + lane < n, other=0.0)
-        for k in tl.range(0, TILE_BLOCKS, num_stages=STAGES):  # not unrolled: unrolled, every load is hoisted and spills
+        for k in tl.range(0, TILE_BLOCKS):  # a loop, not unrolled: unrolled, every load is hoisted and spills
             loc = k * BLOCK + lane
             offs = start + loc
             live = offs < n
-            if PREFETCH:
-                # this block's values were loaded one iteration ago; the next block's loads go out now
-                r = r_next.to(WORK_T)
-                c = c_next.to(WORK_T)
-                ahead = offs + BLOCK
-                r_next = tl.load(rp + ahead, mask=(ahead < n) & (k + 1 < TILE_BLOCKS), other=0.0)
-                c_next = tl.load(cp + ahead, mask=(ahead < n) & (k + 1 < TILE_BLOCKS), other=0.0)
-            else:
-                r = tl.load(rp + offs, mask=live, other=0.0).to(WORK_T)
-                c = tl.load(cp + offs, mask=live, other=0.0).to(WORK_T)
+            r = tl.load(rp + offs, mask=live, other=0.0).to(WORK_T)
+            c = tl.load(cp + offs, mask=live, other=0.0).to(WORK_T)
             rabs = tl.abs(r)
             zero = tl.zeros_like(r)
             bound = atol + rtol * rabs
@@ -185,7 +172,7 @@ def _kernels():
     def partials(ref_ptrs, cand_ptrs, numels, tile_first, out, atol, rtol, n_pairs, n_direct, row0,
                  REF_T: tl.constexpr, CAND_T: tl.constexpr, WORK_T: tl.constexpr, BLOCK: tl.constexpr,
                  TILE_BLOCKS: tl.constexpr, NPART: tl.constexpr, SEARCH: tl.constexpr, DIRECT: tl.constexpr,
-                 SUM_T: tl.constexpr, PREFETCH: tl.constexpr, STAGES: tl.constexpr, FAST: tl.constexpr):
+                 SUM_T: tl.constexpr, FAST: tl.constexpr):
         pid = tl.program_id(0)
         if DIRECT:
             # one large pair, its tensors given as they are (Triton specialises on their alignment)
@@ -212,8 +199,7 @@ def _kernels():
         none = tl.full([BLOCK], 1 << 30, tl.int32)
         if FAST:
             (mism, r_nans, r_infs, c_nans, c_infs, sum_abs, dot, rsq, csq, dsq, max_d, max_d_at, max_e, max_e_at,
-             max_rel, first_bad, seen) = tile_stats(rp, cp, start, n, atol, rtol, WORK_T, BLOCK, TILE_BLOCKS, SUM_T,
-                                                    PREFETCH, STAGES, False)
+             max_rel, first_bad, seen) = tile_stats(rp, cp, start, n, atol, rtol, WORK_T, BLOCK, TILE_BLOCKS, SUM_T, False)
             # (float64 from here: the branch below yields float64 sums, and both must agree in type)
             sum_abs = sum_abs.to(tl.float64)
             dot = dot.to(tl.float64)
@@ -225,11 +211,11 @@ def _kernels():
                 # again by the full rules, with float64 sums
                 (mism, r_nans, r_infs, c_nans, c_infs, sum_abs, dot, rsq, csq, dsq, max_d, max_d_at, max_e,
                  max_e_at, max_rel, first_bad, seen) = tile_stats(rp, cp, start, n, atol, rtol, WORK_T, BLOCK,
-                                                                  TILE_BLOCKS, tl.float64, PREFETCH, STAGES, True)
+                                                                  TILE_BLOCKS, tl.float64, True)
         else:  # the full rules on every tile (float64 sums: nothing checks their range there)
             (mism, r_nans, r_infs, c_nans, c_infs, sum_abs, dot, rsq, csq, dsq, max_d, max_d_at, max_e, max_e_at,
              max_rel, first_bad, seen) = tile_stats(rp, cp, start, n, atol, rtol, WORK_T, BLOCK, TILE_BLOCKS,
-                                                    tl.float64, PREFETCH, STAGES, True)
+                                                    tl.float64, True)
         m_d = tl.max(max_d, axis=0)
         m_e = tl.max(max_e, axis=0)
         fb = tl.min(first_bad, axis=0)
@@ -382,7 +368,7 @@ def packed_batch(pairs: list[tuple[torch.Tensor, torch.Tensor]], atol: float, rt
     rt, ct = _triton_dtype(rdt), _triton_dtype(cdt)
     const = dict(REF_T=rt, CAND_T=ct, WORK_T=_triton_dtype(work), BLOCK=BLOCK, TILE_BLOCKS=TILE_BLOCKS, NPART=_NPART,
                  num_warps=NUM_WARPS, SUM_T=_triton_dtype(torch.float64 if LANE_SUMS_64 else work),
-                 PREFETCH=PREFETCH, STAGES=STAGES, FAST=FAST)
+                 FAST=FAST)
     if small:
         partials[(first[small],)](ref_ptrs, cand_ptrs, ns, tile_first, out, float(atol), float(rtol), small, 0, 0,
                                   SEARCH=max(1, (small - 1).bit_length()), DIRECT=False, **const)

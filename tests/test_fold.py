@@ -133,13 +133,7 @@ def test_a_record_after_a_folded_chain_reads_what_the_chain_read():
     torch.testing.assert_close(out.value, whole.records[-1].value, rtol=0, atol=0)
     assert {"w", "b", "proj.weight", "proj.bias"} <= set(out.params)
     # the projection's input comes, through the folded chain, from the model's input record
-    ancestors, todo = set(), [r.index for r in out.inputs]
-    while todo:
-        i = todo.pop()
-        if i not in ancestors:
-            ancestors.add(i)
-            todo += [r.index for r in trace.records[i].inputs]
-    assert 0 in ancestors and trace.records[0].kind == "input"
+    assert 0 in _ancestors(trace, out) and trace.records[0].kind == "input"
 
 
 class Scatter(nn.Module):
