@@ -113,9 +113,11 @@ def child(model, mode, dev, repeat, max_memory):
     with torch.no_grad():
         ref(*ri), cand(*ci)  # warm up
     _sync(dev)
-    if dev == "cuda" and mode == "compare":
+    if dev == "cuda" and mode in ("compare", "stream"):
         # one untimed diff first: it compiles the Triton metric kernels (once per process), kept apart
         kw0 = dict(health=False, rerun=False)
+        if mode == "stream":
+            kw0.update(streaming=True, max_memory=parse_size(max_memory or "40G"))
         t0 = time.perf_counter()
         diffkit.compare(ref, cand, ri, cand_inputs=ci, **kw0)
         _sync(dev)
@@ -143,7 +145,8 @@ def child(model, mode, dev, repeat, max_memory):
             r = diffkit.compare(ref, cand, ri, cand_inputs=ci, **kw)
             fd = r.first_divergence
             out.update(verdict=r.verdict, stages=len(r.stages), cand_records=r.meta.get("cand_records"),
-                       first=fd.ref_name if fd else None,
+                       first=fd.ref_name if fd else None, streaming={k: r.meta[k] for k in (
+                           "lockstep", "reference_tiers", "spilled_bytes", "peak_device_bytes") if k in r.meta},
                        compared_bytes=sum(2 * s.stats.numel * torch.empty((), dtype=getattr(torch, s.ref.dtype)).element_size()
                                           for s in r.stages if s.stats is not None and s.ref is not None))
             del r

@@ -1263,9 +1263,19 @@ class capture:
         self._mode: _Mode | None = None
         self._patch = _ExtensionPatch(self.state)
         self._triton = _TritonPatch(self.state)
+        self.active = False  # between __enter__ and __exit__ (a streaming diff switches sides only then)
 
     def __enter__(self) -> Trace:
         _install_extension_import_hook()
+        self.resume()
+        self._mode = _Mode(self.state)
+        self._mode.__enter__()
+        self.active = True
+        return self.state.trace
+
+    def resume(self) -> None:
+        """Install what records this capture's forward: the global module hooks, the extension and
+        Triton launch wrappers, and this state as the active one."""
         reg = torch.nn.modules.module
         self._handles = [
             reg.register_module_forward_pre_hook(_pre_hook),
@@ -1274,21 +1284,27 @@ class capture:
         self._patch.install(self.state.model)
         self._triton.install()
         _ACTIVE.append(self.state)
-        self._mode = _Mode(self.state)
-        self._mode.__enter__()
-        return self.state.trace
+
+    def suspend(self) -> None:
+        """Take out what `resume` installed, mid-forward: a streaming diff runs the reference on a
+        thread of its own and hands control back and forth between the two captures at record
+        boundaries, so that only the running side's hooks and wrappers are installed (the torch
+        function mode is per thread and stays)."""
+        if _ACTIVE and _ACTIVE[-1] is self.state:
+            _ACTIVE.pop()
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self._patch.remove()
+        self._triton.remove()
 
     def __exit__(self, exc_type, exc, tb) -> bool:
+        self.active = False
         try:
             if self._mode is not None:
                 self._mode.__exit__(None, None, None)
         finally:
-            if _ACTIVE and _ACTIVE[-1] is self.state:
-                _ACTIVE.pop()
-            for h in self._handles:
-                h.remove()
-            self._patch.remove()
-            self._triton.remove()
+            self.suspend()
         self.state.trace.folded = self.state.folded_sites()
         try:
             self.state.seal()

@@ -99,6 +99,9 @@ class Options:
     host_memory:   bytes of pinned host memory for a GPU streaming diff before values go to disk.
     only:          comma-separated globs on record names; only those are captured (streaming).
     stop_at_first: end the candidate's forward at its first divergent record (streaming).
+    lockstep:      streaming with a live reference: run its forward on a thread of its own, ahead of
+                   the candidate's by what the budget holds, evicting values once measured (False:
+                   the reference first, whole, what does not fit going to host memory and disk).
     stream_dir:    where an isolated child writes its crash insurance (capture journals, stats).
     insured:       with stream_dir, the live candidate's capture there keeps every record's value and
                    the model's parameters (False: names and shapes only; an isolated diff runs the
@@ -130,6 +133,7 @@ class Options:
     host_memory: int | None = None
     only: str | None = None
     stop_at_first: bool = False
+    lockstep: bool = True
     stream_dir: str | None = None
     insured: bool = True
     explain: bool | None = None

@@ -32,6 +32,8 @@ from .trials import Trial, bitwise_difference, difference_words, restore_state, 
 __all__ = ["ModelSource", "CaptureSource", "TraceSource", "run", "judge", "run_captured", "clone_inputs"]
 
 STREAM_WINDOW = 8  # stages before the first divergence whose values a streaming diff keeps
+LOCKSTEP_LOW_WATER = 8  # a lockstep diff frees 1/8 of the reference's budget beyond what it waits for
+LOCKSTEP_RECOVERIES = 2  # re-runs of the reference that recover evicted values align asks for
 
 
 def clone_inputs(obj: Any) -> Any:
@@ -138,6 +140,8 @@ def run_captured(model: torch.nn.Module, inputs: Sequence[Any], *, no_grad: bool
         sink = capture_writer(stream_to, model, info, values=stream_values)
     cap = capture(model, inputs=tuple(inputs), only=only, sink=sink, snapshot=snapshot, fold=fold)
     cap.state.mutator = mutator
+    if hasattr(sink, "bind_capture"):  # a streaming diff's lockstep suspends and resumes it (diffkit.stream)
+        sink.bind_capture(cap)
     try:
         with cm, cap:
             model(*inputs)
@@ -236,8 +240,8 @@ def _streaming_traces(reference: Source, candidate: ModelSource, options: Option
     """The two-pass diff in bounded memory (see diffkit.stream): the reference's values in a tiered
     store (or read lazily from its capture file), the candidate's records paired by name and measured
     as they are produced, only the values the report needs kept."""
-    from .stream import Budget, FileStore, StreamComparer, TieredStore, default_budget, default_host_budget, \
-        name_filter
+    from .stream import Budget, FileStore, Lockstep, StreamComparer, TieredStore, default_budget, \
+        default_host_budget, name_filter
 
     dev = candidate.device()
     budget = options.max_memory if options.max_memory is not None else default_budget(dev)
@@ -258,24 +262,71 @@ def _streaming_traces(reference: Source, candidate: ModelSource, options: Option
     keep = TieredStore(keep_dev, keep_host)
     state: dict = {}
     rename = param_map(reference.params(), candidate.params())  # by value too: before a forward changes buffers
+    lockstep = None
     if isinstance(reference, CaptureSource):  # captured in another process (with the same --only filter)
         ref_store = FileStore(reference.file)
         ref_trace = reference.file.load(values=False)
+    elif options.lockstep:
+        # the reference runs on a thread of its own, ahead of the candidate by what its budget holds
+        lockstep = Lockstep(low_water=ref_dev.limit // LOCKSTEP_LOW_WATER)
+        ref_store = TieredStore(ref_dev, ref_host, meta=meta_ref, lockstep=lockstep)
+        lockstep.start(lambda: _run_side(reference, options, state, "ref", only=keep_filter, sink=ref_store))
+        ref_trace = lockstep.live_trace()
+        if ref_trace is None:  # it failed before its capture began
+            ref_trace = lockstep.finish()
     else:
         ref_store = TieredStore(ref_dev, ref_host, meta=meta_ref)
         ref_trace = _run_side(reference, options, state, "ref", only=keep_filter, sink=ref_store)
-    _fold_against(candidate, ref_trace, options)
+    if lockstep is None or lockstep.ref_done:
+        _fold_against(candidate, ref_trace, options)  # (while the reference runs, its sizes are not all known)
     comparer = StreamComparer(ref_trace, ref_store, keep, options.tolerance.atol, options.tolerance.rtol,
                               window=STREAM_WINDOW, stop_at_first=options.stop_at_first, journal=journal,
-                              meta=meta_cand, rename=rename, stat=options.tolerance.stat)
-    cand_trace = _run_side(candidate, options, state, "cand", only=keep_filter, sink=comparer)
+                              meta=meta_cand, rename=rename, stat=options.tolerance.stat,
+                              lockstep=lockstep if lockstep is not None and not lockstep.ref_done else None)
+    try:
+        cand_trace = _run_side(candidate, options, state, "cand", only=keep_filter, sink=comparer)
+    finally:
+        if lockstep is not None:
+            ref_trace = lockstep.finish()
+            ref_store.lockstep = None
+    if comparer.lockstep is not None and candidate.seed is None and lockstep.drew_random():
+        # an unseeded candidate continues the generators where the whole reference left them: that
+        # order cannot run side by side; the diff is made again, the reference first
+        for clean in (ref_store.clear, keep.clear) + ((journal.close,) if journal is not None else ()):
+            clean()
+        for k in ("ref", "cand"):
+            if k in state:
+                restore_state((reference if k == "ref" else candidate).model, state[k][0])
+        return _streaming_traces(reference, candidate, options.replace(lockstep=False))
+    if comparer.lockstep is not None:
+        comparer.settle()
     try:
         comparer.finish()
     except StopCapture:
         pass
-    # leftovers are aligned by order and value afterwards, reading values lazily (a few at a time)
-    alignment = align(ref_trace.records, cand_trace.records, fixed=comparer.pairs,
-                      ref_value=_lazy(ref_store, dev), cand_value=_lazy(keep, dev), rename=rename)
+    # leftovers are aligned by order and value afterwards, reading values lazily (a few at a time); a
+    # lockstep diff may have evicted values align reads: those it asked for are recovered by one more
+    # forward of the reference and align runs again (at most LOCKSTEP_RECOVERIES times)
+    recovered, rounds = 0, 0
+    wanted = {comparer.pairs[ci][0] for ci in comparer.late if ci in comparer.pairs}
+    while True:
+        missed: set[int] = set()
+        read = _lazy(ref_store, dev)
+
+        def ref_value(rec, read=read, missed=missed):
+            v = read(rec)
+            if v is None and rec.index in comparer.evicted:
+                missed.add(rec.index)
+            return v
+        alignment = align(ref_trace.records, cand_trace.records, fixed=comparer.pairs,
+                          ref_value=ref_value, cand_value=_lazy(keep, dev), rename=rename)
+        wanted |= missed
+        if lockstep is None or not wanted or rounds == LOCKSTEP_RECOVERIES:
+            break
+        got = _recapture(reference, options, state, ref_store, ref_trace, wanted, keep_filter, comparer)
+        recovered, rounds, wanted = recovered + got, rounds + 1, set()
+        if not (missed & set(ref_store.slots)):
+            break  # align read nothing that has come back: its answer stands
     known = dict(comparer.stats)
     for p in alignment.pairs:  # pairs made by order or value: measure them now, one at a time
         r, c = ref_trace.records[p.ref], cand_trace.records[p.cand]
@@ -298,6 +349,10 @@ def _streaming_traces(reference: Source, candidate: ModelSource, options: Option
         show += [s for s in measured if s.status in ("diverged", "after-divergence")][:comparer.keep_diverged]
         show += [s for s in measured if s.cand.is_output]
         by_cand = alignment.by_cand()
+        if lockstep is not None and comparer.evicted:
+            wanted = {ri for s in show for ri in [s.ref.index, *s.ref.inputs] + [by_cand[x].ref for x in s.cand.inputs
+                                                                                 if x in by_cand]}
+            _recapture(reference, options, state, ref_store, ref_trace, wanted, keep_filter, comparer)
         for s in show:
             crec = cand_trace.records[s.cand.index]
             if crec.value is None and s.cand.index in keep:
@@ -315,6 +370,9 @@ def _streaming_traces(reference: Source, candidate: ModelSource, options: Option
         "spilled_bytes": getattr(ref_store, "spilled_bytes", 0) + keep.spilled_bytes,
         "reference_tiers": dict(ref_store.tiers), "compared_bytes": comparer.compared_bytes,
         "kept_candidate_values": len(keep.slots)})
+    if lockstep is not None:
+        out.meta["lockstep"] = {"switches": lockstep.switches, "evicted": len(comparer.evicted),
+                                "recovered": recovered}
     if options.only:
         out.meta["only"] = options.only
         out.warnings.append(f"only records matching {options.only!r} were captured")
@@ -323,6 +381,29 @@ def _streaming_traces(reference: Source, candidate: ModelSource, options: Option
         out.warnings.append(f"--stop-at-first: the candidate's forward was {cand_trace.stopped}; later stages "
                             f"were not run")
     return out
+
+
+def _recapture(reference: ModelSource, options: Options, state: dict, store, ref_trace: Trace, wanted: set[int],
+               only, comparer) -> int:
+    """Run the reference once more as its streamed forward ran (state, seed) and put back the values
+    of `wanted` that a lockstep diff evicted; how many came back."""
+    wanted = {ri for ri in wanted if ri in comparer.evicted}
+    if not wanted:
+        return 0
+    from .stream import Pick
+
+    before, after = state["ref"]
+    restore_state(reference.model, before)
+    if reference.seed is not None:
+        seed_all(reference.seed)
+    pick = Pick(store, {ri: ref_trace.records[ri] for ri in wanted})
+    try:
+        run_captured(reference.model, clone_inputs(list(reference.inputs)), no_grad=options.no_grad, only=only,
+                     sink=pick)
+    finally:
+        restore_state(reference.model, after)
+    comparer.evicted -= pick.got
+    return len(pick.got)
 
 
 def run(reference: Source, candidate: Source, options: Options | None = None, *, known: dict | None = None,

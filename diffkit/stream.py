@@ -20,19 +20,22 @@ import fnmatch
 import json
 import math
 import os
+import random
 import shutil
+import sys
 import tempfile
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
 from .align import NAME_MATCH_REL_ERR, Dataflow, _stage_params, best_layout, name_partner, names_index, \
-    _refines, rebound_pair_agrees, reused_name, same_layout, to_ref_layout
+    _refines, rebound_pair_agrees, record_numel, reused_name, same_layout, to_ref_layout
 from .capture import Record, StopCapture, Trace
 from .measure import PendingStats, Stats, apply_stat, measure_async, tolerances
 
-__all__ = ["Budget", "TieredStore", "StreamComparer", "default_budget", "name_filter", "parse_size"]
+__all__ = ["Budget", "Lockstep", "Pick", "TieredStore", "StreamComparer", "default_budget", "name_filter", "parse_size"]
 
 
 def parse_size(text: str | int | None) -> int | None:
@@ -166,6 +169,179 @@ class _Stager:
             self._finish(self.pending.popleft(), block=True)
 
 
+def _rng_state() -> tuple:
+    np = sys.modules.get("numpy")
+    return (torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None,
+            random.getstate(), np.random.get_state() if np is not None else None)
+
+
+def same_rng_state(a: tuple, b: tuple) -> bool:
+    """Whether two `_rng_state`s are the same (nothing was drawn between them)."""
+    if not torch.equal(a[0], b[0]) or (a[1] is None) != (b[1] is None) or a[2] != b[2]:
+        return False
+    if a[1] is not None and (len(a[1]) != len(b[1]) or not all(torch.equal(x, y) for x, y in zip(a[1], b[1]))):
+        return False
+    if a[3] is not None and b[3] is not None:
+        np = sys.modules["numpy"]
+        return all(np.array_equal(x, y) if isinstance(x, np.ndarray) else x == y for x, y in zip(a[3], b[3]))
+    return True
+
+
+def _set_rng_state(saved: tuple) -> None:
+    cpu, cuda, py, np_state = saved
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
+    random.setstate(py)
+    if np_state is not None:
+        sys.modules["numpy"].random.set_state(np_state)
+
+
+class Lockstep:
+    """The reference's forward on a thread of its own, kept ahead of the candidate's by what its
+    device budget holds, so that a streaming diff runs each forward once and moves nothing to the host.
+
+    One side runs at a time; control passes at record boundaries.  The reference runs until a record
+    does not fit its budget (`wait_for_room`) or it ends; the candidate then runs, pairing and
+    measuring as it goes, and hands control back once it has freed room for that record
+    (`StreamComparer` evicts reference values it no longer needs).  At each switch the outgoing
+    side's capture is suspended (its global hooks and kernel wrappers taken out) and the random
+    number generators are swapped, so each forward draws what it would draw alone.  `caps` holds
+    the two captures (bound by `run_captured`), `need` the bytes the parked reference waits for."""
+
+    def __init__(self, low_water: int = 0):
+        self.low_water = low_water  # room freed beyond `need` before the reference runs on (fewer switches)
+        self.cv = threading.Condition()
+        self.turn = "ref"
+        self.ref_done = False
+        self.cand_done = False
+        self.need = 0
+        self.switches = 0
+        self.caps: dict[str, Any] = {}
+        self.rng: dict[str, tuple] = {}
+        self.trace: Trace | None = None
+        self.failure: BaseException | None = None
+        self.thread: threading.Thread | None = None
+        self.rng_start: tuple | None = None  # the generators as the reference's forward found them
+        self.rng_end: tuple | None = None  # and as it left them
+
+    def start(self, run_reference: Callable[[], Trace]) -> None:
+        """Run `run_reference` on the reference's thread; return once it waits for room or has ended."""
+        device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+        self.rng_start = _rng_state()
+
+        def body() -> None:
+            try:
+                if device is not None:
+                    torch.cuda.set_device(device)
+                self.trace = run_reference()
+            except BaseException as e:  # handed to the caller's thread by `finish`
+                self.failure = e
+            finally:
+                self.rng_end = _rng_state()
+                with self.cv:
+                    self.ref_done, self.need = True, 0
+                    self.turn = "cand"
+                    self.cv.notify_all()
+
+        self.thread = threading.Thread(target=body, name="diffkit-reference", daemon=True)
+        self.thread.start()
+        with self.cv:
+            while self.turn != "cand":
+                self.cv.wait()
+
+    def drew_random(self) -> bool:
+        """Whether the reference, run beside the candidate, drew random numbers (so that a candidate
+        that is not seeded would have started from other generator states had it run after it)."""
+        return self.rng_end is not None and self.rng_start is not None and not same_rng_state(self.rng_start,
+                                                                                               self.rng_end)
+
+    def live_trace(self) -> Trace | None:
+        """The reference's trace so far (the finished one once it has ended)."""
+        cap = self.caps.get("ref")
+        return self.trace if self.trace is not None else (cap.state.trace if cap is not None else None)
+
+    def _hand(self, me: str, other: str) -> None:
+        cap = self.caps.get(me)
+        held = cap is not None and cap.active
+        if held:
+            cap.suspend()
+        self.rng[me] = _rng_state()
+        with self.cv:
+            self.turn = other
+            self.switches += 1
+            self.cv.notify_all()
+            while self.turn != me:
+                self.cv.wait()
+        _set_rng_state(self.rng[me])
+        if held:
+            cap.resume()
+
+    # -- the reference's side
+    def wait_for_room(self, nbytes: int) -> None:
+        """The reference's next record needs `nbytes` its budget does not have: the candidate runs
+        until it has freed them (or has ended: the record then goes to the next tier)."""
+        cap = self.caps.get("ref")
+        if self.cand_done or cap is None or not cap.active:
+            return
+        self.need = nbytes
+        self._hand("ref", "cand")
+        self.need = 0
+
+    # -- the candidate's side
+    def waiting(self) -> int:
+        """Bytes the parked reference waits for (0: it is not waiting)."""
+        return 0 if self.ref_done else self.need
+
+    def resume_reference(self) -> None:
+        self._hand("cand", "ref")
+
+    def finish(self) -> Trace:
+        """The candidate has ended: the reference runs to its end; its trace."""
+        self.cand_done = True
+        if not self.ref_done:
+            mine = _rng_state()
+            with self.cv:
+                self.turn = "ref"
+                self.switches += 1
+                self.cv.notify_all()
+                while not self.ref_done:
+                    self.cv.wait()
+            _set_rng_state(mine)
+        if self.thread is not None:
+            self.thread.join()
+        if self.failure is not None:
+            raise self.failure
+        assert self.trace is not None
+        return self.trace
+
+
+class Pick:
+    """Capture sink: the values of chosen reference records, into `store` (a re-run of the reference
+    that recovers values a lockstep diff evicted).  A record is taken only if it is the one captured
+    the first time at that index (same operation and shape)."""
+
+    owns_values = True
+
+    def __init__(self, store: "TieredStore", wanted: dict[int, Record]):
+        self.store, self.wanted, self.got = store, wanted, set()
+
+    def add(self, rec: Record, tensor: torch.Tensor) -> None:
+        first = self.wanted.get(rec.index)
+        if first is not None and first.op == rec.op and tuple(first.shape) == tuple(rec.shape):
+            self.store.put(rec.index, tensor)
+            self.got.add(rec.index)
+
+    def update(self, rec: Record, tensor: torch.Tensor | None = None) -> None:
+        pass
+
+    def set_error(self, err) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 @dataclass
 class _Slot:
     tier: str  # "device" | "host" | "disk"
@@ -187,8 +363,10 @@ class TieredStore:
     owns_values = True
 
     def __init__(self, device_budget: Budget, host_budget: Budget | None = None, spill_dir: str | None = None,
-                 meta: Any = None):
+                 meta: Any = None, lockstep: Lockstep | None = None):
         self.device_budget = device_budget
+        self.lockstep = lockstep  # the reference's store in a lockstep diff: a full budget waits for the candidate
+        self.delivered = 0  # records whose values were added so far (as a capture sink)
         self.host_budget = host_budget if host_budget is not None else Budget(0)
         self._spill_root = spill_dir
         self._spill: str | None = None
@@ -201,6 +379,7 @@ class TieredStore:
     # -- capture sink protocol
     def add(self, rec: Record, tensor: torch.Tensor) -> None:
         self.put(rec.index, tensor)
+        self.delivered = rec.index + 1  # (a record is in its trace before its value is here)
         if self.meta is not None:
             self.meta.add(rec)
 
@@ -216,12 +395,19 @@ class TieredStore:
         if self.meta is not None:
             self.meta.close()
 
+    def bind_capture(self, cap) -> None:
+        if self.lockstep is not None:
+            self.lockstep.caps["ref"] = cap
+
     # -- values
     def put(self, key: int, tensor: torch.Tensor) -> None:
         self.drop(key)
         t = tensor.detach()
         n = _nbytes(t)
-        if self.device_budget.take(n):
+        b = self.device_budget
+        if self.lockstep is not None and b.used + n > b.limit and n <= b.limit:
+            self.lockstep.wait_for_room(n)
+        if b.take(n):
             self.slots[key] = _Slot("device", t.clone(), n)
         elif t.is_cuda and self.host_budget.take(n):
             if self._stager is None:
@@ -343,13 +529,21 @@ class StreamComparer:
     stats: dict = field(default_factory=dict)
     first: int | None = None  # candidate index of the first divergent pair, once known
     compared_bytes: int = 0
+    lockstep: Lockstep | None = None  # the reference still running beside the candidate (see Lockstep)
     owns_values = True
 
     def __post_init__(self):
-        self.names = names_index(self.ref.records)
+        self._ref_n = self.ref_store.delivered if self.lockstep is not None else len(self.ref.records)
+        self.names = names_index(self.ref.records[:self._ref_n])
         self.paired: set[int] = set()
+        self.deferred: list[int] = []  # no partner yet while the reference runs: tried again as it goes on
+        self.evicted: set[int] = set()  # reference values dropped to make room (a re-run recovers them)
+        self.late: list[int] = []  # candidate records paired with an evicted value: measured after recovery
+        self.measured_refs: set[int] = set()
+        self.frontier = -1  # the latest reference record paired
+        self.loose_numels: collections.Counter = collections.Counter()  # of unpaired candidate records
         self.pairs: dict[int, tuple] = {}  # candidate index -> (reference index, transform[, relative error])
-        self.ref_flow = Dataflow.of(self.ref.records)
+        self.ref_flow = Dataflow.of(self.ref.records[:self._ref_n])
         self.flow = Dataflow.of([])  # the candidate's, record by record
         self._by_inputs: dict | None = None  # reference records by the records they consumed
         self.queue: collections.deque[_Pending] = collections.deque()
@@ -364,6 +558,26 @@ class StreamComparer:
         self.flow.append(rec, self.rename)
         if self.meta is not None:
             self.meta.add(rec)
+        self._place(rec, tensor, held=False)
+        if self.lockstep is not None and self.lockstep.waiting():
+            self._pace()
+
+    def bind_capture(self, cap) -> None:
+        if self.lockstep is not None:
+            self.lockstep.caps["cand"] = cap
+
+    def _ref_running(self) -> bool:
+        return self.lockstep is not None and not self.lockstep.ref_done
+
+    def _unpaired(self, rec: Record, tensor: torch.Tensor, held: bool) -> None:
+        if not held:
+            self.keep.put(rec.index, tensor)  # align by dataflow/order/value afterwards
+            self.loose_numels[record_numel(rec)] += 1
+        (self.deferred if self._ref_running() else self.unmatched).append(rec.index)
+
+    def _place(self, rec: Record, tensor: torch.Tensor, held: bool) -> None:
+        """Pair `rec` and queue its measurement, or keep it for later (`held`: its value is in
+        `keep` already, a deferred record tried again)."""
         ri = name_partner(rec, self.ref.records, self.names, self.paired)  # as align's name pass pairs
         r = self.ref.records[ri] if ri is not None else None
         if r is not None and not (same_layout(rec, r) or _refines(tuple(rec.shape), tuple(r.shape))
@@ -382,11 +596,18 @@ class StreamComparer:
             r = self.ref.records[ri] if ri is not None else None
         if ri is None:
             if rec.kind != "input":
-                self.keep.put(rec.index, tensor)  # align by dataflow/order/value afterwards
-                self.unmatched.append(rec.index)
+                self._unpaired(rec, tensor, held)
             return
         refv = self.ref_store.get(ri, tensor.device)
         if refv is None:
+            if ri in self.evicted and tuple(r.shape) == tuple(tensor.shape) and not weak:
+                # its reference value made room earlier: measured once a re-run has recovered it
+                self._pair(rec, ri, (), via)
+                if not held:
+                    self.keep.put(rec.index, tensor)
+                self.late.append(rec.index)
+            elif ri in self.evicted and rec.kind != "input":
+                self._unpaired(rec, tensor, held)  # align pairs it, with the value a re-run recovers
             return
         transform: tuple = ()
         if tuple(r.shape) != tuple(tensor.shape):
@@ -394,13 +615,14 @@ class StreamComparer:
             layout = best_layout(tensor.detach(), refv)
             transform = layout.transform
             if weak and layout.rel_err > NAME_MATCH_REL_ERR:
-                self.keep.put(rec.index, tensor)  # align by value afterwards
-                self.unmatched.append(rec.index)
+                self._unpaired(rec, tensor, held)  # align by value afterwards
                 return
             weak = False
-        self.paired.add(ri)
-        self.pairs[rec.index] = (ri, transform, None, via)
-        if weak or self.first is None or len(self.diverged) < self.keep_diverged:
+        self._pair(rec, ri, transform, via)
+        if held:
+            if not (weak or self.first is None or len(self.diverged) < self.keep_diverged):
+                self.keep.drop(rec.index)
+        elif weak or self.first is None or len(self.diverged) < self.keep_diverged:
             self.keep.put(rec.index, tensor)  # provisional: dropped once its metrics say it is not needed
         a, t = tolerances(self.atol, self.rtol, r.dtype)
         cv = to_ref_layout(tensor.detach(), tuple(r.shape), transform)
@@ -423,6 +645,102 @@ class StreamComparer:
         if self.meta is not None:
             self.meta.close()
 
+    def _pair(self, rec: Record, ri: int, transform: tuple, via: str) -> None:
+        self.paired.add(ri)
+        self.pairs[rec.index] = (ri, transform, None, via)
+        self.frontier = max(self.frontier, ri)
+
+    # -- lockstep: room for the reference, partners found as it goes on
+    def _grew(self) -> None:
+        """The reference has made more records (its earlier ones may have been renamed meanwhile);
+        those whose values have reached the store can pair."""
+        n = self._ref_n = self.ref_store.delivered if self.lockstep is not None else len(self.ref.records)
+        self.names = names_index(self.ref.records[:n])
+        for r in self.ref.records[len(self.ref_flow.inputs):n]:
+            self.ref_flow.append(r)
+        self._by_inputs = None
+
+    def _pace(self) -> None:
+        ls = self.lockstep
+        need = ls.waiting()
+        if not need or not self._make_room(need):
+            return
+        ls.resume_reference()
+        self._grew()
+        self._retry()
+
+    def _retry(self) -> None:
+        """The deferred records, in the order they were made, against what the reference has now."""
+        pending, self.deferred = self.deferred, []
+        for ci in pending:
+            rec = self.records[ci]
+            value = self.keep.get(ci, rec.device if rec.device != "cpu" else None)
+            if value is None:
+                continue
+            self.loose_numels[record_numel(rec)] -= 1
+            self._place(rec, value, held=True)
+            if ci not in self.pairs:
+                self.loose_numels[record_numel(rec)] += 1
+
+    def settle(self) -> None:
+        """The reference has ended: what is still deferred is tried once more, then left to align."""
+        self.lockstep = None
+        self._grew()
+        self._retry()
+
+    def _room(self) -> int:
+        b = self.ref_store.device_budget
+        return b.limit - b.used
+
+    def _make_room(self, need: int) -> bool:
+        if self._room() >= need:
+            return True
+        self.drain()
+        target = min(need + self.lockstep.low_water, self.ref_store.device_budget.limit)
+        self._evict(target)
+        if self._room() < need and self.queue:
+            pending = sum(self.ref_store.slots[p.ref].nbytes for p in self.queue
+                          if p.ref in self.ref_store.slots and self.ref_store.slots[p.ref].tier == "device")
+            if self._room() + pending >= need:
+                self.drain(block=True)  # waits for the device: only when that is what frees the room
+                self._evict(target)
+        return self._room() >= need
+
+    def _pinned(self) -> set[int]:
+        """Reference records whose values the report will want: the partners of the candidate values
+        kept (the stages before the first divergence, the first divergent ones), their inputs, and
+        the partners of those candidate records' inputs."""
+        pins: set[int] = set()
+        for ci in [*self.ring, *self.diverged[:self.keep_diverged], *self.queue_cands()]:
+            hit = self.pairs.get(ci)
+            if hit is not None:
+                pins.add(hit[0])
+                pins.update(self.ref_flow.inputs[hit[0]])
+            pins.update(p for p in (self._partner(j) for j in self.flow.inputs[ci]) if p is not None)
+        return pins
+
+    def queue_cands(self) -> list[int]:
+        return [p.cand for p in self.queue]
+
+    def _evict(self, target: int) -> None:
+        """Drop reference values until `target` bytes are free: first those measured already, oldest
+        first; then unpaired ones the candidate has gone past (paired a later record), those of an
+        element count no unpaired candidate record has first, largest first; the values the report
+        will want (`_pinned`) only after all others (a re-run of the reference recovers them)."""
+        store = self.ref_store
+        pins = self._pinned()
+        on_device = [ri for ri, sl in store.slots.items() if sl.tier == "device" and not self.ref.records[ri].is_output]
+        measured = sorted(ri for ri in on_device if ri in self.measured_refs)
+        loose = sorted((ri for ri in on_device if ri not in self.paired and ri < self.frontier),
+                       key=lambda ri: (self.loose_numels[record_numel(self.ref.records[ri])] > 0,
+                                       -store.slots[ri].nbytes, ri))
+        order = [ri for ri in measured + loose if ri not in pins] + [ri for ri in measured + loose if ri in pins]
+        for ri in order:
+            if self._room() >= target:
+                return
+            store.drop(ri)
+            self.evicted.add(ri)
+
     def _partner(self, ci: int) -> int | None:
         hit = self.pairs.get(ci)
         return None if hit is None else hit[0]
@@ -441,7 +759,7 @@ class StreamComparer:
             return None
         if self._by_inputs is None:
             self._by_inputs = {}
-            for r in self.ref.records:
+            for r in self.ref.records[:self._ref_n]:
                 if r.kind != "input" and not rf.derived[r.index]:
                     key = frozenset(j for j in rf.inputs[r.index] if not rf.derived[j])
                     self._by_inputs.setdefault(key, []).append(r.index)
@@ -473,8 +791,10 @@ class StreamComparer:
                 self.paired.discard(p.ref)
                 self.pairs.pop(p.cand, None)
                 self.unmatched.append(p.cand)
+                self.loose_numels[record_numel(self.records[p.cand])] += 1
                 continue
             self.stats[(p.ref, p.cand, p.transform)] = st
+            self.measured_refs.add(p.ref)
             if p.cand in self.pairs:
                 self.pairs[p.cand] = (p.ref, p.transform, p.stats.rel_l2, self.pairs[p.cand][3])
             if self.journal is not None:

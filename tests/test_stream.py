@@ -117,3 +117,119 @@ def test_streaming_peak_memory_within_budget():
     for k in ("verdict", "first", "first_cand", "root", "kind"):
         assert stream[k] == mem[k]
     assert stream["first"] == "blocks.7.fc2" and stream["kind"] == "missing_bias"
+
+
+# ----------------------------------------------------------------------------------- lockstep
+# Each layer draws a dropout mask and uniform noise (a training-mode forward): both sides must draw
+# what they would draw alone.  The candidate writes the same computation apart (other names,
+# F.linear), optionally with a bias left out or a layer that raises.
+_NOISY_REF = """
+import torch
+FAIL_AT = {fail}
+
+class Model(torch.nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(6))
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            if i == FAIL_AT:
+                raise RuntimeError(f"layer {{i}} is broken")
+            x = torch.nn.functional.dropout(torch.relu(layer(x)), p=0.5, training=True)
+            x = x + torch.rand_like(x)
+        return x
+
+def get_inputs():
+    return [torch.randn(64, 256)]
+
+def get_init_inputs():
+    return [256]
+"""
+_NOISY_NEW = """
+import torch
+import torch.nn.functional as F
+FAIL_AT, SKIP_BIAS_AT = {fail}, {skip}
+
+class ModelNew(torch.nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(6))
+
+    def forward(self, x):
+        h = x
+        for k, lin in enumerate(self.layers):
+            if k == FAIL_AT:
+                raise RuntimeError(f"layer {{k}} is broken")
+            pre = F.linear(h, lin.weight, None if k == SKIP_BIAS_AT else lin.bias)
+            kept = F.dropout(pre.clamp_min(0), p=0.5, training=True)
+            h = kept + torch.rand_like(kept)
+        return h
+"""
+_ROW = 64 * 256 * 4  # bytes of one record's value
+
+
+def _noisy_files(tmp_path, skip=None, ref_fail=None, cand_fail=None):
+    ref, new = tmp_path / "noisy_ref.py", tmp_path / "noisy_new.py"
+    ref.write_text(_NOISY_REF.format(fail=ref_fail))
+    new.write_text(_NOISY_NEW.format(fail=cand_fail, skip=skip))
+    return str(ref), str(new)
+
+
+@pytest.mark.parametrize("skip", [None, 3])
+def test_lockstep_runs_both_forwards_once_with_their_own_random_numbers(tmp_path, skip):
+    ref, new = _noisy_files(tmp_path, skip=skip)
+    kw = dict(max_memory=3 * _ROW, health=False, rerun=False, trials=2)  # the reference cannot run far ahead
+    full = diffkit.diff_files(ref, new, health=False, rerun=False, trials=2)
+    lock = diffkit.diff_files(ref, new, **kw)
+    seq = diffkit.diff_files(ref, new, lockstep=False, **kw)
+    assert lock.meta["lockstep"]["switches"] > 4 and lock.meta["lockstep"]["evicted"] > 0
+    assert "lockstep" not in seq.meta
+    assert _key(lock) == _key(seq)
+    assert _key(lock)[:3] == _key(full)[:3]  # (a streaming root cause may differ: its replays see a window)
+    if skip is None:
+        assert lock.verdict == "match"
+        assert all(s.stats.max_abs == 0 for s in lock.stages if s.stats is not None)  # the very same draws
+    else:
+        fd = lock.first_divergence
+        assert fd.ref_name == f"layers.{skip}" and fd.diagnosis[0].kind == "missing_bias"
+        assert fd.ref_value is not None and fd.cand_value is not None  # recovered by a re-run if evicted
+    got = {(s.ref_name, s.cand_name): s.stats.max_abs for s in lock.stages if s.stats is not None}
+    want = {(s.ref_name, s.cand_name): s.stats.max_abs for s in seq.stages if s.stats is not None}
+    assert got == want
+
+
+def test_lockstep_unseeded_random_reference_is_diffed_reference_first():
+    # models given as objects are not seeded: the candidate continues the generators where the whole
+    # reference left them, which a side-by-side run cannot reproduce, so the diff is made again in order
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(256, 256)
+
+    class Noisy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = lin
+
+        def forward(self, x):
+            for _ in range(6):
+                x = torch.nn.functional.dropout(self.lin(x), p=0.5, training=True)
+            return x
+
+    x = torch.randn(64, 256)
+    kw = dict(max_memory=3 * _ROW, health=False, rerun=False, trials=1)
+    torch.manual_seed(1)
+    seq = diffkit.compare(Noisy(), Noisy(), [x], lockstep=False, **kw)
+    torch.manual_seed(1)
+    lock = diffkit.compare(Noisy(), Noisy(), [x], **kw)
+    assert "lockstep" not in lock.meta and _key(lock) == _key(seq) and lock.verdict == "diverged"
+
+
+@pytest.mark.parametrize("side", ["ref", "cand"])
+def test_lockstep_a_side_failing_mid_forward_is_reported(tmp_path, side):
+    ref, new = _noisy_files(tmp_path, ref_fail=4 if side == "ref" else None, cand_fail=4 if side == "cand" else None)
+    r = diffkit.diff_files(ref, new, max_memory=3 * _ROW, health=False, rerun=False, trials=1)
+    assert r.verdict == "error" and "layer 4 is broken" in r.error.message
+    assert r.error.side == ("reference" if side == "ref" else "candidate")
+    # both sides' capture hooks are gone: nothing is left recording
+    assert not sys.modules["diffkit.capture"]._ACTIVE
+    assert not torch.nn.modules.module._global_forward_hooks and not torch.nn.modules.module._global_forward_pre_hooks
