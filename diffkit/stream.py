@@ -10,6 +10,13 @@ window of the stages before the first divergence (where the root cause lies), th
 divergent stages, records it could not pair (for align's later passes) and the output.
 Everything else is dropped as soon as its metrics are known.
 
+With a live reference (`Lockstep`, the default), the two passes overlap: the reference's forward runs
+on a thread of its own and stops whenever its next record does not fit its device budget; the
+candidate's forward then runs, pairs and measures against what the reference has made, and evicts
+reference values it has measured (then unpaired ones it has gone past) until that record fits.  So
+each forward runs once and nothing goes through host memory; the few evicted values that align or
+the report ask for afterwards are recovered by one more forward of the reference.
+
 The objects that leave this module are the usual ones: two `Trace`s and a stats table that
 `locate.build_stages` consumes, so the result is the same `Result` as an in-memory diff.
 """
