@@ -352,7 +352,8 @@ def _streaming_traces(reference: Source, candidate: ModelSource, options: Option
         if lockstep is not None and comparer.evicted:
             wanted = {ri for s in show for ri in [s.ref.index, *s.ref.inputs] + [by_cand[x].ref for x in s.cand.inputs
                                                                                  if x in by_cand]}
-            _recapture(reference, options, state, ref_store, ref_trace, wanted, keep_filter, comparer)
+            out.meta["lockstep"]["recovered"] += _recapture(reference, options, state, ref_store, ref_trace, wanted,
+                                                            keep_filter, comparer)
         for s in show:
             crec = cand_trace.records[s.cand.index]
             if crec.value is None and s.cand.index in keep:
@@ -394,12 +395,9 @@ def _recapture(reference: ModelSource, options: Options, state: dict, store, ref
 
     before, after = state["ref"]
     restore_state(reference.model, before)
-    if reference.seed is not None:
-        seed_all(reference.seed)
     pick = Pick(store, {ri: ref_trace.records[ri] for ri in wanted})
     try:
-        run_captured(reference.model, clone_inputs(list(reference.inputs)), no_grad=options.no_grad, only=only,
-                     sink=pick)
+        _run_side(reference, options, {}, "ref", only=only, sink=pick)
     finally:
         restore_state(reference.model, after)
     comparer.evicted -= pick.got

@@ -540,19 +540,15 @@ class StreamComparer:
     owns_values = True
 
     def __post_init__(self):
-        self._ref_n = self.ref_store.delivered if self.lockstep is not None else len(self.ref.records)
-        self.names = names_index(self.ref.records[:self._ref_n])
         self.paired: set[int] = set()
         self.deferred: list[int] = []  # no partner yet while the reference runs: tried again as it goes on
         self.evicted: set[int] = set()  # reference values dropped to make room (a re-run recovers them)
         self.late: list[int] = []  # candidate records paired with an evicted value: measured after recovery
-        self.measured_refs: set[int] = set()
-        self.frontier = -1  # the latest reference record paired
-        self.loose_numels: collections.Counter = collections.Counter()  # of unpaired candidate records
         self.pairs: dict[int, tuple] = {}  # candidate index -> (reference index, transform[, relative error])
-        self.ref_flow = Dataflow.of(self.ref.records[:self._ref_n])
+        self.ref_flow = Dataflow.of([])  # the reference's, extended by `_grew`
         self.flow = Dataflow.of([])  # the candidate's, record by record
         self._by_inputs: dict | None = None  # reference records by the records they consumed
+        self._grew()  # names, the reference's dataflow (as far as a lockstep reference has delivered)
         self.queue: collections.deque[_Pending] = collections.deque()
         self.ring: collections.deque[int] = collections.deque()  # ok candidate values before the first divergence
         self.diverged: list[int] = []
@@ -579,7 +575,6 @@ class StreamComparer:
     def _unpaired(self, rec: Record, tensor: torch.Tensor, held: bool) -> None:
         if not held:
             self.keep.put(rec.index, tensor)  # align by dataflow/order/value afterwards
-            self.loose_numels[record_numel(rec)] += 1
         (self.deferred if self._ref_running() else self.unmatched).append(rec.index)
 
     def _place(self, rec: Record, tensor: torch.Tensor, held: bool) -> None:
@@ -607,13 +602,15 @@ class StreamComparer:
             return
         refv = self.ref_store.get(ri, tensor.device)
         if refv is None:
-            if ri in self.evicted and tuple(r.shape) == tuple(tensor.shape) and not weak:
+            if ri not in self.evicted:
+                return
+            if tuple(r.shape) == tuple(tensor.shape) and not weak:
                 # its reference value made room earlier: measured once a re-run has recovered it
                 self._pair(rec, ri, (), via)
                 if not held:
                     self.keep.put(rec.index, tensor)
                 self.late.append(rec.index)
-            elif ri in self.evicted and rec.kind != "input":
+            elif rec.kind != "input":
                 self._unpaired(rec, tensor, held)  # align pairs it, with the value a re-run recovers
             return
         transform: tuple = ()
@@ -626,11 +623,11 @@ class StreamComparer:
                 return
             weak = False
         self._pair(rec, ri, transform, via)
-        if held:
-            if not (weak or self.first is None or len(self.diverged) < self.keep_diverged):
-                self.keep.drop(rec.index)
-        elif weak or self.first is None or len(self.diverged) < self.keep_diverged:
+        needed = weak or self.first is None or len(self.diverged) < self.keep_diverged
+        if needed and not held:
             self.keep.put(rec.index, tensor)  # provisional: dropped once its metrics say it is not needed
+        elif held and not needed:
+            self.keep.drop(rec.index)
         a, t = tolerances(self.atol, self.rtol, r.dtype)
         cv = to_ref_layout(tensor.detach(), tuple(r.shape), transform)
         self.queue.append(_Pending(rec.index, ri, transform, measure_async(refv, cv, a, t), weak,
@@ -655,7 +652,6 @@ class StreamComparer:
     def _pair(self, rec: Record, ri: int, transform: tuple, via: str) -> None:
         self.paired.add(ri)
         self.pairs[rec.index] = (ri, transform, None, via)
-        self.frontier = max(self.frontier, ri)
 
     # -- lockstep: room for the reference, partners found as it goes on
     def _grew(self) -> None:
@@ -682,12 +678,8 @@ class StreamComparer:
         for ci in pending:
             rec = self.records[ci]
             value = self.keep.get(ci, rec.device if rec.device != "cpu" else None)
-            if value is None:
-                continue
-            self.loose_numels[record_numel(rec)] -= 1
-            self._place(rec, value, held=True)
-            if ci not in self.pairs:
-                self.loose_numels[record_numel(rec)] += 1
+            if value is not None:
+                self._place(rec, value, held=True)
 
     def settle(self) -> None:
         """The reference has ended: what is still deferred is tried once more, then left to align."""
@@ -718,16 +710,13 @@ class StreamComparer:
         kept (the stages before the first divergence, the first divergent ones), their inputs, and
         the partners of those candidate records' inputs."""
         pins: set[int] = set()
-        for ci in [*self.ring, *self.diverged[:self.keep_diverged], *self.queue_cands()]:
+        for ci in [*self.ring, *self.diverged[:self.keep_diverged], *(p.cand for p in self.queue)]:
             hit = self.pairs.get(ci)
             if hit is not None:
                 pins.add(hit[0])
                 pins.update(self.ref_flow.inputs[hit[0]])
             pins.update(p for p in (self._partner(j) for j in self.flow.inputs[ci]) if p is not None)
         return pins
-
-    def queue_cands(self) -> list[int]:
-        return [p.cand for p in self.queue]
 
     def _evict(self, target: int) -> None:
         """Drop reference values until `target` bytes are free: first those measured already, oldest
@@ -736,11 +725,13 @@ class StreamComparer:
         will want (`_pinned`) only after all others (a re-run of the reference recovers them)."""
         store = self.ref_store
         pins = self._pinned()
+        measured_refs = {k[0] for k in self.stats}
+        frontier = max(self.paired, default=-1)  # the latest reference record paired
+        loose_numels = {record_numel(self.records[ci]) for ci in (*self.deferred, *self.unmatched)}
         on_device = [ri for ri, sl in store.slots.items() if sl.tier == "device" and not self.ref.records[ri].is_output]
-        measured = sorted(ri for ri in on_device if ri in self.measured_refs)
-        loose = sorted((ri for ri in on_device if ri not in self.paired and ri < self.frontier),
-                       key=lambda ri: (self.loose_numels[record_numel(self.ref.records[ri])] > 0,
-                                       -store.slots[ri].nbytes, ri))
+        measured = sorted(ri for ri in on_device if ri in measured_refs)
+        loose = sorted((ri for ri in on_device if ri not in self.paired and ri < frontier),
+                       key=lambda ri: (record_numel(self.ref.records[ri]) in loose_numels, -store.slots[ri].nbytes, ri))
         order = [ri for ri in measured + loose if ri not in pins] + [ri for ri in measured + loose if ri in pins]
         for ri in order:
             if self._room() >= target:
@@ -798,10 +789,8 @@ class StreamComparer:
                 self.paired.discard(p.ref)
                 self.pairs.pop(p.cand, None)
                 self.unmatched.append(p.cand)
-                self.loose_numels[record_numel(self.records[p.cand])] += 1
                 continue
             self.stats[(p.ref, p.cand, p.transform)] = st
-            self.measured_refs.add(p.ref)
             if p.cand in self.pairs:
                 self.pairs[p.cand] = (p.ref, p.transform, p.stats.rel_l2, self.pairs[p.cand][3])
             if self.journal is not None:
