@@ -1093,6 +1093,7 @@ class _ExtensionPatch:
         self.state = state
         self.undo: list[tuple[dict, str, Any]] = []
         self.wrapped: dict[int, Callable] = {}
+        self._scanned: tuple[list[dict], list[types.ModuleType]] | None = None
 
     def _wrap(self, fn, qualname: str):
         w = self.wrapped.get(id(fn))
@@ -1134,21 +1135,30 @@ class _ExtensionPatch:
         self.undo.append((namespace, key, namespace[key]))
         namespace[key] = value
 
+    def _model_scan(self, model: torch.nn.Module | None) -> tuple[list[dict], list[types.ModuleType]]:
+        """The source namespaces of the model's forward methods and the modules its submodules hold:
+        read once per capture (a capture suspended and resumed mid-forward installs again)."""
+        if self._scanned is None:
+            namespaces: list[dict] = []
+            seen: set[int] = set()
+            held: list[types.ModuleType] = []
+            if model is not None:
+                for m in model.modules():
+                    for klass in type(m).__mro__:
+                        fwd = klass.__dict__.get("forward")
+                        g = getattr(fwd, "__globals__", None)
+                        if g is not None and id(g) not in seen and not g.get("__name__", "").startswith("torch"):
+                            seen.add(id(g))
+                            namespaces.append(g)
+                    for v in vars(m).values():
+                        if isinstance(v, types.ModuleType):
+                            held.append(v)
+            self._scanned = (namespaces, held)
+        return self._scanned
+
     def install(self, model: torch.nn.Module | None) -> None:
-        namespaces: list[dict] = []
-        seen: set[int] = set()
-        modules: list[types.ModuleType] = list(_EXTENSIONS)
-        if model is not None:
-            for m in model.modules():
-                for klass in type(m).__mro__:
-                    fwd = klass.__dict__.get("forward")
-                    g = getattr(fwd, "__globals__", None)
-                    if g is not None and id(g) not in seen and not g.get("__name__", "").startswith("torch"):
-                        seen.add(id(g))
-                        namespaces.append(g)
-                for v in vars(m).values():
-                    if isinstance(v, types.ModuleType):
-                        modules.append(v)
+        namespaces, held = self._model_scan(model)
+        modules: list[types.ModuleType] = list(_EXTENSIONS) + held
         for g in namespaces:
             for v in list(g.values()):
                 if isinstance(v, types.ModuleType):

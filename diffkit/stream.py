@@ -42,6 +42,11 @@ from .align import NAME_MATCH_REL_ERR, Dataflow, _stage_params, best_layout, nam
 from .capture import Record, StopCapture, Trace
 from .measure import PendingStats, Stats, apply_stat, measure_async, tolerances
 
+# A lockstep candidate that has gone this many records without freeing room for the parked reference
+# evicts values align or the report will ask for too (recovered afterwards by one re-run), rather than
+# leave the reference parked until the candidate ends and its remaining values go to host memory.
+STALL_RECORDS = 32
+
 __all__ = ["Budget", "Lockstep", "Pick", "TieredStore", "StreamComparer", "default_budget", "name_filter", "parse_size"]
 
 
@@ -548,6 +553,7 @@ class StreamComparer:
         self.ref_flow = Dataflow.of([])  # the reference's, extended by `_grew`
         self.flow = Dataflow.of([])  # the candidate's, record by record
         self._by_inputs: dict | None = None  # reference records by the records they consumed
+        self._stalled = 0  # candidate records since the parked reference last found room
         self._grew()  # names, the reference's dataflow (as far as a lockstep reference has delivered)
         self.queue: collections.deque[_Pending] = collections.deque()
         self.ring: collections.deque[int] = collections.deque()  # ok candidate values before the first divergence
@@ -572,7 +578,7 @@ class StreamComparer:
     def _ref_running(self) -> bool:
         return self.lockstep is not None and not self.lockstep.ref_done
 
-    def _unpaired(self, rec: Record, tensor: torch.Tensor, held: bool) -> None:
+    def _unpaired(self, rec: Record, tensor: torch.Tensor | None, held: bool) -> None:
         if not held:
             self.keep.put(rec.index, tensor)  # align by dataflow/order/value afterwards
         (self.deferred if self._ref_running() else self.unmatched).append(rec.index)
@@ -666,8 +672,12 @@ class StreamComparer:
     def _pace(self) -> None:
         ls = self.lockstep
         need = ls.waiting()
-        if not need or not self._make_room(need):
+        if not need:
             return
+        if not self._make_room(need):
+            self._stalled += 1
+            return
+        self._stalled = 0
         ls.resume_reference()
         self._grew()
         self._retry()
@@ -677,9 +687,21 @@ class StreamComparer:
         pending, self.deferred = self.deferred, []
         for ci in pending:
             rec = self.records[ci]
+            if not self._may_pair(rec):
+                self._unpaired(rec, None, held=True)  # as `_place` would leave it, without fetching its value
+                continue
             value = self.keep.get(ci, rec.device if rec.device != "cpu" else None)
             if value is not None:
                 self._place(rec, value, held=True)
+
+    def _may_pair(self, rec: Record) -> bool:
+        """What `_place` needs to pair `rec` at all: one of its names in the reference's index, or
+        (the dataflow way) every input it consumed paired."""
+        if any(n in self.names for n in rec.names()):
+            return True
+        i = rec.index
+        return not self.flow.derived[i] and any(not self.flow.derived[j] for j in self.flow.inputs[i]) and all(
+            self._partner(j) is not None for j in self.flow.inputs[i] if not self.flow.derived[j])
 
     def settle(self) -> None:
         """The reference has ended: what is still deferred is tried once more, then left to align."""
@@ -703,6 +725,8 @@ class StreamComparer:
             if self._room() + pending >= need:
                 self.drain(block=True)  # waits for the device: only when that is what frees the room
                 self._evict(target)
+        if self._room() < need and self._stalled >= STALL_RECORDS:
+            self._evict(target, wanted_later=True)
         return self._room() >= need
 
     def _pinned(self) -> set[int]:
@@ -710,7 +734,7 @@ class StreamComparer:
         kept (the stages before the first divergence, the first divergent ones), their inputs, and
         the partners of those candidate records' inputs."""
         pins: set[int] = set()
-        for ci in [*self.ring, *self.diverged[:self.keep_diverged], *(p.cand for p in self.queue)]:
+        for ci in [*self.ring, *self.diverged[:self.keep_diverged]]:
             hit = self.pairs.get(ci)
             if hit is not None:
                 pins.add(hit[0])
@@ -718,21 +742,28 @@ class StreamComparer:
             pins.update(p for p in (self._partner(j) for j in self.flow.inputs[ci]) if p is not None)
         return pins
 
-    def _evict(self, target: int) -> None:
-        """Drop reference values until `target` bytes are free: first those measured already, oldest
-        first; then unpaired ones the candidate has gone past (paired a later record), those of an
-        element count no unpaired candidate record has first, largest first; the values the report
-        will want (`_pinned`) only after all others (a re-run of the reference recovers them)."""
+    def _evict(self, target: int, wanted_later: bool = False) -> None:
+        """Drop reference values until `target` bytes are free: those measured already, oldest first,
+        then unpaired ones the candidate has gone past (paired a later record) whose element count no
+        unpaired candidate record has, largest first; the values the report will want (`_pinned`)
+        after the others.  `wanted_later` (the candidate has gone STALL_RECORDS records without
+        freeing room otherwise): also the unpaired ones align may pair by value.  A re-run of the
+        reference recovers what align or the report asks for."""
         store = self.ref_store
         pins = self._pinned()
-        measured_refs = {k[0] for k in self.stats}
+        # measured, or on its way: the kernel reading it is queued on the stream before any reuse of its memory
+        measured_refs = {k[0] for k in self.stats} | {p.ref for p in self.queue if not p.weak and p.values is None}
         frontier = max(self.paired, default=-1)  # the latest reference record paired
         loose_numels = {record_numel(self.records[ci]) for ci in (*self.deferred, *self.unmatched)}
         on_device = [ri for ri, sl in store.slots.items() if sl.tier == "device" and not self.ref.records[ri].is_output]
         measured = sorted(ri for ri in on_device if ri in measured_refs)
         loose = sorted((ri for ri in on_device if ri not in self.paired and ri < frontier),
                        key=lambda ri: (record_numel(self.ref.records[ri]) in loose_numels, -store.slots[ri].nbytes, ri))
-        order = [ri for ri in measured + loose if ri not in pins] + [ri for ri in measured + loose if ri in pins]
+        # align will ask for an unpaired value of an element count some unpaired candidate record has
+        later = {ri for ri in loose if record_numel(self.ref.records[ri]) in loose_numels}
+        order = [ri for ri in measured + loose if ri not in pins and ri not in later] + \
+            [ri for ri in measured + loose if ri in pins and ri not in later] + \
+            ([ri for ri in loose if ri in later] if wanted_later else [])
         for ri in order:
             if self._room() >= target:
                 return

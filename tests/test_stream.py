@@ -176,11 +176,13 @@ def _noisy_files(tmp_path, skip=None, ref_fail=None, cand_fail=None):
     return str(ref), str(new)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("skip", [None, 3])
-def test_lockstep_runs_both_forwards_once_with_their_own_random_numbers(tmp_path, skip):
+def test_lockstep_runs_both_forwards_once_with_their_own_random_numbers(tmp_path, skip, device):
     ref, new = _noisy_files(tmp_path, skip=skip)
-    kw = dict(max_memory=3 * _ROW, health=False, rerun=False, trials=2)  # the reference cannot run far ahead
-    full = diffkit.diff_files(ref, new, health=False, rerun=False, trials=2)
+    # the reference cannot run far ahead of the candidate
+    kw = dict(max_memory=3 * _ROW, health=False, rerun=False, trials=2, device=device)
+    full = diffkit.diff_files(ref, new, health=False, rerun=False, trials=2, device=device)
     lock = diffkit.diff_files(ref, new, **kw)
     seq = diffkit.diff_files(ref, new, lockstep=False, **kw)
     assert lock.meta["lockstep"]["switches"] > 4 and lock.meta["lockstep"]["evicted"] > 0
