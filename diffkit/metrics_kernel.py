@@ -26,20 +26,18 @@ import torch
 
 from .measure import _COUNTS, _Packed, _Part
 
-# (measured on an H200 by bench/metrics_kernel_tune.py, 1 GiB float32 pair, copy bandwidth ~4.0-4.1 TB/s:
-# the finite-first tiles read at 1.43-1.71 TB/s with these settings, the full rules on every element at
-# 1.28-1.41; float32 lane sums, 256 lanes x 4 warps x 64 blocks, reached 1.97-2.12 TB/s before the range
-# check was added, but that variant has not been compiled since and is not the default; prefetching the
-# next block and software pipelining (tried, then removed) made no difference: the loop is bound by
-# instructions)
-BLOCK = 128  # lanes of a program
-NUM_WARPS = 4  # (one lane a thread: the per-lane accumulators stay in registers, many programs an SM)
-TILE_BLOCKS = 128  # blocks of BLOCK elements a program reads, in a loop (a tile)
+# (measured on an H200 by bench/metrics_kernel_tune.py, 1 GiB float32 pair, copy bandwidth ~4.0 TB/s: with
+# these settings the finite-first pass reads both tensors at ~2.17 TB/s; float64 lane sums, 128 lanes x 4
+# warps x 128 blocks, at 1.84; the full rules on every element at 1.25.  Prefetching the next block and
+# software pipelining made no difference: the loop is bound by instructions, not memory latency)
+BLOCK = 256  # lanes of a program
+NUM_WARPS = 2  # (two lanes a thread, next to each other: the per-lane accumulators stay in registers)
+TILE_BLOCKS = 64  # blocks of BLOCK elements a program reads, in a loop (a tile)
 DIRECT_MIN = 1 << 20  # pairs at least this large are launched on their own, tensors passed directly
 # the finite-first pass's per-lane running sums: True float64; False the working precision over a tile's
 # blocks, float64 from the tile up (a tile whose magnitudes leave float32's square range is measured again
 # with float64 sums).  The full-rules pass always sums in float64.
-LANE_SUMS_64 = True
+LANE_SUMS_64 = False
 FAST = True  # a tile is first measured assuming finite values, again by the NaN/Inf rules only if it holds one
 TILE = BLOCK * TILE_BLOCKS
 COMBINE_ROWS = 256  # tiles a combining program reads at a time
@@ -74,7 +72,7 @@ def _kernels():
 
     @triton.jit
     def tile_stats(rp, cp, start, n, atol, rtol, WORK_T: tl.constexpr, BLOCK: tl.constexpr,
-                   TILE_BLOCKS: tl.constexpr, SUM_T: tl.constexpr, FULL: tl.constexpr):
+                   TILE_BLOCKS: tl.constexpr, SUM_T: tl.constexpr, FULL: tl.constexpr, RANGE: tl.constexpr):
         """One tile's per-lane accumulators.  FULL=False assumes no NaN or infinity on either side (about
         half the instructions per element) and returns, as `seen`, which lanes met one: the caller then
         measures the tile again with FULL=True, which applies the NaN/Inf rules."""
@@ -130,13 +128,13 @@ def _kernels():
                 c_nans += (c_nan & live).to(tl.int32)
                 c_infs += (c_inf & live).to(tl.int32)
             else:
-                # every value finite (`seen` marks a lane where one is not): no masks but the tail's.  A
-                # masked-off element reads 0 on both sides, so it is within tolerance, adds 0 to every
-                # sum and cannot be the first of a maximum; only its excess (-atol) is kept out.
-                odd = (r - r) + (c - c)
-                seen |= (odd != odd).to(tl.int32)
-                top_r = tl.maximum(top_r, rabs)
-                top_c = tl.maximum(top_c, tl.abs(c))
+                # every value assumed finite (a lane that met a NaN or an infinity is found after the
+                # loop, by its sums of squares): no masks but the tail's.  A masked-off element reads 0
+                # on both sides, so it is within tolerance, adds 0 to every sum and cannot be the first
+                # of a maximum; only its excess (-atol) is kept out.
+                if RANGE:
+                    top_r = tl.maximum(top_r, rabs)
+                    top_c = tl.maximum(top_c, tl.abs(c))
                 diff = tl.abs(c - r)
                 bad = diff > bound
                 rel = tl.where(rabs > 0, diff / tl.where(rabs > 0, rabs, 1.0), zero)
@@ -158,64 +156,27 @@ def _kernels():
             csq += fc * fc
             dsq += d64 * d64
         if not FULL:
-            # squares a float32 sum cannot hold (past 1e18 they can overflow over a tile, below 1e-18 the
-            # lane's largest ones vanish): the tile again, with float64 sums
-            seen |= ((top_r > 1.0e18) | (top_c > 1.0e18) | ((top_r < 1.0e-18) & (top_r > 0))
-                     | ((top_c < 1.0e-18) & (top_c > 0))).to(tl.int32)
+            # a NaN or an infinity on either side leaves a lane's sum of squares NaN or infinite, and so
+            # does a square (or a sum of them) past the sums' range: the tile again, by the full rules
+            # with float64 sums
+            both = rsq + csq
+            seen = ((both - both) != 0).to(tl.int32)
+        if RANGE:
+            # squares too small for a float32 sum (below 1e-18 a lane's largest ones vanish): likewise
+            seen |= (((top_r < 1.0e-18) & (top_r > 0)) | ((top_c < 1.0e-18) & (top_c > 0))).to(tl.int32)
         return (mism, r_nans, r_infs, c_nans, c_infs, sum_abs, dot, rsq, csq, dsq, max_d, max_d_at, max_e, max_e_at,
                 max_rel, first_bad, seen)
 
-    # a jit function calls another by a global name (Triton resolves names in the module, not a closure)
-    globals()["tile_stats"] = tile_stats
-
     @triton.jit
-    def partials(ref_ptrs, cand_ptrs, numels, tile_first, out, atol, rtol, n_pairs, n_direct, row0,
-                 REF_T: tl.constexpr, CAND_T: tl.constexpr, WORK_T: tl.constexpr, BLOCK: tl.constexpr,
-                 TILE_BLOCKS: tl.constexpr, NPART: tl.constexpr, SEARCH: tl.constexpr, DIRECT: tl.constexpr,
-                 SUM_T: tl.constexpr, FAST: tl.constexpr):
-        pid = tl.program_id(0)
-        if DIRECT:
-            # one large pair, its tensors given as they are (Triton specialises on their alignment)
-            start = pid.to(tl.int64) * (BLOCK * TILE_BLOCKS)
-            n = n_direct
-            rp = ref_ptrs
-            cp = cand_ptrs
-            row = row0 + pid
-        else:
-            # this tile's pair: the last whose first tile is at or before it
-            lo = pid * 0
-            hi = lo + n_pairs - 1
-            for _ in tl.static_range(SEARCH):
-                mid = (lo + hi + 1) // 2
-                ok = tl.load(tile_first + mid) <= pid
-                lo = tl.where(ok, mid, lo)
-                hi = tl.where(ok, hi, mid - 1)
-            pair = lo
-            start = (pid - tl.load(tile_first + pair)).to(tl.int64) * (BLOCK * TILE_BLOCKS)
-            n = tl.load(numels + pair)
-            rp = tl.load(ref_ptrs + pair).to(tl.pointer_type(REF_T))
-            cp = tl.load(cand_ptrs + pair).to(tl.pointer_type(CAND_T))
-            row = pid
+    def tile_partials(rp, cp, start, n, row, out, redo, atol, rtol, WORK_T: tl.constexpr, BLOCK: tl.constexpr,
+                      TILE_BLOCKS: tl.constexpr, NPART: tl.constexpr, SUM_T: tl.constexpr, FULL: tl.constexpr,
+                      RANGE: tl.constexpr):
+        """Measure one tile and store its row of partial statistics; the finite-first pass (FULL=False)
+        also stores in `redo` whether the tile must be measured again by the full rules."""
+        (mism, r_nans, r_infs, c_nans, c_infs, sum_abs, dot, rsq, csq, dsq, max_d, max_d_at, max_e, max_e_at,
+         max_rel, first_bad, seen) = tile_stats(rp, cp, start, n, atol, rtol, WORK_T, BLOCK, TILE_BLOCKS, SUM_T, FULL,
+                                                         RANGE)
         none = tl.full([BLOCK], 1 << 30, tl.int32)
-        if FAST:
-            (mism, r_nans, r_infs, c_nans, c_infs, sum_abs, dot, rsq, csq, dsq, max_d, max_d_at, max_e, max_e_at,
-             max_rel, first_bad, seen) = tile_stats(rp, cp, start, n, atol, rtol, WORK_T, BLOCK, TILE_BLOCKS, SUM_T, False)
-            # (float64 from here: the branch below yields float64 sums, and both must agree in type)
-            sum_abs = sum_abs.to(tl.float64)
-            dot = dot.to(tl.float64)
-            rsq = rsq.to(tl.float64)
-            csq = csq.to(tl.float64)
-            dsq = dsq.to(tl.float64)
-            if tl.max(seen, axis=0) > 0:
-                # a NaN, an infinity or a magnitude out of float32's square range in this tile: measured
-                # again by the full rules, with float64 sums
-                (mism, r_nans, r_infs, c_nans, c_infs, sum_abs, dot, rsq, csq, dsq, max_d, max_d_at, max_e,
-                 max_e_at, max_rel, first_bad, seen) = tile_stats(rp, cp, start, n, atol, rtol, WORK_T, BLOCK,
-                                                                  TILE_BLOCKS, tl.float64, True)
-        else:  # the full rules on every tile (float64 sums: nothing checks their range there)
-            (mism, r_nans, r_infs, c_nans, c_infs, sum_abs, dot, rsq, csq, dsq, max_d, max_d_at, max_e, max_e_at,
-             max_rel, first_bad, seen) = tile_stats(rp, cp, start, n, atol, rtol, WORK_T, BLOCK, TILE_BLOCKS,
-                                                    tl.float64, True)
         m_d = tl.max(max_d, axis=0)
         m_e = tl.max(max_e, axis=0)
         fb = tl.min(first_bad, axis=0)
@@ -237,6 +198,53 @@ def _kernels():
         tl.store(base + 13, s0 + tl.min(tl.where(max_e == m_e, max_e_at, none), axis=0).to(tl.float64))  # MAX_EXCESS_AT
         tl.store(base + 14, tl.where(fb < (1 << 30), s0 + fb.to(tl.float64), 9.0e18))  # FIRST_DISAGREE_AT
         tl.store(base + 15, tl.sum(dsq.to(tl.float64), axis=0))  # DIFF_SQ
+        if not FULL:
+            tl.store(redo + row, tl.max(seen, axis=0))
+
+    @triton.jit
+    def table_tile(pid, ref_ptrs, cand_ptrs, numels, tile_first, n_pairs, REF_T: tl.constexpr, CAND_T: tl.constexpr,
+                   BLOCK: tl.constexpr, TILE_BLOCKS: tl.constexpr, SEARCH: tl.constexpr):
+        """Tile `pid` of the table: its pair is the last whose first tile is at or before it."""
+        lo = pid * 0
+        hi = lo + n_pairs - 1
+        for _ in tl.static_range(SEARCH):
+            mid = (lo + hi + 1) // 2
+            ok = tl.load(tile_first + mid) <= pid
+            lo = tl.where(ok, mid, lo)
+            hi = tl.where(ok, hi, mid - 1)
+        start = (pid - tl.load(tile_first + lo)).to(tl.int64) * (BLOCK * TILE_BLOCKS)
+        rp = tl.load(ref_ptrs + lo).to(tl.pointer_type(REF_T))
+        cp = tl.load(cand_ptrs + lo).to(tl.pointer_type(CAND_T))
+        return start, tl.load(numels + lo), rp, cp
+
+    # a jit function calls another by a global name (Triton resolves names in the module, not a closure)
+    globals().update(tile_stats=tile_stats, tile_partials=tile_partials, table_tile=table_tile)
+
+    @triton.jit
+    def partials(ref_ptrs, cand_ptrs, numels, tile_first, out, redo, atol, rtol, n_pairs, n_direct, row0,
+                 REF_T: tl.constexpr, CAND_T: tl.constexpr, WORK_T: tl.constexpr, BLOCK: tl.constexpr,
+                 TILE_BLOCKS: tl.constexpr, NPART: tl.constexpr, SEARCH: tl.constexpr, DIRECT: tl.constexpr,
+                 SUM_T: tl.constexpr, FULL: tl.constexpr, REDO: tl.constexpr, RANGE: tl.constexpr):
+        """One tile a program.  REDO: the full rules, with float64 sums, on the tiles of the whole table
+        that the finite-first pass marked in `redo` (the others return at once); otherwise the
+        finite-first pass (FULL=False) or the full rules (FULL=True) on every tile of this launch."""
+        pid = tl.program_id(0)
+        if REDO:
+            if tl.load(redo + pid) != 0:
+                start, n, rp, cp = table_tile(pid, ref_ptrs, cand_ptrs, numels, tile_first, n_pairs, REF_T, CAND_T,
+                                              BLOCK, TILE_BLOCKS, SEARCH)
+                tile_partials(rp, cp, start, n, pid, out, redo, atol, rtol, WORK_T, BLOCK, TILE_BLOCKS, NPART,
+                              tl.float64, True, False)
+        else:
+            if DIRECT:
+                # one large pair, its tensors given as they are (Triton specialises on their alignment)
+                tile_partials(ref_ptrs, cand_ptrs, pid.to(tl.int64) * (BLOCK * TILE_BLOCKS), n_direct, row0 + pid,
+                              out, redo, atol, rtol, WORK_T, BLOCK, TILE_BLOCKS, NPART, SUM_T, FULL, RANGE)
+            else:
+                start, n, rp, cp = table_tile(pid, ref_ptrs, cand_ptrs, numels, tile_first, n_pairs, REF_T, CAND_T,
+                                              BLOCK, TILE_BLOCKS, SEARCH)
+                tile_partials(rp, cp, start, n, pid, out, redo, atol, rtol, WORK_T, BLOCK, TILE_BLOCKS, NPART,
+                              SUM_T, FULL, RANGE)
 
     @triton.jit
     def combine(parts, ref_ptrs, cand_ptrs, numels, tile_first, dest, packed,
@@ -366,15 +374,23 @@ def packed_batch(pairs: list[tuple[torch.Tensor, torch.Tensor]], atol: float, rt
         cand_ptrs = torch.tensor([c.data_ptr() for c in cands], dtype=torch.int64)
     out = torch.empty((first[-1], _NPART), dtype=torch.float64, device=dev)
     rt, ct = _triton_dtype(rdt), _triton_dtype(cdt)
+    # the finite-first pass marks the tiles it could not measure (a NaN, an infinity, magnitudes out of
+    # float32's square range) in `redo`; one more launch over the whole table measures those by the full rules
+    redo = torch.empty(first[-1], dtype=torch.int32, device=dev)
+    full = not FAST
+    sums = torch.float64 if LANE_SUMS_64 or full else work
     const = dict(REF_T=rt, CAND_T=ct, WORK_T=_triton_dtype(work), BLOCK=BLOCK, TILE_BLOCKS=TILE_BLOCKS, NPART=_NPART,
-                 num_warps=NUM_WARPS, SUM_T=_triton_dtype(torch.float64 if LANE_SUMS_64 else work),
-                 FAST=FAST)
+                 num_warps=NUM_WARPS, FULL=full, SUM_T=_triton_dtype(sums), RANGE=sums != torch.float64)
+    search = max(1, (P - 1).bit_length())
     if small:
-        partials[(first[small],)](ref_ptrs, cand_ptrs, ns, tile_first, out, float(atol), float(rtol), small, 0, 0,
-                                  SEARCH=max(1, (small - 1).bit_length()), DIRECT=False, **const)
+        partials[(first[small],)](ref_ptrs, cand_ptrs, ns, tile_first, out, redo, float(atol), float(rtol), small, 0,
+                                  0, SEARCH=max(1, (small - 1).bit_length()), DIRECT=False, REDO=False, **const)
     for k in range(small, P):
-        partials[(first[k + 1] - first[k],)](refs[k], cands[k], ns, tile_first, out, float(atol), float(rtol), P,
-                                             numels[k], first[k], SEARCH=1, DIRECT=True, **const)
+        partials[(first[k + 1] - first[k],)](refs[k], cands[k], ns, tile_first, out, redo, float(atol), float(rtol), P,
+                                             numels[k], first[k], SEARCH=1, DIRECT=True, REDO=False, **const)
+    if not full:
+        partials[(first[-1],)](ref_ptrs, cand_ptrs, ns, tile_first, out, redo, float(atol), float(rtol), P, 0, 0,
+                               SEARCH=search, DIRECT=False, REDO=True, **const)
     packed = torch.empty((P, _NPACKED), dtype=torch.float64, device=dev)
     combine[(P,)](out, ref_ptrs, cand_ptrs, ns, tile_first, dest, packed, REF_T=rt, CAND_T=ct, NPART=_NPART,
                   NPACKED=_NPACKED, ROWS=COMBINE_ROWS)

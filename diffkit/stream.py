@@ -22,6 +22,7 @@ The objects that leave this module are the usual ones: two `Trace`s and a stats 
 """
 from __future__ import annotations
 
+import bisect
 import collections
 import fnmatch
 import json
@@ -379,6 +380,7 @@ class TieredStore:
         self.device_budget = device_budget
         self.lockstep = lockstep  # the reference's store in a lockstep diff: a full budget waits for the candidate
         self.delivered = 0  # records whose values were added so far (as a capture sink)
+        self.renamed: list[int] = []  # records updated after they were added (their names may have changed)
         self.host_budget = host_budget if host_budget is not None else Budget(0)
         self._spill_root = spill_dir
         self._spill: str | None = None
@@ -396,6 +398,7 @@ class TieredStore:
             self.meta.add(rec)
 
     def update(self, rec: Record, tensor: torch.Tensor | None = None) -> None:
+        self.renamed.append(rec.index)  # (its names may have changed: a comparer's index is updated)
         if self.meta is not None:
             self.meta.update(rec)
 
@@ -552,7 +555,10 @@ class StreamComparer:
         self.pairs: dict[int, tuple] = {}  # candidate index -> (reference index, transform[, relative error])
         self.ref_flow = Dataflow.of([])  # the reference's, extended by `_grew`
         self.flow = Dataflow.of([])  # the candidate's, record by record
-        self._by_inputs: dict | None = None  # reference records by the records they consumed
+        self._by_inputs: dict = {}  # reference records by the records they consumed (the first _by_inputs_n)
+        self._by_inputs_n = 0
+        self._measured_refs: set[int] = set()  # the reference records of `stats`
+        self._tried: dict[int, frozenset | None] = {}  # a deferred record: its `_inputs_key` when last tried
         self._stalled = 0  # candidate records since the parked reference last found room
         self._grew()  # names, the reference's dataflow (as far as a lockstep reference has delivered)
         self.queue: collections.deque[_Pending] = collections.deque()
@@ -662,12 +668,49 @@ class StreamComparer:
     # -- lockstep: room for the reference, partners found as it goes on
     def _grew(self) -> None:
         """The reference has made more records (its earlier ones may have been renamed meanwhile);
-        those whose values have reached the store can pair."""
+        those whose values have reached the store can pair.  The names index is kept up to date
+        record by record: the records the store saw renamed are moved, the new ones added."""
         n = self._ref_n = self.ref_store.delivered if self.lockstep is not None else len(self.ref.records)
-        self.names = names_index(self.ref.records[:n])
-        for r in self.ref.records[len(self.ref_flow.inputs):n]:
-            self.ref_flow.append(r)
-        self._by_inputs = None
+        records = self.ref.records
+        renamed = getattr(self.ref_store, "renamed", None)
+        touched: set[str] = set()  # names given another reference record (`_retry` tries their records)
+        new_keys: set[frozenset] = set()  # `_by_inputs` entries given another record
+        if renamed is None or not hasattr(self, "names"):
+            self.names = names_index(records[:n])
+            self._indexed = {r.index: tuple(r.names()) for r in records[:n]}
+            touched.update(self.names)
+        else:
+            for ri in dict.fromkeys(renamed[self._renamed_seen:]):
+                old = self._indexed.get(ri)
+                if old is None:
+                    continue  # not indexed yet: indexed below under its names now
+                now = tuple(records[ri].names())
+                if now == old:
+                    continue
+                for name in old:
+                    self.names[name].remove(ri)
+                    if not self.names[name]:
+                        del self.names[name]
+                for name in now:
+                    bisect.insort(self.names.setdefault(name, []), ri)  # (capture order, as names_index)
+                touched.update(now)
+                self._indexed[ri] = now
+            for r in records[len(self._indexed):n]:
+                now = self._indexed[r.index] = tuple(r.names())
+                touched.update(now)
+                for name in now:
+                    self.names.setdefault(name, []).append(r.index)
+        self._renamed_seen = len(renamed) if renamed is not None else 0
+        rf = self.ref_flow
+        for r in records[len(rf.inputs):n]:
+            rf.append(r)
+        for r in records[self._by_inputs_n:n]:
+            if r.kind != "input" and not rf.derived[r.index]:
+                key = frozenset(j for j in rf.inputs[r.index] if not rf.derived[j])
+                self._by_inputs.setdefault(key, []).append(r.index)
+                new_keys.add(key)
+        self._by_inputs_n = max(self._by_inputs_n, n)
+        self._touched, self._new_keys = touched, new_keys
 
     def _pace(self) -> None:
         ls = self.lockstep
@@ -682,32 +725,43 @@ class StreamComparer:
         self._grew()
         self._retry()
 
-    def _retry(self) -> None:
-        """The deferred records, in the order they were made, against what the reference has now."""
+    def _retry(self, everything: bool = False) -> None:
+        """The deferred records, in the order they were made, against what the reference has now:
+        those `_may_pair` says something new could pair (all of them when `everything`)."""
         pending, self.deferred = self.deferred, []
         for ci in pending:
             rec = self.records[ci]
-            if not self._may_pair(rec):
+            if not (everything or self._may_pair(rec)):
                 self._unpaired(rec, None, held=True)  # as `_place` would leave it, without fetching its value
                 continue
+            self._tried[ci] = self._inputs_key(rec)
             value = self.keep.get(ci, rec.device if rec.device != "cpu" else None)
             if value is not None:
                 self._place(rec, value, held=True)
 
     def _may_pair(self, rec: Record) -> bool:
-        """What `_place` needs to pair `rec` at all: one of its names in the reference's index, or
-        (the dataflow way) every input it consumed paired."""
-        if any(n in self.names for n in rec.names()):
+        """Whether `_place` could pair `rec` now where it could not before: one of its names was given
+        another reference record by the last `_grew`, or (the dataflow way) every input it consumed is
+        paired and either a reference record consuming their partners has just arrived or those
+        partners changed since `rec` was last tried."""
+        if any(n in self._touched for n in rec.names()):
             return True
-        i = rec.index
-        return not self.flow.derived[i] and any(not self.flow.derived[j] for j in self.flow.inputs[i]) and all(
-            self._partner(j) is not None for j in self.flow.inputs[i] if not self.flow.derived[j])
+        key = self._inputs_key(rec)
+        return key is not None and (key in self._new_keys or self._tried.get(rec.index) != key)
+
+    def _inputs_key(self, rec: Record) -> frozenset | None:
+        """The partners of the records `rec` consumed (weight preparation aside), None unless all are paired."""
+        flow, i = self.flow, rec.index
+        if flow.derived[i]:
+            return None
+        ins = [self._partner(j) for j in flow.inputs[i] if not flow.derived[j]]
+        return None if not ins or None in ins else frozenset(ins)
 
     def settle(self) -> None:
         """The reference has ended: what is still deferred is tried once more, then left to align."""
         self.lockstep = None
         self._grew()
-        self._retry()
+        self._retry(everything=True)
 
     def _room(self) -> int:
         b = self.ref_store.device_budget
@@ -749,26 +803,37 @@ class StreamComparer:
         after the others.  `wanted_later` (the candidate has gone STALL_RECORDS records without
         freeing room otherwise): also the unpaired ones align may pair by value.  A re-run of the
         reference recovers what align or the report asks for."""
+        if self._room() >= target:
+            return
         store = self.ref_store
         pins = self._pinned()
+        evicted = self.evicted
+
+        def drop(order) -> bool:
+            for ri in order:
+                if self._room() >= target:
+                    return True
+                store.drop(ri)
+                evicted.add(ri)
+            return self._room() >= target
+
         # measured, or on its way: the kernel reading it is queued on the stream before any reuse of its memory
-        measured_refs = {k[0] for k in self.stats} | {p.ref for p in self.queue if not p.weak and p.values is None}
+        measured_refs = self._measured_refs | {p.ref for p in self.queue if not p.weak and p.values is None}
+        records = self.ref.records
+        on_device = [ri for ri, sl in store.slots.items() if sl.tier == "device" and not records[ri].is_output]
+        measured = sorted(ri for ri in on_device if ri in measured_refs)
+        if drop([ri for ri in measured if ri not in pins]):  # (the common case: nothing more is looked at)
+            return
         frontier = max(self.paired, default=-1)  # the latest reference record paired
         loose_numels = {record_numel(self.records[ci]) for ci in (*self.deferred, *self.unmatched)}
-        on_device = [ri for ri, sl in store.slots.items() if sl.tier == "device" and not self.ref.records[ri].is_output]
-        measured = sorted(ri for ri in on_device if ri in measured_refs)
-        loose = sorted((ri for ri in on_device if ri not in self.paired and ri < frontier),
-                       key=lambda ri: (record_numel(self.ref.records[ri]) in loose_numels, -store.slots[ri].nbytes, ri))
+        loose = sorted((ri for ri in on_device if ri in store.slots and ri not in self.paired and ri < frontier),
+                       key=lambda ri: (record_numel(records[ri]) in loose_numels, -store.slots[ri].nbytes, ri))
         # align will ask for an unpaired value of an element count some unpaired candidate record has
-        later = {ri for ri in loose if record_numel(self.ref.records[ri]) in loose_numels}
-        order = [ri for ri in measured + loose if ri not in pins and ri not in later] + \
-            [ri for ri in measured + loose if ri in pins and ri not in later] + \
-            ([ri for ri in loose if ri in later] if wanted_later else [])
-        for ri in order:
-            if self._room() >= target:
-                return
-            store.drop(ri)
-            self.evicted.add(ri)
+        later = {ri for ri in loose if record_numel(records[ri]) in loose_numels}
+        measured = [ri for ri in measured if ri in store.slots]
+        drop([ri for ri in loose if ri not in pins and ri not in later]
+             + [ri for ri in measured + loose if ri in pins and ri not in later]
+             + ([ri for ri in loose if ri in later] if wanted_later else []))
 
     def _partner(self, ci: int) -> int | None:
         hit = self.pairs.get(ci)
@@ -781,17 +846,9 @@ class StreamComparer:
         shape.  None where that is not one record: align's dataflow pass decides afterwards."""
         flow, rf = self.flow, self.ref_flow
         i = rec.index
-        if flow.derived[i]:
+        ins = self._inputs_key(rec)
+        if ins is None:
             return None
-        ins = frozenset(self._partner(j) for j in flow.inputs[i] if not flow.derived[j])
-        if not ins or None in ins:
-            return None
-        if self._by_inputs is None:
-            self._by_inputs = {}
-            for r in self.ref.records[:self._ref_n]:
-                if r.kind != "input" and not rf.derived[r.index]:
-                    key = frozenset(j for j in rf.inputs[r.index] if not rf.derived[j])
-                    self._by_inputs.setdefault(key, []).append(r.index)
         params = _stage_params(flow, i)
         exact, partial = [], []
         for ri in self._by_inputs.get(ins, ()):
@@ -822,6 +879,7 @@ class StreamComparer:
                 self.unmatched.append(p.cand)
                 continue
             self.stats[(p.ref, p.cand, p.transform)] = st
+            self._measured_refs.add(p.ref)
             if p.cand in self.pairs:
                 self.pairs[p.cand] = (p.ref, p.transform, p.stats.rel_l2, self.pairs[p.cand][3])
             if self.journal is not None:

@@ -139,10 +139,13 @@ def test_triton_kernels_under_the_interpreter_agree_with_the_exact_path(monkeypa
     K._kernels.cache_clear()
     try:
         # FAST: a tile assumed finite first (tiles holding a NaN/Inf measured again); False: the full rules only
-        for fast, dtypes in itertools.product((True, False), ((torch.float32, torch.float32),
-                                                             (torch.float16, torch.float16),
-                                                             (torch.float64, torch.float32))):
+        # LANE_SUMS_64 False: float32 sums within a tile (magnitudes out of their range measured again)
+        for (fast, sums64), dtypes in itertools.product(((True, True), (True, False), (False, True)),
+                                                        ((torch.float32, torch.float32),
+                                                         (torch.float16, torch.float16),
+                                                         (torch.float64, torch.float32))):
             monkeypatch.setattr(K, "FAST", fast)
+            monkeypatch.setattr(K, "LANE_SUMS_64", sums64)
             pairs = [_pair(kind, n, *dtypes, seed=n) for kind, n in
                      (("close", 1), ("bad", 37), ("zeros", 300), ("specials", 301), ("bad", 1000),
                       ("range", 200))]
