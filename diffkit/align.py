@@ -51,7 +51,7 @@ from .measure import measure_async, measure_many, tolerances
 
 __all__ = ["Pair", "Alignment", "AlignState", "align", "PASSES", "pass_name", "pass_outputs", "pass_dataflow",
            "pass_proposed", "pass_order", "pass_value", "pass_deferred", "pass_consistency", "to_ref_layout",
-           "from_ref_layout", "best_layout", "Layout", "Dataflow", "covers", "compatible", "param_map",
+           "from_ref_layout", "best_layout", "permuted_or_plain", "Layout", "Dataflow", "covers", "compatible", "param_map",
            "rebound_pair_agrees"]
 
 ValueReader = Callable[[Record], "torch.Tensor | None"]
@@ -223,7 +223,13 @@ def best_layout(cand: torch.Tensor, ref: torch.Tensor) -> Layout:
     makes the two nearly agree, so a wrong tensor is not "explained" by a lucky permutation."""
     if tuple(cand.shape) == tuple(ref.shape):
         return Layout((), _rel_err(cand, ref))
-    plain = Layout(RESHAPE, _rel_err(cand.reshape(ref.shape), ref))
+    return permuted_or_plain(cand, ref, Layout(RESHAPE, _rel_err(cand.reshape(ref.shape), ref)))
+
+
+def permuted_or_plain(cand: torch.Tensor, ref: torch.Tensor, plain: Layout) -> Layout:
+    """`best_layout`, given the plain reshape's error (`plain`, measured elsewhere: a streaming diff
+    has it from the pair's metrics): the plain reshape unless it differs and a permutation brings
+    the two nearly together."""
     if plain.rel_err < _IDENTICAL_REL_ERR:
         return plain
     best = _best_permutation(cand, ref, plain)
@@ -432,6 +438,23 @@ LAYOUT_OPS = frozenset({"view", "reshape", "permute", "transpose", "contiguous",
 def is_layout_op(rec: Record) -> bool:
     """Whether a record is a torch call that only re-lays out (or copies) its input."""
     return rec.kind == "op" and rec.op.rsplit(".", 1)[-1] in LAYOUT_OPS
+
+
+# the layout ops that change the order of the elements (a reshape of their result is no plain reshape)
+REORDERING_OPS = frozenset({"permute", "transpose", "t", "movedim", "moveaxis", "swapaxes", "swapdims", "as_strided"})
+
+
+def reorders(records: Sequence[Record], flow: Dataflow, i: int) -> bool:
+    """Whether record `i` is its producer's value with the elements in another order: a chain of
+    layout ops (``x.permute(...).reshape(...)``) of which one reorders."""
+    for _ in range(16):
+        rec = records[i]
+        if not is_layout_op(rec) or len(flow.inputs[i]) != 1:
+            return False
+        if rec.op.rsplit(".", 1)[-1] in REORDERING_OPS:
+            return True
+        i = flow.inputs[i][0]
+    return False
 
 
 @dataclass

@@ -38,8 +38,9 @@ from typing import Any, Callable
 
 import torch
 
-from .align import NAME_MATCH_REL_ERR, Dataflow, _stage_params, best_layout, name_partner, names_index, \
-    _refines, rebound_pair_agrees, record_numel, reused_name, same_layout, to_ref_layout
+from .align import NAME_MATCH_REL_ERR, RESHAPE, Dataflow, Layout, _stage_params, best_layout, name_partner, \
+    names_index, permuted_or_plain, _refines, rebound_pair_agrees, record_numel, reorders, reused_name, \
+    same_layout, to_ref_layout
 from .capture import Record, StopCapture, Trace
 from .measure import PendingStats, Stats, apply_stat, measure_async, tolerances
 
@@ -364,6 +365,22 @@ class _Slot:
     shape: tuple = ()
     dtype: Any = None
     device: str = "cpu"
+    stride: tuple | None = None  # host / disk tiers hold the values in logical order: the strides to give back
+
+
+def _reordered_strides(t: torch.Tensor) -> tuple | None:
+    """A tensor's strides when it is a permutation of a contiguous one (a transposed view): what a
+    copy in logical order must be given back, since a kernel may read its input through its strides
+    (a replay must see the layout the run saw); None for a contiguous tensor, or one whose elements
+    overlap or leave gaps (a copy of that is contiguous, as `clone` makes it)."""
+    if t.is_contiguous():
+        return None
+    expect = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1):
+        if stride != expect:
+            return None
+        expect *= size
+    return tuple(t.stride())
 
 
 class TieredStore:
@@ -428,7 +445,7 @@ class TieredStore:
             if self._stager is None:
                 self._stager = _Stager()
             # stream-ordered: later in-place writes to `t` come after the copy
-            self.slots[key] = _Slot("host", self._stager.copy(t), n)
+            self.slots[key] = _Slot("host", self._stager.copy(t), n, stride=_reordered_strides(t))
         else:
             from safetensors.torch import save_file
 
@@ -436,7 +453,8 @@ class TieredStore:
                 self._spill = tempfile.mkdtemp(prefix="diffkit-spill-", dir=self._spill_root)
             path = os.path.join(self._spill, f"{key}.safetensors")
             save_file({"v": t.to("cpu").contiguous()}, path)
-            self.slots[key] = _Slot("disk", None, n, path, tuple(t.shape), t.dtype, str(t.device))
+            self.slots[key] = _Slot("disk", None, n, path, tuple(t.shape), t.dtype, str(t.device),
+                                    _reordered_strides(t))
             self.spilled_bytes += n
         self.tiers[self.slots[key].tier] += 1
 
@@ -453,6 +471,8 @@ class TieredStore:
                 v = fh.get_tensor("v")
         else:
             v = s.value
+        if s.stride is not None:
+            v = torch.empty_strided(v.shape, s.stride, dtype=v.dtype, device=v.device).copy_(v)
         return v.to(device, non_blocking=True) if device is not None and v.device != torch.device(device) else v
 
     def __contains__(self, key: int) -> bool:
@@ -514,6 +534,9 @@ class _Pending:
     stats: PendingStats
     weak: bool = False  # checked for value agreement when its metrics arrive (no sync at pairing time)
     values: tuple | None = None  # (ref, cand) until measured, when a statistic other than elementwise is judged
+    # (ref, cand as made): measured as a plain reshape; a permuted layout is looked for when the metrics
+    # say the plain one differs (`align.permuted_or_plain`), so pairing does not wait for the device
+    relayout: tuple | None = None
 
 
 @dataclass
@@ -594,10 +617,13 @@ class StreamComparer:
         `keep` already, a deferred record tried again)."""
         ri = name_partner(rec, self.ref.records, self.names, self.paired)  # as align's name pass pairs
         r = self.ref.records[ri] if ri is not None else None
-        if r is not None and not (same_layout(rec, r) or _refines(tuple(rec.shape), tuple(r.shape))
-                                  or _refines(tuple(r.shape), tuple(rec.shape))):
+        if r is not None and not same_layout(rec, r) and not (
+                (_refines(tuple(rec.shape), tuple(r.shape)) or _refines(tuple(r.shape), tuple(rec.shape)))
+                and not reorders(self.records, self.flow, rec.index)
+                and not reorders(self.ref.records, self.ref_flow, ri)):
             ri = r = None  # a name on a permuted tensor: align's dataflow pass decides first (a plain
-            # reshape, [b*s, d] for [b, s, d], is measured now: a crashing child keeps its numbers)
+            # reshape, [b*s, d] for [b, s, d], is measured now: a crashing child keeps its numbers; shapes
+            # that merely multiply out alike, [b*s, 3*d] and a head-split permutation, are not one)
         weak = r is not None and reused_name(rec, r)
         if weak:
             agrees = rebound_pair_agrees(rec, r, self.flow, self.ref_flow, self._partner)
@@ -626,24 +652,32 @@ class StreamComparer:
                 self._unpaired(rec, tensor, held)  # align pairs it, with the value a re-run recovers
             return
         transform: tuple = ()
+        relayout = None
         if tuple(r.shape) != tuple(tensor.shape):
             # as align does: the layout closest in value
-            layout = best_layout(tensor.detach(), refv)
-            transform = layout.transform
-            if weak and layout.rel_err > NAME_MATCH_REL_ERR:
-                self._unpaired(rec, tensor, held)  # align by value afterwards
-                return
-            weak = False
+            if weak:
+                layout = best_layout(tensor.detach(), refv)
+                transform = layout.transform
+                if layout.rel_err > NAME_MATCH_REL_ERR:
+                    self._unpaired(rec, tensor, held)  # align by value afterwards
+                    return
+                weak = False
+            else:
+                transform, relayout = RESHAPE, refv  # (decided when measured: `drain`)
         self._pair(rec, ri, transform, via)
         needed = weak or self.first is None or len(self.diverged) < self.keep_diverged
         if needed and not held:
             self.keep.put(rec.index, tensor)  # provisional: dropped once its metrics say it is not needed
         elif held and not needed:
             self.keep.drop(rec.index)
+        if relayout is not None:
+            # the value as made, for the layout search: `keep`'s copy, else one of its own (the
+            # candidate's forward may write into its memory before the metrics arrive)
+            relayout = (refv, None if rec.index in self.keep else tensor.detach() if held else tensor.detach().clone())
         a, t = tolerances(self.atol, self.rtol, r.dtype)
         cv = to_ref_layout(tensor.detach(), tuple(r.shape), transform)
         self.queue.append(_Pending(rec.index, ri, transform, measure_async(refv, cv, a, t), weak,
-                                   (refv, cv) if self.stat != "elementwise" else None))
+                                   (refv, cv) if self.stat != "elementwise" else None, relayout))
         self.compared_bytes += 2 * _nbytes(tensor)
         self.drain(block=self.stop_at_first)
 
@@ -818,7 +852,8 @@ class StreamComparer:
             return self._room() >= target
 
         # measured, or on its way: the kernel reading it is queued on the stream before any reuse of its memory
-        measured_refs = self._measured_refs | {p.ref for p in self.queue if not p.weak and p.values is None}
+        measured_refs = self._measured_refs | {p.ref for p in self.queue
+                                               if not p.weak and p.values is None and p.relayout is None}
         records = self.ref.records
         on_device = [ri for ri, sl in store.slots.items() if sl.tier == "device" and not records[ri].is_output]
         measured = sorted(ri for ri in on_device if ri in measured_refs)
@@ -858,7 +893,9 @@ class StreamComparer:
             rp = _stage_params(rf, ri)
             if rp == params:
                 exact.append(ri)
-            elif params & rp and (params <= rp or rp <= params):
+            elif params & rp and params < rp:
+                # the candidate left some of the reference's parameters out (a bias): as align pairs it.
+                # One that read more (a fused call) is left to align, which chooses among such by value
                 partial.append(ri)
         found = exact or partial
         return found[0] if len(found) == 1 else None
@@ -869,6 +906,21 @@ class StreamComparer:
         while self.queue and (block or self.queue[0].stats.done()):
             p = self.queue.popleft()
             st = p.stats.result()
+            if p.relayout is not None:
+                refv, raw = p.relayout
+                p.relayout = None
+                if raw is None:
+                    raw = self.keep.get(p.cand, refv.device)
+                layout = Layout(RESHAPE, p.stats.rel_l2)
+                if raw is not None:
+                    layout = permuted_or_plain(raw, refv, layout)
+                if layout.transform != RESHAPE:  # a permuted layout brings the two together: measured in it
+                    p.transform = layout.transform
+                    cv = to_ref_layout(raw, tuple(refv.shape), p.transform)
+                    p.stats = measure_async(refv, cv, p.stats.atol, p.stats.rtol)
+                    st = p.stats.result()
+                    if p.values is not None:
+                        p.values = (refv, cv)
             if p.values is not None:
                 apply_stat(st, p.values[0], p.values[1], self.stat)
                 p.values = None

@@ -235,3 +235,124 @@ def test_lockstep_a_side_failing_mid_forward_is_reported(tmp_path, side):
     # both sides' capture hooks are gone: nothing is left recording
     assert not sys.modules["diffkit.capture"]._ACTIVE
     assert not torch.nn.modules.module._global_forward_hooks and not torch.nn.modules.module._global_forward_pre_hooks
+
+
+def test_store_gives_back_a_transposed_value_in_its_layout(tmp_path):
+    # a kernel may read its input through its strides: a value spilled in logical order comes back in
+    # the layout it was made in (a replay must see what the run saw); one whose elements overlap comes
+    # back contiguous, as `clone` makes it
+    store = TieredStore(Budget(0), spill_dir=str(tmp_path))
+    grid = torch.randn(3, 5, 7)
+    swapped, wide = grid.transpose(0, 2), torch.randn(5, 1).expand(5, 4)
+    for key, value in enumerate((swapped, grid, wide)):
+        store.put(key, value)
+        assert store.slots[key].tier == "disk"
+    back = store.get(0)
+    assert back.stride() == swapped.stride() and torch.equal(back, swapped)
+    assert store.get(1).is_contiguous() and torch.equal(store.get(1), grid)
+    assert store.get(2).is_contiguous() and torch.equal(store.get(2), wide)
+
+
+_HEADS_REF = """
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Model(nn.Module):
+    def __init__(self, width, heads):
+        super().__init__()
+        self.heads = heads
+        self.norm = nn.LayerNorm(width)
+        self.to_qkv = nn.Linear(width, 3 * width)
+        self.out = nn.Linear(width, width)
+
+    def forward(self, x):
+        b, n, c = x.shape
+        packed = self.to_qkv(self.norm(x)).view(b, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        o = F.scaled_dot_product_attention(packed[0], packed[1], packed[2])
+        return self.out(o.transpose(1, 2).reshape(b, n, c))
+
+
+def get_inputs():
+    return [torch.randn(2, 12, 32)]  # 12 tokens = 3 x 4 heads
+
+
+def get_init_inputs():
+    return [32, 4]
+"""
+
+# the projection takes the name the reference gives its head split, on the tokens flattened to rows:
+# [24, 96] multiplies out like the reference's [3, 2, 4, 12, 8] (3 x 2 x 4 = 24), in another order
+_HEADS_NEW = """
+import torch
+import torch.nn.functional as F
+
+
+class ModelNew(torch.nn.Module):
+    def __init__(self, width, heads):
+        super().__init__()
+        self.heads = heads
+        self.norm = torch.nn.LayerNorm(width)
+        self.to_qkv = torch.nn.Linear(width, 3 * width)
+        self.out = torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        b, n, c = x.shape
+        rows = F.layer_norm(x.reshape(b * n, c), (c,), self.norm.weight, self.norm.bias)
+        packed = F.linear(rows, self.to_qkv.weight)  # the bias left out
+        q, k, v = packed.view(b, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4).unbind(0)
+        att = torch.softmax(q @ k.transpose(-1, -2) / (c // self.heads) ** 0.5, dim=-1)
+        return F.linear((att @ v).permute(0, 2, 1, 3).reshape(b, n, c), self.out.weight, self.out.bias)
+"""
+
+
+def test_streaming_does_not_pair_a_name_across_a_head_split(tmp_path):
+    ref, new = tmp_path / "heads_ref.py", tmp_path / "heads_new.py"
+    ref.write_text(_HEADS_REF)
+    new.write_text(_HEADS_NEW)
+    full = diffkit.diff_files(str(ref), str(new), trials=1)
+    assert full.first_divergence.ref_name == "to_qkv" and full.first_divergence.diagnosis[0].kind == "missing_bias"
+    for budget in (1 << 20, 16 << 10):  # everything fits; most values spill
+        s = diffkit.diff_files(str(ref), str(new), trials=1, max_memory=budget)
+        assert _key(s) == _key(full), budget
+
+
+@pytest.mark.slow  # builds kernels/fused's C++ extension when no test has yet
+def test_streaming_leaves_a_fused_call_to_align(tmp_path):
+    # one extension call reads every parameter of the block: a superset of what the reference's first
+    # stage (ln1) reads, on the same input and in the same shape, which is no reason to pair the two
+    new = tmp_path / "block_fused_new.py"
+    new.write_text(f"""
+import runpy
+import torch
+
+_OPS = runpy.run_path({os.path.join(ROOT, "kernels", "fused", "_ops.py")!r})
+_EXT = _OPS["load"]()
+
+
+def _block(ext, m, x):
+    p = dict(m.named_parameters())
+    return ext.transformer_block(x, p["ln1.weight"], p["ln1.bias"], m.ln1.eps, p["qkv.weight"], p["qkv.bias"],
+                                 p["proj.weight"], p["proj.bias"], p["ln2.weight"], p["ln2.bias"], m.ln2.eps,
+                                 p["fc1.weight"], p["fc1.bias"], p["fc2.weight"], p["fc2.bias"], m.heads, 0)
+
+
+class ModelNew(torch.nn.Module):
+    def __init__(self, dim, heads, mlp_ratio):
+        super().__init__()
+        self.heads = heads
+        self.ln1 = torch.nn.LayerNorm(dim)
+        self.qkv = torch.nn.Linear(dim, 3 * dim)
+        self.proj = torch.nn.Linear(dim, dim)
+        self.ln2 = torch.nn.LayerNorm(dim)
+        self.fc1 = torch.nn.Linear(dim, mlp_ratio * dim)
+        self.fc2 = torch.nn.Linear(mlp_ratio * dim, dim)
+
+    def forward(self, x):
+        return _block(_EXT, self, x)
+""")
+    ref = os.path.join(ROOT, "references", "transformer_block.py")
+    full = diffkit.diff_files(ref, str(new), trials=1)
+    s = diffkit.diff_files(ref, str(new), trials=1, max_memory=1 << 20)
+    assert full.verdict == "match" and _key(s) == _key(full)
