@@ -36,6 +36,7 @@ reference is used and recorded in `Pair.transform`.
 """
 from __future__ import annotations
 
+import bisect
 import functools
 import math
 import itertools
@@ -1079,6 +1080,22 @@ def _dataflow_round(state: AlignState, partial: bool) -> int:
         return x not in state.pairs and x not in state.superseded and state.cand[x].kind != "input" \
             and not cf.derived[x]
 
+    # the reference records that can be contenders, by element count and anchors (a contender shares
+    # the candidate record's anchors, which are then upstream of it); kept up to date as a pair changes
+    # the covers downstream of it
+    by_key: dict[tuple, list[int]] = {}
+    placed: dict[int, tuple] = {}
+    dirty: set[int] = set()
+
+    def place(ri: int) -> None:
+        key = placed[ri] = (record_numel(state.ref[ri]), ref_cover(ri)[0])
+        bisect.insort(by_key.setdefault(key, []), ri)
+
+    for ris in ref_numel.values():
+        for ri in ris:
+            if ri not in paired and state.ref[ri].kind != "input" and not rf.derived[ri]:
+                place(ri)
+
     made = 0
     for c in state.cand:
         ci = c.index
@@ -1088,13 +1105,10 @@ def _dataflow_round(state: AlignState, partial: bool) -> int:
         cc = cand_cover(ci)
         if not (cc[0] or cc[1]):
             continue
-        contenders = []
-        for ri in ref_numel.get(numel, ()):
-            if ri in paired or state.ref[ri].kind == "input" or rf.derived[ri] \
-                    or not all((rf.ancestors[ri] >> a) & 1 for a in cc[0]):
-                continue
-            if matches(cc, ref_cover(ri)):
-                contenders.append(ri)
+        for ri in sorted(dirty):
+            place(ri)
+        dirty.clear()
+        contenders = [ri for ri in by_key.get((numel, cc[0]), ()) if ri not in paired and matches(cc, ref_cover(ri))]
         if not contenders:
             continue
         confidence = DATAFLOW_CONFIDENCE
@@ -1128,9 +1142,31 @@ def _dataflow_round(state: AlignState, partial: bool) -> int:
         state.add(ci, ri, "dataflow", confidence if by_value else min(confidence, DATAFLOW_AMBIGUOUS_CONFIDENCE))
         partner[ci] = ri
         made += 1
-        memo_r.clear()  # the new pair changes the covers downstream of it
-        memo_c.clear()
+        # the new pair changes the covers downstream of it
+        for j in _forget_downstream(memo_r, rf, ri, paired.__contains__):
+            key = placed.pop(j, None)
+            if key is not None:
+                by_key[key].remove(j)
+                dirty.add(j)
+        _forget_downstream(memo_c, cf, ci, partner.__contains__)
     return made
+
+
+def _forget_downstream(memo: dict[int, Cover], flow: Dataflow, k: int, anchored: Callable[[int], bool]) -> list[int]:
+    """Drop (and return) the covers that change now that `k` is an anchor (paired): those of its
+    consumers, and on through consumers not anchored themselves (a cover walks up to the anchors
+    and no further); `k`'s own is unchanged.  (A record whose cover is not held has none held
+    downstream of it either: each was computed from the one above.)"""
+    gone = []
+    stack = list(flow.consumers[k])
+    while stack:
+        j = stack.pop()
+        if memo.pop(j, None) is None:
+            continue
+        gone.append(j)
+        if not anchored(j):
+            stack.extend(flow.consumers[j])
+    return gone
 
 
 def _stage_params(flow: Dataflow, i: int) -> frozenset:
