@@ -159,11 +159,14 @@ def _kernels():
             # a NaN or an infinity on either side leaves a lane's sum of squares NaN or infinite, and so
             # does a square (or a sum of them) past the sums' range: the tile again, by the full rules
             # with float64 sums
-            both = rsq + csq
+            # (the differences' squares too: |c - r| can leave the range where neither side does)
+            both = rsq + csq + dsq.to(rsq.dtype)
             seen = ((both - both) != 0).to(tl.int32)
         if RANGE:
-            # squares too small for a float32 sum (below 1e-18 a lane's largest ones vanish): likewise
-            seen |= (((top_r < 1.0e-18) & (top_r > 0)) | ((top_c < 1.0e-18) & (top_c > 0))).to(tl.int32)
+            # squares too small for a float32 sum (below 1e-18 a lane's largest ones vanish): likewise,
+            # on either side or in the differences
+            seen |= (((top_r < 1.0e-18) & (top_r > 0)) | ((top_c < 1.0e-18) & (top_c > 0))
+                     | ((max_d < 1.0e-18) & (max_d > 0))).to(tl.int32)
         return (mism, r_nans, r_infs, c_nans, c_infs, sum_abs, dot, rsq, csq, dsq, max_d, max_d_at, max_e, max_e_at,
                 max_rel, first_bad, seen)
 

@@ -581,7 +581,8 @@ class StreamComparer:
         self._by_inputs: dict = {}  # reference records by the records they consumed (the first _by_inputs_n)
         self._by_inputs_n = 0
         self._measured_refs: set[int] = set()  # the reference records of `stats`
-        self._tried: dict[int, frozenset | None] = {}  # a deferred record: its `_inputs_key` when last tried
+        self._freed: set[str] = set()  # names of reference records unpaired since the last `_retry`
+        self._tried: dict[int, tuple] = {}  # a deferred record: `_tried_as` when it was last tried
         self._stalled = 0  # candidate records since the parked reference last found room
         self._grew()  # names, the reference's dataflow (as far as a lockstep reference has delivered)
         self.queue: collections.deque[_Pending] = collections.deque()
@@ -763,12 +764,14 @@ class StreamComparer:
         """The deferred records, in the order they were made, against what the reference has now:
         those `_may_pair` says something new could pair (all of them when `everything`)."""
         pending, self.deferred = self.deferred, []
+        freed, self._freed = self._freed, set()
+        self._touched = self._touched | freed
         for ci in pending:
             rec = self.records[ci]
             if not (everything or self._may_pair(rec)):
                 self._unpaired(rec, None, held=True)  # as `_place` would leave it, without fetching its value
                 continue
-            self._tried[ci] = self._inputs_key(rec)
+            self._tried[ci] = self._tried_as(self._inputs_key(rec))
             value = self.keep.get(ci, rec.device if rec.device != "cpu" else None)
             if value is not None:
                 self._place(rec, value, held=True)
@@ -778,10 +781,15 @@ class StreamComparer:
         another reference record by the last `_grew`, or (the dataflow way) every input it consumed is
         paired and either a reference record consuming their partners has just arrived or those
         partners changed since `rec` was last tried."""
-        if any(n in self._touched for n in rec.names()):
+        if any(n in self._touched or n in self._freed for n in rec.names()):
             return True
         key = self._inputs_key(rec)
-        return key is not None and (key in self._new_keys or self._tried.get(rec.index) != key)
+        return key is not None and (key in self._new_keys or self._tried.get(rec.index) != self._tried_as(key))
+
+    def _tried_as(self, key: frozenset | None) -> tuple:
+        """What a dataflow attempt depends on: the inputs' partners, and which reference records
+        consuming them are free (a pair made elsewhere can leave one contender where there were two)."""
+        return key, tuple(ri for ri in self._by_inputs.get(key, ()) if ri not in self.paired)
 
     def _inputs_key(self, rec: Record) -> frozenset | None:
         """The partners of the records `rec` consumed (weight preparation aside), None unless all are paired."""
@@ -927,6 +935,7 @@ class StreamComparer:
             if p.weak and p.stats.rel_l2 > NAME_MATCH_REL_ERR:
                 # the reused name pointed at a different tensor: unpair, let value alignment place it
                 self.paired.discard(p.ref)
+                self._freed.update(self.ref.records[p.ref].names())  # free again: `_may_pair` retries by them
                 self.pairs.pop(p.cand, None)
                 self.unmatched.append(p.cand)
                 continue

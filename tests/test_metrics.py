@@ -153,6 +153,14 @@ def test_triton_kernels_under_the_interpreter_agree_with_the_exact_path(monkeypa
             tie_c = tie_r.clone()
             tie_c[[70, 150]] = 0.5  # equal maxima in different tiles: the first one is the worst
             pairs.append((tie_r, tie_c.to(dtypes[1])))
+            if torch.finfo(dtypes[0]).max > 1e30:
+                # finite values whose differences' squares leave float32's range (overflow: both sides'
+                # squares fit; underflow: both sides above 1e-18, their differences far below)
+                big = torch.full((40,), 1e19, dtype=torch.float64)
+                big[::2] = 3.0
+                pairs.append((big.to(dtypes[0]), (-big).to(dtypes[1])))
+                tiny = torch.full((70,), 2e-18, dtype=torch.float64)
+                pairs.append((tiny.to(dtypes[0]), (tiny + 3e-23).to(dtypes[1])))
             atol, rtol = 1e-4, 1e-3
             # errors around the tolerance itself (about half of them out): the rule's boundary is exercised
             g = torch.Generator().manual_seed(7)

@@ -356,3 +356,67 @@ class ModelNew(torch.nn.Module):
     full = diffkit.diff_files(ref, str(new), trials=1)
     s = diffkit.diff_files(ref, str(new), trials=1, max_memory=1 << 20)
     assert full.verdict == "match" and _key(s) == _key(full)
+
+
+_ROWS_REF = """
+import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = torch.tanh(self.proj(x))
+        return self.head(h)
+
+
+def get_inputs():
+    return [torch.randn(2, 6, 16)]
+
+
+def get_init_inputs():
+    return []
+"""
+
+# right, with the tokens in sequence-major rows: its `h` [12, 16] is the reference's [2, 6, 16] only
+# after the rows are put back in batch-major order
+_ROWS_NEW = """
+import torch
+
+
+class ModelNew(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 16)
+        self.head = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        b, s, c = x.shape
+        tokens = x.transpose(0, 1).reshape(s * b, c)
+        h = torch.tanh(torch.addmm(self.proj.bias, tokens, self.proj.weight.t()))
+        out = torch.addmm(self.head.bias, h, self.head.weight.t())
+        return out.view(s, b, -1).transpose(0, 1)
+"""
+
+
+def test_streaming_finds_a_permuted_layout_from_the_metrics(tmp_path, monkeypatch):
+    # the pair is measured as a plain reshape first; its metrics disagree, so the layout search runs
+    # then (no wait for the device when the reshape is right) and the pair is measured again in it
+    from diffkit import stream
+
+    ref, new = tmp_path / "rows_ref.py", tmp_path / "rows_new.py"
+    ref.write_text(_ROWS_REF)
+    new.write_text(_ROWS_NEW)
+    searched = []
+    real = stream.permuted_or_plain
+    monkeypatch.setattr(stream, "permuted_or_plain", lambda *a: searched.append(real(*a)) or searched[-1])
+    full = diffkit.diff_files(str(ref), str(new), trials=1)
+    s = diffkit.diff_files(str(ref), str(new), trials=1, max_memory=1 << 20)
+    assert full.verdict == "match" and _key(s) == _key(full)
+    assert any(layout.transform[0] == "unpermute" for layout in searched)
+    got = {x.ref_name: x.stats.max_abs for x in s.stages if x.stats is not None}
+    assert got["forward:h"] < 1e-6
