@@ -1,13 +1,17 @@
 """The CUDA metric kernel: every statistic a pair's `Stats` needs, in one read of both tensors.
 
-Two launches per batch of pairs (one dtype combination, one tolerance), nothing built per block on
+Three launches per batch of pairs (one dtype combination, one tolerance), nothing built per block on
 the host:
 
 * `partials`: each program reads a tile of `TILE` elements of one pair (its pair found by a binary
-  search of the pairs' first tiles, through a table of the pairs' addresses), `BLOCK` lanes at a
-  time, keeping per-lane accumulators (float32 arithmetic -- float64 when either side is -- with
-  float64 sums; each lane keeps the first index of its maxima), and reduces them once into the
-  tile's partial statistics (the `measure._Part` slots).
+  search of the pairs' first tiles, through a table of the pairs' addresses; a large pair is
+  launched on its own), `BLOCK` lanes at a time, keeping per-lane accumulators (float32 arithmetic --
+  float64 when either side is -- with float32 sums within the tile and float64 from the tile up;
+  each lane keeps the first index of its maxima), and reduces them once into the tile's partial
+  statistics (the `measure._Part` slots).  This pass assumes every value finite and in float32's
+  square range; a tile where that was not so (found from the lanes' sums after the loop) is marked.
+* `partials` again (`REDO`), over the whole table: the marked tiles only, by the full NaN/Inf rules
+  with float64 sums (the others return at once).
 * `combine`: one program per pair folds its tiles' partials (sums; maxima with the first index of
   each, as `torch.argmax` takes the first of equal maxima), reads the worst element's two values and
   writes the pair's packed vector (`measure._Packed` slots).

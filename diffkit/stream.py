@@ -39,7 +39,7 @@ from typing import Any, Callable
 import torch
 
 from .align import NAME_MATCH_REL_ERR, RESHAPE, Dataflow, Layout, _stage_params, best_layout, name_partner, \
-    names_index, permuted_or_plain, _refines, rebound_pair_agrees, record_numel, reorders, reused_name, \
+    permuted_or_plain, _refines, rebound_pair_agrees, record_numel, reorders, reused_name, \
     same_layout, to_ref_layout
 from .capture import Record, StopCapture, Trace
 from .measure import PendingStats, Stats, apply_stat, measure_async, tolerances
@@ -710,32 +710,31 @@ class StreamComparer:
         renamed = getattr(self.ref_store, "renamed", None)
         touched: set[str] = set()  # names given another reference record (`_retry` tries their records)
         new_keys: set[frozenset] = set()  # `_by_inputs` entries given another record
-        if renamed is None or not hasattr(self, "names"):
-            self.names = names_index(records[:n])
-            self._indexed = {r.index: tuple(r.names()) for r in records[:n]}
-            touched.update(self.names)
-        else:
-            for ri in dict.fromkeys(renamed[self._renamed_seen:]):
-                old = self._indexed.get(ri)
-                if old is None:
-                    continue  # not indexed yet: indexed below under its names now
-                now = tuple(records[ri].names())
-                if now == old:
-                    continue
-                for name in old:
-                    self.names[name].remove(ri)
-                    if not self.names[name]:
-                        del self.names[name]
-                for name in now:
-                    bisect.insort(self.names.setdefault(name, []), ri)  # (capture order, as names_index)
-                touched.update(now)
-                self._indexed[ri] = now
-            for r in records[len(self._indexed):n]:
-                now = self._indexed[r.index] = tuple(r.names())
-                touched.update(now)
-                for name in now:
-                    self.names.setdefault(name, []).append(r.index)
-        self._renamed_seen = len(renamed) if renamed is not None else 0
+        if not hasattr(self, "names"):
+            # (as `align.names_index` builds it, record by record; a reference read from a capture file
+            # has ended, so its store reports no renames)
+            self.names, self._indexed, self._renamed_seen = {}, {}, 0
+        for ri in dict.fromkeys((renamed or [])[self._renamed_seen:]):
+            old = self._indexed.get(ri)
+            if old is None:
+                continue  # not indexed yet: indexed below under its names now
+            now = tuple(records[ri].names())
+            if now == old:
+                continue
+            for name in old:
+                self.names[name].remove(ri)
+                if not self.names[name]:
+                    del self.names[name]
+            for name in now:
+                bisect.insort(self.names.setdefault(name, []), ri)  # (capture order)
+            touched.update(now)
+            self._indexed[ri] = now
+        for r in records[len(self._indexed):n]:
+            now = self._indexed[r.index] = tuple(r.names())
+            touched.update(now)
+            for name in now:
+                self.names.setdefault(name, []).append(r.index)
+        self._renamed_seen = len(renamed or ())
         rf = self.ref_flow
         for r in records[len(rf.inputs):n]:
             rf.append(r)
