@@ -316,8 +316,16 @@ _EMPTY: frozenset = frozenset()
 
 def _union(sets: list[frozenset]) -> frozenset:
     """The union of `sets`, reusing the largest where the others add nothing to it."""
-    if not sets:
+    n = len(sets)
+    if n == 0:
         return _EMPTY
+    if n == 1:
+        return sets[0]
+    if n == 2:
+        a, b = sets
+        if b <= a:
+            return a
+        return b if a <= b else a | b
     big = max(sets, key=len)
     for x in sets:
         if x is not big and not x <= big:
@@ -356,17 +364,34 @@ _INPLACE_FLAG = {"relu", "relu6", "elu", "selu", "celu", "leaky_relu", "hardtanh
                  "alpha_dropout", "feature_alpha_dropout"}
 
 
+# what a function's name alone says about writing (`_may_write`): 0 no, 1 yes, 2 only with a True flag
+_WRITES_BY_NAME: dict[str, int] = {}
+
+
+def _writes_by_name(fname: str) -> int:
+    hit = _WRITES_BY_NAME.get(fname)
+    if hit is None:
+        base = fname.split(".")[0]  # an operator overload's name: "add_.Tensor"
+        if base.startswith("__"):
+            hit = int(base == "__setitem__" or (base.startswith("__i") and base not in (
+                "__index__", "__int__", "__invert__", "__iter__")))
+        elif base.endswith("_"):
+            hit = 1
+        else:
+            hit = 2 if base in _INPLACE_FLAG else 0
+        _WRITES_BY_NAME[fname] = hit
+    return hit
+
+
 def _may_write(fname: str, kwargs: dict, args: tuple = ()) -> bool:
-    """Whether a torch function of this name may write into one of its tensor arguments."""
-    if "out" in kwargs or kwargs.get("inplace") is True:
+    """Whether a torch function of this name may write into one of its tensor arguments (what the
+    name says is looked up once per name: this runs for every op a capture sees)."""
+    if kwargs and ("out" in kwargs or kwargs.get("inplace") is True):
         return True
-    fname = fname.split(".")[0]  # an operator overload's name: "add_.Tensor"
-    if fname in _INPLACE_FLAG and any(a is True for a in args[1:]):
-        return True
-    if fname.startswith("__"):
-        return fname == "__setitem__" or (fname.startswith("__i") and fname not in ("__index__", "__int__",
-                                                                                   "__invert__", "__iter__"))
-    return fname.endswith("_")
+    hit = _writes_by_name(fname)
+    if hit == 2:
+        return any(a is True for a in args[1:])
+    return hit == 1
 
 
 def _func_name(func: Callable) -> str:
@@ -677,39 +702,50 @@ class _State:
         ins: list[frozenset] = []
         prm: list[frozenset] = [frozenset(extra)] if extra else []
         lineage = self.lineage
-
-        def tensor(o):
-            hit = lineage.get(id(o))
-            if hit is not None and hit[0]() is o:
-                ins.append(hit[1])
-                prm.append(hit[2])
-                return
-            name, _, found, via = self._origin(o)
-            if name is not None:
-                prm.append(frozenset((name,)))
-                return
-            prm.append(frozenset(via))
-            ins.append(frozenset(found))
-            prm.extend(frozenset(self.derived[i]) for i in found if i in self.derived)
-
-        todo = [obj]
+        todo: list = []
+        # the common call, (args, {}) with tensors and plain values as arguments, without the walk below
+        flat = obj[0] if type(obj) is tuple and len(obj) == 2 and type(obj[1]) is dict and not obj[1] \
+            and type(obj[0]) is tuple else (obj,)
+        for o in flat:
+            t = type(o)
+            if t is torch.Tensor or t is torch.nn.Parameter:
+                hit = lineage.get(id(o))
+                if hit is not None and hit[0]() is o:
+                    ins.append(hit[1])
+                    prm.append(hit[2])
+                else:
+                    self._lineage_of_tensor(o, ins, prm)
+            elif t not in _ATOMS:
+                todo.append(o)
         while todo:
             o = todo.pop()
             t = type(o)
-            if t is torch.Tensor or t is torch.nn.Parameter:
-                tensor(o)
+            if t is torch.Tensor or t is torch.nn.Parameter or (
+                    t not in _ATOMS and t is not tuple and t is not list and t is not dict and isinstance(o, torch.Tensor)):
+                hit = lineage.get(id(o))
+                if hit is not None and hit[0]() is o:
+                    ins.append(hit[1])
+                    prm.append(hit[2])
+                else:
+                    self._lineage_of_tensor(o, ins, prm)
             elif t is tuple or t is list:
                 todo.extend(o)
             elif t is dict:
-                todo.extend(o.values())
-            elif t in _ATOMS:
-                continue
-            elif isinstance(o, torch.Tensor):
-                tensor(o)
-            else:
+                if o:
+                    todo.extend(o.values())
+            elif t not in _ATOMS:
                 todo.extend(x for x in pytree.tree_leaves(o) if isinstance(x, torch.Tensor))
-
         return _union(ins), _union(prm)
+
+    def _lineage_of_tensor(self, o: torch.Tensor, ins: list[frozenset], prm: list[frozenset]) -> None:
+        """`lineage_of` for a tensor with no lineage of its own: a parameter, a record, or what it comes from."""
+        name, _, found, via = self._origin(o)
+        if name is not None:
+            prm.append(frozenset((name,)))
+            return
+        prm.append(frozenset(via))
+        ins.append(frozenset(found))
+        prm.extend(frozenset(self.derived[i]) for i in found if i in self.derived)
 
     def fold_into(self, tensors: list[tuple[tuple, torch.Tensor]], lineage: tuple[frozenset, frozenset],
                   in_place: bool = False) -> None:
