@@ -431,17 +431,17 @@ def measure_async(ref: torch.Tensor, cand: torch.Tensor, atol: float, rtol: floa
         return PendingStats(None, shape, atol, rtol, ready=Stats(
             numel=0, max_abs=0.0, mean_abs=0.0, max_rel=0.0, mismatches=0, cosine=1.0, ref_nan=0, ref_inf=0,
             cand_nan=0, cand_inf=0, worst=None, atol=atol, rtol=rtol))
+    floating = _FAST_DTYPES.get(ref.dtype) is not None and _FAST_DTYPES.get(cand.dtype) is not None
+    if floating and ref.device.type == "cpu":  # read a chunk at a time in logical order: no flattened copy
+        return _measure_host(ref.detach(), cand.detach(), atol, rtol, shape)
     r = ref.detach().reshape(-1)
     c = cand.detach().reshape(-1)
-    floating = _FAST_DTYPES.get(r.dtype) is not None and _FAST_DTYPES.get(c.dtype) is not None
     if floating and r.is_cuda:
         from . import metrics_kernel
 
         if metrics_kernel.available():
             with torch.cuda.device(r.device):
                 return PendingStats(metrics_kernel.packed(r, c, atol, rtol), shape, atol, rtol)
-    if floating and r.device.type == "cpu":
-        return _measure_host(r, c, atol, rtol, shape)
     return PendingStats(_packed_exact(r, c, atol, rtol), shape, atol, rtol)
 
 
@@ -491,7 +491,7 @@ def _measure_host_many(items: list[tuple[torch.Tensor, torch.Tensor, float, floa
     the workers' chunks run side by side)."""
     def one(item):
         r, c, atol, rtol = item
-        return _measure_host_1(r.detach().reshape(-1), c.detach().reshape(-1), atol, rtol, tuple(r.shape))
+        return _measure_host_1(r.detach(), c.detach(), atol, rtol, tuple(r.shape))
 
     workers = min(torch.get_num_threads(), len(items))
     with _one_thread():
@@ -520,6 +520,51 @@ def _one_thread():
         torch.set_num_threads(threads)
 
 
+class _Flat:
+    """A tensor's elements in row-major (logical) order, read a range at a time: a view of its memory
+    when it is laid out that way, else gathered into a buffer the caller reuses (a permuted or
+    transposed record is not copied whole: that costs a full-size allocation and its page faults)."""
+
+    def __init__(self, t: torch.Tensor):
+        self.t = t
+        self.flat = t.reshape(-1) if t.dim() <= 1 or t.is_contiguous() else None  # a view either way
+
+    def part(self, lo: int, hi: int, buf: torch.Tensor | None = None) -> torch.Tensor:
+        """Elements lo..hi-1: a view, or copied into `buf` (a fresh tensor without one)."""
+        if self.flat is not None:
+            return self.flat[lo:hi]
+        out = buf[:hi - lo] if buf is not None else torch.empty(hi - lo, dtype=self.t.dtype)
+        _gather(self.t, lo, hi, out)
+        return out
+
+    def item(self, i: int) -> torch.Tensor:
+        return self.flat[i] if self.flat is not None else self.t[_unravel(i, tuple(self.t.shape))]
+
+
+def _gather(t: torch.Tensor, lo: int, hi: int, out: torch.Tensor) -> None:
+    """Copy elements lo..hi-1 of `t`, in row-major order, into the 1-D `out`: whole rows of the first
+    dimension in one copy, a partial row at either end by the same rule one dimension down."""
+    if t.dim() <= 1 or t.is_contiguous():
+        out.copy_(t.reshape(-1)[lo:hi])
+        return
+    inner = t[0].numel()
+    i0, r0 = divmod(lo, inner)
+    i1, r1 = divmod(hi, inner)
+    if i0 == i1:  # within one row
+        _gather(t[i0], r0, r1, out)
+        return
+    pos = 0
+    if r0:
+        _gather(t[i0], r0, inner, out[:inner - r0])
+        pos, i0 = inner - r0, i0 + 1
+    if i1 > i0:
+        k = (i1 - i0) * inner
+        out[pos:pos + k].view(i1 - i0, *t.shape[1:]).copy_(t[i0:i1])
+        pos += k
+    if r1:
+        _gather(t[i1], 0, r1, out[pos:pos + r1])
+
+
 def _measure_host(r: torch.Tensor, c: torch.Tensor, atol: float, rtol: float, shape) -> PendingStats:
     with _one_thread():
         return _measure_host_1(r, c, atol, rtol, shape)
@@ -536,6 +581,7 @@ def _measure_host_1(r: torch.Tensor, c: torch.Tensor, atol: float, rtol: float, 
     `_packed_exact` up to float32 rounding of single terms (cosine from ||r||², ||c||², ||c - r||²)."""
     n = r.numel()
     work = torch.float64 if torch.float64 in (r.dtype, c.dtype) else torch.float32
+    fr, fc = _Flat(r), _Flat(c)
     mism = 0
     sum_abs = diff_sq = ref_sq = cand_sq = dot = 0.0
     max_abs = max_rel = 0.0
@@ -544,9 +590,9 @@ def _measure_host_1(r: torch.Tensor, c: torch.Tensor, atol: float, rtol: float, 
     exact_parts: list[tuple[int, list[float]]] = []  # chunks with NaN/Inf, measured by `_partials`
     step = CHUNK_HOST
 
-    def exact(start: int) -> None:
-        exact_parts.append((start, _partials(r[start:start + step], c[start:start + step], atol, rtol, False,
-                                             start).tolist()))
+    def exact(start: int, a: torch.Tensor, b: torch.Tensor) -> None:
+        """The chunk at `start` (its values `a`, `b`, widened to the working precision: exact) by `_partials`."""
+        exact_parts.append((start, _partials(a, b, atol, rtol, False, start).tolist()))
 
     # the groups of rows: whole chunks, GROUP_ROWS at a time, then the short last chunk as a row of its own
     full = n // step * step
@@ -555,9 +601,12 @@ def _measure_host_1(r: torch.Tensor, c: torch.Tensor, atol: float, rtol: float, 
         groups.append((full, 1, n - full))
     size = max(rows * length for _, rows, length in groups)
     d_buf, q_buf = torch.empty(size, dtype=work), torch.empty(size, dtype=work)  # allocated once
+    # a tensor not laid out in row-major order is gathered a group at a time (in the working precision)
+    r_buf = None if fr.flat is not None else torch.empty(size, dtype=work)
+    c_buf = None if fc.flat is not None else torch.empty(size, dtype=work)
     norm = torch.linalg.vector_norm
     for g, rows, length in groups:
-        a, b = r[g:g + rows * length], c[g:g + rows * length]
+        a, b = fr.part(g, g + rows * length, r_buf), fc.part(g, g + rows * length, c_buf)
         if a.dtype != work:
             a = a.to(work)
         if b.dtype != work:
@@ -577,7 +626,7 @@ def _measure_host_1(r: torch.Tensor, c: torch.Tensor, atol: float, rtol: float, 
         for i, (dmax, lo, hi, sa, nd, na, nb) in enumerate(zip(*per_row)):
             start = g + i * length
             if not math.isfinite(dmax):
-                exact(start)
+                exact(start, a[i], b[i])
                 continue
             if dmax > atol and excess is not None:
                 emax = excess[0][i] - atol
@@ -592,7 +641,7 @@ def _measure_host_1(r: torch.Tensor, c: torch.Tensor, atol: float, rtol: float, 
             if not (math.isfinite(dd) and math.isfinite(rr) and math.isfinite(cc)) or \
                     (dd == 0.0 and dmax > 0) or (rr == 0.0 and float(a[i].abs().amax()) > 0):
                 # squares beyond float32's range (or below it): this chunk the exact float64 way
-                exact(start)
+                exact(start, a[i], b[i])
                 continue
             mism += row_mism
             max_rel = max(max_rel, rmax)
@@ -625,7 +674,7 @@ def _measure_host_1(r: torch.Tensor, c: torch.Tensor, atol: float, rtol: float, 
 
     def locate(chunk: int, excess: bool) -> int:
         """The flat index of the first maximum of d (or e) in the chunk at `chunk`."""
-        a, b = r[chunk:chunk + step].to(work), c[chunk:chunk + step].to(work)
+        a, b = fr.part(chunk, min(chunk + step, n)).to(work), fc.part(chunk, min(chunk + step, n)).to(work)
         d = torch.sub(b, a).abs_()
         key = torch.add(d, a.abs(), alpha=-rtol) if excess else d
         return chunk + int(torch.argmax(key))
@@ -638,7 +687,7 @@ def _measure_host_1(r: torch.Tensor, c: torch.Tensor, atol: float, rtol: float, 
         flat = by_abs if max_abs_chunk in exact_starts else locate(max_abs_chunk, False)
     nr, nc = math.sqrt(ref_sq), math.sqrt(cand_sq)
     cosine = max(-1.0, min(1.0, dot / (nr * nc))) if nr * nc > 0 else float(nr == nc)
-    wr, wc = float(_real(r[flat])), float(_real(c[flat]))
+    wr, wc = float(_real(fr.item(flat))), float(_real(fc.item(flat)))
     abs_err = abs(wc - wr)
     if abs_err != abs_err:
         abs_err = math.inf

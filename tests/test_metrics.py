@@ -75,6 +75,31 @@ def test_host_path_reads_every_element_once_per_pass_in_cache_sized_chunks():
     assert st.max_abs == 0.25 and st.mismatches == 1 and st.worst.index == (r.numel() - 2,)
 
 
+@pytest.mark.parametrize("kind", ["close", "bad", "specials"])
+@pytest.mark.parametrize("layout", ["permuted", "one_side_transposed", "offset_view"])
+def test_host_path_reads_a_permuted_layout_in_logical_order(monkeypatch, kind, layout):
+    """Records kept as permute/transpose views are read a group at a time in row-major order (no
+    flattened copy): the same Stats as their contiguous copies give, worst element included, with
+    chunk and group boundaries falling inside rows of every dimension."""
+    monkeypatch.setattr(M, "CHUNK_HOST", 7)
+    monkeypatch.setattr(M, "GROUP_ROWS", 3)
+    shape = (5, 3, 4, 6)
+    r, c = _pair(kind, math.prod(shape), torch.float32, torch.float32, seed=len(layout))
+    r, c = r.view(6, 4, 5, 3).permute(2, 3, 1, 0), c.view(6, 4, 5, 3).permute(2, 3, 1, 0)
+    if layout == "one_side_transposed":
+        c = c.contiguous()
+    elif layout == "offset_view":
+        r, c = r[1:, :, 1:], c[1:, :, 1:]
+    assert not r.is_contiguous()
+    got = M.measure_many([(r, c, 1e-4, 1e-3)])[0].result()
+    want = M.measure(r.contiguous(), c.contiguous(), 1e-4, 1e-3)
+    for f in ("numel", "max_abs", "mean_abs", "max_rel", "mismatches", "cosine", "ref_nan", "ref_inf", "cand_nan",
+              "cand_inf"):
+        assert getattr(got, f) == getattr(want, f), f
+    assert got.worst.index == want.worst.index and got.worst.abs_err == want.worst.abs_err
+    _assert_agrees_with_exact(r, c, 1e-4, 1e-3)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("kind", ["close", "bad", "zeros", "specials", "range"])
 @pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.float16, torch.float16),
