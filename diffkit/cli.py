@@ -441,6 +441,14 @@ def _can_fork(device: str | None = None) -> bool:
     return torch.version.cuda is None and getattr(torch.version, "hip", None) is None or device == "cpu"
 
 
+def _host_only(device: str | None) -> bool:
+    """No GPU can be in play: `--device cpu`, or a torch built without CUDA or ROCm (asked without
+    touching the driver, which could leave forked children unable to use it)."""
+    import torch
+
+    return device == "cpu" or (torch.version.cuda is None and getattr(torch.version, "hip", None) is None)
+
+
 # the reference child hands its values over through shared memory (tmpfs) when there is room for them
 SHM = "/dev/shm"
 SHM_MIN_FREE = 4 << 30
@@ -602,7 +610,10 @@ def _isolated(argv, ref_path, cand_path, options: Options, timeout, out: _Output
         ahead = None
         started = time.monotonic()
         if steps[:-1] and not sanitize:
-            ahead = launch(cand_cmd, dict(cand_env, **{AFTER_ENV: os.path.join(tmp, "ref-exited")}), errlog)
+            # on a GPU the candidate waits for the reference's process to exit (its device memory free);
+            # with no GPU in play, for the reference's capture to be complete
+            wait_for = "ref-done" if _host_only(options.device) else "ref-exited"
+            ahead = launch(cand_cmd, dict(cand_env, **{AFTER_ENV: os.path.join(tmp, wait_for)}), errlog)
         try:
             for cmd, cenv, marker in steps:
                 if marker == "done" and ahead is not None:
