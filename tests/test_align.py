@@ -279,7 +279,7 @@ def test_measure_named_packing_round_trips_against_a_float64_brute_force(monkeyp
     monkeypatch.setattr(M, "CHUNK_HOST", 4)  # chunks with and without NaN/Inf side by side
     if path == "exact":
         monkeypatch.setattr(M, "_measure_host", lambda r, c, atol, rtol, shape: M.PendingStats(
-            M._packed_exact(r, c, atol, rtol), shape, atol, rtol))
+            M._packed_exact(r.reshape(-1), c.reshape(-1), atol, rtol), shape, atol, rtol))  # (given unflattened)
     r, c = _special_pair(shared_specials, within_tolerance=within)
     atol = rtol = 1e-4
     pending = M.measure_async(r, c, atol, rtol)
