@@ -434,11 +434,9 @@ def _can_fork(device: str | None = None) -> bool:
     interpreters."""
     if not hasattr(os, "fork") or os.environ.get("DIFFKIT_NO_FORK"):
         return False
-    import torch
-
     # a CUDA build: even asking whether a GPU is there can leave a forked child unable to use it, so the
     # children get fresh interpreters (CPU-only builds, and --device cpu, fork)
-    return torch.version.cuda is None and getattr(torch.version, "hip", None) is None or device == "cpu"
+    return _host_only(device)
 
 
 def _host_only(device: str | None) -> bool:
@@ -623,7 +621,10 @@ def _isolated(argv, ref_path, cand_path, options: Options, timeout, out: _Output
                         started = time.monotonic()
                     log = errlog if marker == "done" else errlog + "-ref"
                     code, why, err_text = finish(launch(cmd, cenv, log), cmd, log, timeout)
-                if not (code in (0, 1, 2) and os.path.exists(os.path.join(tmp, marker))):
+                if marker == "ref-done" and os.path.exists(os.path.join(tmp, marker)):
+                    # its capture is complete and closed: a failure after that (at exit) is not the diff's
+                    code, why = 0, None
+                elif not (code in (0, 1, 2) and os.path.exists(os.path.join(tmp, marker))):
                     break
                 if marker == "ref-done":  # its process has exited too (its device memory is free): go on
                     with open(os.path.join(tmp, "ref-exited"), "w") as fh:

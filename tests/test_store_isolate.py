@@ -266,3 +266,59 @@ def test_a_failing_reference_stops_the_waiting_candidate(tmp_path):
     assert out.returncode == 2, out.stdout + out.stderr
     assert out.stdout.count("diffkit:") == 1 and "this reference is broken" in out.stdout
     assert open(log).read().count("cand-file-run") <= 1
+
+
+EXIT_CRASH = """
+import atexit, os, signal, sys
+import torch
+import torch.nn as nn
+
+if "--side-only" in sys.argv:  # the reference's own process only: it dies at interpreter exit
+    atexit.register(lambda: os.kill(os.getpid(), signal.SIGABRT))
+
+
+class Model(nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.lin = nn.Linear(n, n)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x))
+
+
+def get_init_inputs():
+    return [16]
+
+
+def get_inputs():
+    return [torch.randn(4, 16)]
+"""
+
+EXIT_CAND = """
+import torch
+import torch.nn as nn
+
+
+class ModelNew(nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.lin = nn.Linear(n, n)
+
+    def forward(self, x):
+        return torch.tanh(x @ self.lin.weight.t() + self.lin.bias)
+"""
+
+
+def test_a_reference_process_dying_after_its_capture_is_complete_still_gives_one_answer(tmp_path, monkeypatch):
+    """The reference's process aborts at interpreter exit, after it wrote a complete capture and said so:
+    the candidate's answer stands (one answer, exit 0), not a crash report and a second candidate run."""
+    ref, cand = tmp_path / "ref.py", tmp_path / "cand.py"
+    ref.write_text(EXIT_CRASH)
+    cand.write_text(EXIT_CAND)
+    monkeypatch.setenv("DIFFKIT_NO_FORK", "1")  # fresh interpreters: atexit handlers run as the process ends
+    out = _cli("diff", str(ref), str(cand), "--trials", "1", "--no-report", "--json", str(tmp_path / "r.json"),
+               "--timeout", "120")
+    assert out.returncode == 0, out.stdout + out.stderr
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["verdict"] == "match" and data.get("error") is None
+    assert out.stdout.count("diffkit: MATCH") == 1, out.stdout
