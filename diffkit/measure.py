@@ -424,7 +424,7 @@ def measure_async(ref: torch.Tensor, cand: torch.Tensor, atol: float, rtol: floa
     if tuple(ref.shape) != tuple(cand.shape):
         raise ValueError(f"measure needs equal shapes, got {tuple(ref.shape)} and {tuple(cand.shape)}")
     if cand.device != ref.device:
-        cand = cand.to(ref.device, non_blocking=True)
+        cand = cand.to(ref.device, non_blocking=ref.device.type != "cpu")  # (a copy to the host is read at once)
     n = ref.numel()
     shape = tuple(ref.shape)
     if n == 0:
