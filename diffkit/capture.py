@@ -701,7 +701,7 @@ class _State:
         shared, not copied, where the arguments add nothing to one of them."""
         ins: list[frozenset] = []
         prm: list[frozenset] = [frozenset(extra)] if extra else []
-        lineage = self.lineage
+        add = self._lineage_of_tensor
         todo: list = []
         # the common call, (args, {}) with tensors and plain values as arguments, without the walk below
         flat = obj[0] if type(obj) is tuple and len(obj) == 2 and type(obj[1]) is dict and not obj[1] \
@@ -709,12 +709,7 @@ class _State:
         for o in flat:
             t = type(o)
             if t is torch.Tensor or t is torch.nn.Parameter:
-                hit = lineage.get(id(o))
-                if hit is not None and hit[0]() is o:
-                    ins.append(hit[1])
-                    prm.append(hit[2])
-                else:
-                    self._lineage_of_tensor(o, ins, prm)
+                add(o, ins, prm)
             elif t not in _ATOMS:
                 todo.append(o)
         while todo:
@@ -722,12 +717,7 @@ class _State:
             t = type(o)
             if t is torch.Tensor or t is torch.nn.Parameter or (
                     t not in _ATOMS and t is not tuple and t is not list and t is not dict and isinstance(o, torch.Tensor)):
-                hit = lineage.get(id(o))
-                if hit is not None and hit[0]() is o:
-                    ins.append(hit[1])
-                    prm.append(hit[2])
-                else:
-                    self._lineage_of_tensor(o, ins, prm)
+                add(o, ins, prm)
             elif t is tuple or t is list:
                 todo.extend(o)
             elif t is dict:
@@ -738,7 +728,13 @@ class _State:
         return _union(ins), _union(prm)
 
     def _lineage_of_tensor(self, o: torch.Tensor, ins: list[frozenset], prm: list[frozenset]) -> None:
-        """`lineage_of` for a tensor with no lineage of its own: a parameter, a record, or what it comes from."""
+        """`lineage_of` for one tensor: a folded tensor's own lineage, else the parameter it is, the record
+        holding it, or what it comes from."""
+        hit = self.lineage.get(id(o))
+        if hit is not None and hit[0]() is o:
+            ins.append(hit[1])
+            prm.append(hit[2])
+            return
         name, _, found, via = self._origin(o)
         if name is not None:
             prm.append(frozenset((name,)))
