@@ -702,28 +702,21 @@ class _State:
         ins: list[frozenset] = []
         prm: list[frozenset] = [frozenset(extra)] if extra else []
         add = self._lineage_of_tensor
-        todo: list = []
-        # the common call, (args, {}) with tensors and plain values as arguments, without the walk below
-        flat = obj[0] if type(obj) is tuple and len(obj) == 2 and type(obj[1]) is dict and not obj[1] \
-            and type(obj[0]) is tuple else (obj,)
-        for o in flat:
-            t = type(o)
-            if t is torch.Tensor or t is torch.nn.Parameter:
-                add(o, ins, prm)
-            elif t not in _ATOMS:
-                todo.append(o)
+        todo = [obj]
         while todo:
             o = todo.pop()
             t = type(o)
-            if t is torch.Tensor or t is torch.nn.Parameter or (
-                    t not in _ATOMS and t is not tuple and t is not list and t is not dict and isinstance(o, torch.Tensor)):
+            if t is torch.Tensor or t is torch.nn.Parameter:
                 add(o, ins, prm)
             elif t is tuple or t is list:
                 todo.extend(o)
             elif t is dict:
-                if o:
-                    todo.extend(o.values())
-            elif t not in _ATOMS:
+                todo.extend(o.values())
+            elif t in _ATOMS:
+                continue
+            elif isinstance(o, torch.Tensor):
+                add(o, ins, prm)
+            else:
                 todo.extend(x for x in pytree.tree_leaves(o) if isinstance(x, torch.Tensor))
         return _union(ins), _union(prm)
 

@@ -622,13 +622,13 @@ def _isolated(argv, ref_path, cand_path, options: Options, timeout, out: _Output
                     log = errlog if marker == "done" else errlog + "-ref"
                     code, why, err_text = finish(launch(cmd, cenv, log), cmd, log, timeout)
                 if marker == "ref-done" and os.path.exists(os.path.join(tmp, marker)):
-                    # its capture is complete and closed: a failure after that (at exit) is not the diff's
+                    # its capture is complete and closed (a failure after that, at exit, is not the diff's) and
+                    # its process has exited (its device memory is free): go on
                     code, why = 0, None
-                elif not (code in (0, 1, 2) and os.path.exists(os.path.join(tmp, marker))):
-                    break
-                if marker == "ref-done":  # its process has exited too (its device memory is free): go on
                     with open(os.path.join(tmp, "ref-exited"), "w") as fh:
                         fh.write("ok")
+                elif not (code in (0, 1, 2) and os.path.exists(os.path.join(tmp, marker))):
+                    break
         finally:
             if ahead is not None and ahead.poll() is None:  # the reference failed: its partner is not needed
                 _stop(ahead)

@@ -520,6 +520,11 @@ def _one_thread():
         torch.set_num_threads(threads)
 
 
+def _row_major(t: torch.Tensor) -> bool:
+    """Whether `t.reshape(-1)` is a view of `t`'s memory in row-major order (a strided 1-D tensor is)."""
+    return t.dim() <= 1 or t.is_contiguous()
+
+
 class _Flat:
     """A tensor's elements in row-major (logical) order, read a range at a time: a view of its memory
     when it is laid out that way, else gathered into a buffer the caller reuses (a permuted or
@@ -527,7 +532,7 @@ class _Flat:
 
     def __init__(self, t: torch.Tensor):
         self.t = t
-        self.flat = t.reshape(-1) if t.dim() <= 1 or t.is_contiguous() else None  # a view either way
+        self.flat = t.reshape(-1) if _row_major(t) else None  # (a view)
 
     def part(self, lo: int, hi: int, buf: torch.Tensor | None = None) -> torch.Tensor:
         """Elements lo..hi-1: a view, or copied into `buf` (a fresh tensor without one)."""
@@ -544,7 +549,7 @@ class _Flat:
 def _gather(t: torch.Tensor, lo: int, hi: int, out: torch.Tensor) -> None:
     """Copy elements lo..hi-1 of `t`, in row-major order, into the 1-D `out`: whole rows of the first
     dimension in one copy, a partial row at either end by the same rule one dimension down."""
-    if t.dim() <= 1 or t.is_contiguous():
+    if _row_major(t):
         out.copy_(t.reshape(-1)[lo:hi])
         return
     inner = t[0].numel()
