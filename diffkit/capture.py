@@ -34,6 +34,11 @@ of sizes none of those records has -- a per-step loop whose intermediates cannot
 -- makes records for its first `FOLD_AFTER` calls only; its later results are folded: no record, no
 value, only their lineage (the records and parameters they were computed from) is carried on, so a
 later record reading them still has the dataflow it had.  `Trace.folded` counts them by call site.
+A write into existing memory (``out[t] = h``, an in-place op, a kernel writing its argument) is
+judged against the sizes of the other side's writes (`fold_writes`): a buffer the size of the
+output, filled one step at a time, holds nothing the reference has until it is full, so its stores
+fold too; the buffer is recorded once, as it is then, when a recorded call next reads it (`pending`)
+-- the filled buffer still pairs (a layer's output with the reference's layer).
 """
 from __future__ import annotations
 
@@ -394,6 +399,11 @@ def _may_write(fname: str, kwargs: dict, args: tuple = ()) -> bool:
     return hit == 1
 
 
+def written_in_place(r: Record) -> bool:
+    """Whether a record is a write into existing memory (`y[i] = v`, a kernel's write, an in-place op)."""
+    return r.kind == "write" or (r.kind in ("op", "ext") and _writes_by_name(r.op.rsplit(".", 1)[-1]) == 1)
+
+
 def _func_name(func: Callable) -> str:
     name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
     mod = getattr(func, "__module__", None) or ""
@@ -408,12 +418,20 @@ def _func_name(func: Callable) -> str:
 
 class _State:
     def __init__(self, model: torch.nn.Module | None, snapshot: bool, only: Callable[[str], bool] | None,
-                 sink: Any = None, fold: frozenset | None = None):
+                 sink: Any = None, fold: frozenset | None = None, fold_writes: frozenset | None = None):
         self.model = model
         # folding (module docstring): the sizes a record may pair with, the unpairable results made per
         # call site so far, and the lineage of folded tensors, (inputs, params) by tensor id (with a
         # weak reference to tell a reused id) and by storage (views made where capture was quiet)
         self.fold = fold
+        # the sizes a write may pair with: the other side's records written in place (a partly filled
+        # buffer pairs only with another; the filled one is recorded when next read, `pending`)
+        self.fold_writes = fold if fold_writes is None else fold_writes
+        # folded writes into a buffer of a pairable size, by storage: (weakref of the written tensor,
+        # its call site, scope, op); recorded once, with the value it has then, when a recorded call
+        # reads that memory (`_flush`), so the filled buffer can still pair
+        self.pending: dict[int, tuple[Any, Any, str, str, tuple]] = {}
+        self.flushed: dict[tuple, int] = {}  # flushes per call site: past FOLD_AFTER its buffers stay folded
         self.unpairable: dict[tuple, int] = {}
         self.lineage: dict[int, tuple[Any, frozenset, frozenset]] = {}
         self.lineage_storage: dict[int, tuple[Any, frozenset, frozenset]] = {}  # (weakref of the written tensor, …)
@@ -600,7 +618,8 @@ class _State:
         via: list[str] = []
         return None, None, self._folded_sources(t, via), via
 
-    def template(self, obj: Any, folded: list[str] | None = None) -> tuple[Any, tuple[Ref, ...], tuple[str, ...]]:
+    def template(self, obj: Any, folded: list[str] | None = None,
+                 flush: bool = True) -> tuple[Any, tuple[Ref, ...], tuple[str, ...]]:
         """Call arguments as a replayable template, and what the call read.
 
         Returns (template, inputs, params): in the template a tensor holding exactly a record's value
@@ -608,7 +627,8 @@ class _State:
         records the tensor arguments' values come from (views and in-place writes followed), in
         argument order; `params` the model parameters and buffers read, directly, through a view, or
         through a record made from parameters alone (``W = self.w.t()``).  `folded`, when given,
-        receives the parameters read through folded results (part of `params` too)."""
+        receives the parameters read through folded results (part of `params` too).  A buffer folded
+        writes filled is recorded first (`_flush`), unless `flush` is off (the call reads no values)."""
         inputs: list[int] = []
         params: list[str] = []
 
@@ -619,6 +639,8 @@ class _State:
         def read(o):
             if not isinstance(o, torch.Tensor):
                 return o
+            if flush and self.pending:
+                self._flush(o)
             name, exact, found, via = self._origin(o)
             if name is not None:
                 add_param(name)
@@ -667,23 +689,25 @@ class _State:
         return [((i,), a) for i, a in enumerate(args) if isinstance(a, torch.Tensor) and self.param_of(a) is None]
 
     def may_fold(self, args: tuple) -> bool:
-        """Whether an extension call given `args` is one folding may take (no tensor argument other than
-        a parameter has a pairable size, and its call site is past FOLD_AFTER): then the copies that
-        find what it wrote are not made."""
+        """Whether an extension call given `args` (one that writes into them) is one folding may take
+        (no tensor argument other than a parameter has a size a write on the other side has, and its
+        call site is past FOLD_AFTER): then the copies that find what it wrote are not made."""
         if self.fold is None:
             return False
         f = naming.user_frame(sys._getframe(2))
         if f is None or self.unpairable.get((f.f_code, f.f_lineno), 0) < FOLD_AFTER:
             return False
-        return all(a.numel() not in self.fold for _, a in self.non_param_tensors(args))
+        return all(a.numel() not in self.fold_writes for _, a in self.non_param_tensors(args))
 
-    def foldable(self, tensors: list[tuple[tuple, torch.Tensor]], frame: Any) -> bool:
+    def foldable(self, tensors: list[tuple[tuple, torch.Tensor]], frame: Any, write: bool = False) -> bool:
         """Whether this call's results are folded: none of them has a size the other side's records
-        have, and its call site has made FOLD_AFTER such results already."""
+        have (`write`, the call wrote into them in place: the other side's writes), and its call site
+        has made FOLD_AFTER such results already."""
         if self.fold is None or not tensors or frame is None:
             return False
+        sizes = self.fold_writes if write else self.fold
         for _, t in tensors:
-            if t.numel() in self.fold:
+            if t.numel() in sizes:
                 return False
         key = (frame.f_code, frame.f_lineno)
         n = self.unpairable.get(key, 0) + 1
@@ -737,9 +761,10 @@ class _State:
         prm.extend(frozenset(self.derived[i]) for i in found if i in self.derived)
 
     def fold_into(self, tensors: list[tuple[tuple, torch.Tensor]], lineage: tuple[frozenset, frozenset],
-                  in_place: bool = False) -> None:
+                  in_place: bool = False, frame: Any = None, op: str = "") -> None:
         """Give folded results their lineage.  `in_place`: the call wrote into them (their memory may
-        be read through other views later: the lineage is noted by storage too, and adds to theirs)."""
+        be read through other views later: the lineage is noted by storage too, and adds to theirs;
+        one of a size the other side has is `pending` from `frame`, the call site, made by `op`)."""
         for _, t in tensors:
             if id(t) in self.param_ids:
                 continue  # a parameter written in place stays a parameter
@@ -754,15 +779,46 @@ class _State:
                     old = self.lineage_storage.get(key)
                     if old is not None and old[0]() is not None:
                         lineage = (old[1] | lineage[0], old[2] | lineage[1])
+                    whole = t if t._base is None else t._base  # a view's write fills its base (which outlives it)
                     try:
-                        self.lineage_storage[key] = (weakref.ref(t), *lineage)
+                        self.lineage_storage[key] = (weakref.ref(whole), *lineage)
                     except TypeError:
                         pass
                     self.folded_writes[key] = len(self.trace.records)
+                    if frame is not None and whole.numel() in self.fold:
+                        at = (frame.f_code, frame.f_lineno)
+                        if self.flushed.get(at, 0) < FOLD_AFTER:  # (a loop reading back what it wrote)
+                            self.pending[key] = (weakref.ref(whole), naming.site_of(frame), self.scope, op, at)
             try:
                 self.lineage[id(t)] = (weakref.ref(t), *lineage)
             except TypeError:
                 pass
+
+    def _flush(self, t: torch.Tensor) -> None:
+        """Record the buffer folded writes filled in `t`'s memory (`pending`), as it is now: a recorded
+        call is about to read it.  A kernel's tensor argument it did not change is not recorded."""
+        key = _storage_key(t)
+        entry = self.pending.pop(key, None)
+        if entry is None:
+            return
+        target = entry[0]()
+        if target is None:
+            return
+        hit = self.tracked.get(id(target))
+        if hit is not None and hit[0]() is target and hit[1] < len(self.trace.records):
+            old = self.trace.records[hit[1]].value
+            if (old is not None and old.shape == target.shape and old.dtype == target.dtype
+                    and old.data_ptr() != target.data_ptr() and bool(torch.equal(old, target))):
+                return  # unchanged since its record (a kernel's input, folded with what it wrote)
+        ins, prm = self.lineage_of(target)
+        site, scope, op = entry[1], entry[2], entry[3]
+        self.flushed[entry[4]] = self.flushed.get(entry[4], 0) + 1
+        label = site.labels[0] if site.labels else (re.match(r"[\w.]+", site.text) or [site.text])[0]
+        self.add(name=self.op_name(scope, site.function, label), rebound=label in site.rebound, kind="write",
+                 label=label, scope=scope, function=site.function, file=site.file, line=site.line, op=op,
+                 tensor=target, inputs=tuple(Ref(i) for i in sorted(ins)), params=tuple(sorted(prm)))
+        self.lineage_storage.pop(key, None)
+        self.folded_writes.pop(key, None)
 
     def params_of_module(self, module: torch.nn.Module) -> tuple[str, ...]:
         """What a call of `module` reads: every parameter and buffer of the model inside it (its
@@ -782,7 +838,8 @@ class _State:
             return None
         # the same tensor, unchanged since it was recorded: give the record another name instead
         hit = self.tracked.get(id(tensor))
-        unchanged = hit is not None and hit[0]() is tensor and hit[2] == tensor._version
+        unchanged = hit is not None and hit[0]() is tensor and hit[2] == tensor._version and not (
+            self.folded_writes and self.folded_writes.get(_storage_key(tensor), -1) > hit[1])
         if self.mutator is not None and self.current_call is not None and kind in ("op", "module") and not (
                 unchanged and kind == "module"):
             # a what-if run: this record's value is replaced (in place, so the rest of the forward reads it);
@@ -836,6 +893,11 @@ class _State:
         self.track(tensor, rec.index)
         key = _storage_key(tensor)
         if key is not None:
+            if self.pending:
+                p = self.pending.get(key)
+                if p is not None and (p[0]() is None or p[0]() is tensor or (
+                        kind != "write" and getattr(tensor, "_base", None) is None)):
+                    del self.pending[key]  # recorded as it is now, or new memory under an old address
             self.storage_owner[key] = (weakref.ref(tensor), rec.index)
             if in_place:
                 self.storage_writes.setdefault(key, []).append(rec.index)
@@ -864,8 +926,10 @@ class _State:
         if fname in _SKIP_FUNCS or fname in _ALLOC_FUNCS:
             return
         if out is None and fname == "__setitem__" and args and isinstance(args[0], torch.Tensor):
-            if self.fold is not None and self.foldable([((), args[0])], naming.user_frame(sys._getframe(2))):
-                self.fold_into([((), args[0])], self.lineage_of((args, kwargs)), in_place=True)
+            f = naming.user_frame(sys._getframe(2)) if self.fold is not None else None
+            if f is not None and self.foldable([((), args[0])], f, write=True):
+                self.fold_into([((), args[0])], self.lineage_of((args, kwargs)), in_place=True, frame=f,
+                               op="Tensor.__setitem__")
                 return
             site = self.site()
             # `y[0] = v` runs as a store to the subscript: name the record by the tensor written, `y`
@@ -879,11 +943,16 @@ class _State:
         found = _tensors(out)
         if not found:
             return
-        if self.fold is not None and self.foldable(found, naming.user_frame(sys._getframe(2))):
-            self.fold_into(found, self.lineage_of((args, kwargs)), in_place=_may_write(fname, kwargs, args))
-            return
+        if self.fold is not None:
+            f = naming.user_frame(sys._getframe(2))
+            writes = _may_write(fname, kwargs, args)
+            if self.foldable(found, f, write=writes):
+                self.fold_into(found, self.lineage_of((args, kwargs)), in_place=writes, frame=f if writes else None,
+                               op=_func_name(func) if writes else "")
+                return
         site = self.site()
-        tmpl, refs, params = self.template((args, kwargs))
+        # a view of the buffer (`out[t]`, to write into) reads none of its values: no flush for it
+        tmpl, refs, params = self.template((args, kwargs), flush=not all(t._base is not None for _, t in found))
         call = ("op", func, tmpl)
         op = _func_name(func)
         self.current_call = ("op", func, args, kwargs) if self.mutator is not None else None
@@ -897,8 +966,12 @@ class _State:
     def on_ext(self, qualname: str, fn, args, kwargs, out, before: list[tuple[int, torch.Tensor]] | None) -> None:
         if self.fold is not None:
             found = _tensors(out) if out is not None else self.non_param_tensors(args)
-            if self.foldable(found, naming.user_frame(sys._getframe(1))):
-                self.fold_into(found, self.lineage_of((args, kwargs)), in_place=out is None)
+            # a kernel writing in place: it returned nothing, or handed back an argument
+            writes = out is None or any(t is a for _, t in found for a in args)
+            f = naming.user_frame(sys._getframe(1))
+            if self.foldable(found, f, write=writes):
+                self.fold_into(found, self.lineage_of((args, kwargs)), in_place=writes, frame=f if writes else None,
+                               op=f"ext:{qualname}")
                 return
         site = self.site()
         tmpl, refs, params = self.template((args, kwargs))
@@ -1250,9 +1323,10 @@ class _TritonPatch:
                     if st.fold is not None:
                         # folded: every tensor argument not a parameter may be what it wrote
                         written = st.non_param_tensors(args)
-                        if st.foldable(written, f):
+                        if st.foldable(written, f, write=True):
                             out = _launch(st, f"triton:{name}", launch, args, kwargs)
-                            st.fold_into(written, st.lineage_of((args, kwargs)), in_place=True)
+                            st.fold_into(written, st.lineage_of((args, kwargs)), in_place=True, frame=f,
+                                         op=f"triton:{name}")
                             return out
                     before = [(i, a.detach().clone()) for i, a in tensors]
                     out = _launch(st, f"triton:{name}", launch, args, kwargs)
@@ -1281,14 +1355,15 @@ class capture:
     `snapshot=False` records metadata only (no clones).  `only` filters records by name
     (a callable taking the name).  `fold`: the element counts records may pair with (the other
     side's); results of other sizes from a call site past FOLD_AFTER of them are folded (module
-    docstring).  The trace stays usable when the forward raises: the
+    docstring).  `fold_writes`: the sizes of the other side's records written in place, against
+    which a write into memory is judged (default: `fold`).  The trace stays usable when the forward raises: the
     exception propagates, ``trace.error`` says where it happened.
     """
 
     def __init__(self, model: torch.nn.Module | None = None, *, snapshot: bool = True,
                  only: Callable[[str], bool] | None = None, inputs: tuple = (), sink: Any = None,
-                 fold: frozenset | None = None):
-        self.state = _State(model, snapshot, only, sink, fold)
+                 fold: frozenset | None = None, fold_writes: frozenset | None = None):
+        self.state = _State(model, snapshot, only, sink, fold, fold_writes)
         for i, (pos, t) in enumerate(_tensors(list(inputs))):
             # the model's inputs open the trace, so a candidate's copy of an input pairs with it
             self.state.trace.inputs.append(t.detach().clone() if snapshot else t)

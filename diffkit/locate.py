@@ -48,8 +48,8 @@ def build_stages(ref: Trace, cand: Trace, alignment: Alignment, tolerance: Toler
     for c in cand.records:
         p = by_cand.get(c.index)
         if c.kind == "input" and (p is None or ref.records[p.ref].kind == "input"):
-            continue  # inputs are alignment anchors, not stages
-        if p is None:
+            pass  # inputs are alignment anchors, not stages (the reference's unpaired records after them are)
+        elif p is None:
             rows.append(Stage(index=0, ref=None, cand=RecordInfo.of(c), note="no reference counterpart"))
         else:
             r = ref.records[p.ref]

@@ -20,7 +20,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from .align import Alignment, align, param_map, record_numel, to_ref_layout, torch_op
-from .capture import FOLD_AFTER, StopCapture, Trace, capture
+from .capture import FOLD_AFTER, StopCapture, Trace, capture, written_in_place
 from .diagnose import diagnose
 from .locate import build_stages, locate
 from .measure import measure
@@ -55,12 +55,14 @@ class ModelSource:
 
     `seed`: set before its captured forward (KernelBench seeds each trial before the forwards, so a
     model that draws random numbers draws the same ones).  `fold`: the element counts its records
-    may pair with, set by a diff once the other side is captured (see capture's folding)."""
+    may pair with, set by a diff once the other side is captured (see capture's folding);
+    `fold_writes`: those of its records written in place, the sizes a write may pair with."""
 
     model: torch.nn.Module
     inputs: Sequence[Any]
     seed: int | None = None
     fold: frozenset | None = None
+    fold_writes: frozenset | None = None
 
     def params(self) -> dict[str, torch.Tensor]:
         return named_tensors(self.model)
@@ -128,17 +130,19 @@ Source = ModelSource | CaptureSource | TraceSource
 # ------------------------------------------------------------------------------------------ running
 def run_captured(model: torch.nn.Module, inputs: Sequence[Any], *, no_grad: bool = True, only=None,
                  stream_to: str | None = None, sink: Any = None, info: dict | None = None, snapshot: bool = True,
-                 mutator: Any = None, fold: frozenset | None = None, stream_values: bool = True) -> Trace:
+                 mutator: Any = None, fold: frozenset | None = None, fold_writes: frozenset | None = None,
+                 stream_values: bool = True) -> Trace:
     """Run one forward under capture; an exception is kept in ``trace.error``, not raised.
     `stream_to` writes each record to a capture directory as it is made (crash insurance), with the
     model's parameters and `info` (`stream_values=False`: names and shapes only); `sink` receives the records instead (store.CaptureWriter,
     stream.TieredStore, stream.StreamComparer, whatif's grab); `snapshot=False` keeps no values;
-    `mutator` plants a what-if mistake (see diffkit.whatif); `fold` as `capture` takes it."""
+    `mutator` plants a what-if mistake (see diffkit.whatif); `fold`, `fold_writes` as `capture` takes them."""
     inputs = list(inputs)
     cm = torch.no_grad() if no_grad else contextlib.nullcontext()
     if stream_to and sink is None:
         sink = capture_writer(stream_to, model, info, values=stream_values)
-    cap = capture(model, inputs=tuple(inputs), only=only, sink=sink, snapshot=snapshot, fold=fold)
+    cap = capture(model, inputs=tuple(inputs), only=only, sink=sink, snapshot=snapshot, fold=fold,
+                  fold_writes=fold_writes)
     cap.state.mutator = mutator
     if hasattr(sink, "bind_capture"):  # a streaming diff's lockstep suspends and resumes it (diffkit.stream)
         sink.bind_capture(cap)
@@ -192,7 +196,8 @@ def _run_side(src: ModelSource, options: Options, state: dict, side: str, **capt
     before = snapshot_state(src.model)
     if src.seed is not None:
         seed_all(src.seed)
-    trace = run_captured(src.model, clone_inputs(list(src.inputs)), no_grad=options.no_grad, fold=src.fold, **capture)
+    trace = run_captured(src.model, clone_inputs(list(src.inputs)), no_grad=options.no_grad, fold=src.fold,
+                         fold_writes=src.fold_writes, **capture)
     state[side] = (before, snapshot_state(src.model))
     return trace
 
@@ -222,6 +227,7 @@ def _fold_against(candidate: Source, ref: Trace, options: Options) -> None:
     (capture's folding): the element counts they hold (set once: its reruns fold alike)."""
     if options.fold and isinstance(candidate, ModelSource) and candidate.fold is None:
         candidate.fold = frozenset(record_numel(r) for r in ref.records)
+        candidate.fold_writes = frozenset(record_numel(r) for r in ref.records if written_in_place(r))
 
 
 def _lazy(store, device):
@@ -962,7 +968,8 @@ def _check_nondeterminism(result: Result, ref: Trace, cand_trace: Trace, candida
     restore_state(model, before)
     if traces.window is None:
         sink = _RerunComparer(cand_trace)
-        run_captured(model, clone_inputs(inputs), no_grad=options.no_grad, sink=sink, fold=candidate.fold)
+        run_captured(model, clone_inputs(inputs), no_grad=options.no_grad, sink=sink, fold=candidate.fold,
+                     fold_writes=candidate.fold_writes)
         diffs = sink.differences()
     else:
         # streaming: the first run's values are kept for a few stages only -- re-capture those (the first
@@ -974,7 +981,8 @@ def _check_nondeterminism(result: Result, ref: Trace, cand_trace: Trace, candida
             wanted |= set(fd.cand.names())
         bases = {n.split("#")[0] for n in wanted}
         again = run_captured(model, clone_inputs(inputs), no_grad=options.no_grad,
-                             only=lambda n: n.split("#")[0] in bases, fold=candidate.fold)
+                             only=lambda n: n.split("#")[0] in bases, fold=candidate.fold,
+                             fold_writes=candidate.fold_writes)
         by_name = {r.name: r for r in again.records}
         diffs = {n: (d, by_name[n].value) for n, d in rerun_differences(cand_trace, again, wanted).items()}
     result.meta["second_run"] = {"differs": len(diffs)}

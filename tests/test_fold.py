@@ -10,6 +10,7 @@ import textwrap
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import diffkit
 from diffkit.options import FOLD_AFTER
@@ -282,3 +283,155 @@ def test_a_folded_write_makes_an_earlier_record_of_that_memory_stale():
     assert st.ref_of(buf) is None
     params: list[str] = []
     assert 7 in st._folded_sources(buf, params) and params == ["w"]
+
+
+# -- writes into a buffer of the output's size, one step at a time (the preallocated-output style)
+class TwoGRUs(nn.Module):
+    """The reference: two stacked single-layer bidirectional GRUs (a record per layer, [T, B, 2H])."""
+
+    def __init__(self):
+        super().__init__()
+        self.lower = nn.GRU(4, 5, bidirectional=True)
+        self.upper = nn.GRU(10, 5, bidirectional=True)
+
+    def forward(self, x):
+        return self.upper(self.lower(x)[0])[0]
+
+
+class SlabWriter(nn.Module):
+    """The candidate: each direction's step result is stored into its columns of a buffer allocated
+    per layer (`slab[t, :, col:col + H] = h`), which the next layer reads whole.  `bad_step`: the lower
+    layer's backward direction stores half its state at that step."""
+
+    def __init__(self, bad_step=None):
+        super().__init__()
+        self.lower = nn.GRU(4, 5, bidirectional=True)
+        self.upper = nn.GRU(10, 5, bidirectional=True)
+        self.bad_step = bad_step
+
+    def _direction(self, gru, sfx, seq, slab, col, backwards, corrupt):
+        H = gru.hidden_size
+        pre = F.linear(seq, getattr(gru, "weight_ih_l0" + sfx), getattr(gru, "bias_ih_l0" + sfx))
+        h = seq.new_zeros(seq.shape[1], H)
+        for t in (range(seq.shape[0] - 1, -1, -1) if backwards else range(seq.shape[0])):
+            g = pre[t]
+            hh = F.linear(h, getattr(gru, "weight_hh_l0" + sfx), getattr(gru, "bias_hh_l0" + sfx))
+            r = torch.sigmoid(g[:, :H] + hh[:, :H])
+            z = torch.sigmoid(g[:, H:2 * H] + hh[:, H:2 * H])
+            n = torch.tanh(g[:, 2 * H:] + r * hh[:, 2 * H:])
+            h = (1 - z) * n + z * h
+            slab[t, :, col:col + H] = h * 0.5 if (corrupt and t == self.bad_step) else h
+
+    def forward(self, x):
+        for k, gru in enumerate((self.lower, self.upper)):
+            slab = x.new_empty(x.shape[0], x.shape[1], 2 * gru.hidden_size)
+            for d in range(2):
+                self._direction(gru, "_reverse" if d else "", x, slab, d * gru.hidden_size, d == 1,
+                                k == 0 and d == 1 and self.bad_step is not None)
+            x = slab
+        return x
+
+
+def _slab_diff(bad_step, fold, steps=30):
+    torch.manual_seed(0)
+    ref = TwoGRUs()
+    torch.manual_seed(0)
+    cand = SlabWriter(bad_step)
+    return diffkit.compare(ref, cand, [torch.randn(steps, 3, 4)], fold=fold)
+
+
+def test_step_writes_into_a_full_size_buffer_fold_and_the_filled_buffer_pairs():
+    """Every step's store writes into a tensor of the layer output's size, so by size alone each could
+    pair; but a partly filled buffer pairs with nothing the reference has (it makes no writes).  The
+    stores fold, and the buffer is recorded once, filled, when the next layer reads it: it pairs
+    with the reference's lower layer, which the partly filled records could not."""
+    folded, whole = _slab_diff(None, True), _slab_diff(None, False)
+    assert folded.verdict == whole.verdict == "match"
+    writes = [s for s in folded.stages if s.cand is not None and s.cand.names()[0].startswith("_direction:slab")]
+    paired = [s for s in writes if s.ref is not None]
+    assert len(paired) == 1 and paired[0].ref.names()[0] == "lower[0]" and paired[0].status == "ok"
+    # recorded: FOLD_AFTER stores of the first direction's site, then the filled buffer, at most once per layer
+    assert len(writes) <= FOLD_AFTER + 2
+    assert folded.meta["cand_records"] * 10 < whole.meta["cand_records"]
+
+
+def test_a_wrong_step_in_a_folded_buffer_shows_at_the_filled_buffer():
+    bad = 20
+    folded = _slab_diff(bad, True)
+    assert folded.verdict == "diverged"
+    fd = folded.first_divergence
+    assert fd.ref_name == "lower[0]" and fd.cand.names()[0].startswith("_direction:slab")
+    assert fd.stats.mismatches == 3 * 5  # one step's backward half, batch 3 x hidden 5
+
+
+class StepWriterRef(nn.Module):
+    """A reference that itself fills a buffer step by step: the candidate's stores pair with its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(6, 6) * 0.3)
+
+    def forward(self, x):
+        out = torch.zeros(x.shape[0], 6)
+        h = torch.zeros(6)
+        for t in range(x.shape[0]):
+            h = torch.tanh(x[t] + h @ self.w)
+            out[t] = h
+        return out * 2
+
+
+def test_stores_are_kept_where_the_reference_makes_stores_of_that_size():
+    torch.manual_seed(0)
+    ref = StepWriterRef()
+    torch.manual_seed(0)
+    cand = StepWriterRef()
+    res = diffkit.compare(ref, cand, [torch.randn(20, 6)])
+    assert res.verdict == "match"
+    stores = [s for s in res.stages if s.ref is not None and s.cand is not None and s.ref.kind == "write"]
+    assert len(stores) == 20 and all(s.status == "ok" for s in stores)
+
+
+class KernelSteps(nn.Module):
+    """A two-layer loop whose kernel writes each step's state into a row of the layer's output buffer
+    and returns nothing (the out-parameter style); the reference is one two-layer nn.RNN."""
+
+    def __init__(self, ops):
+        super().__init__()
+        self.rnn = nn.RNN(4, 6, num_layers=2)
+        self.ops = ops
+
+    def forward(self, x):
+        for k in range(2):
+            out = torch.empty(x.shape[0], x.shape[1], 6)
+            h = x.new_zeros(x.shape[1], 6)
+            for t in range(x.shape[0]):
+                h = torch.tanh(F.linear(x[t], getattr(self.rnn, f"weight_ih_l{k}"), getattr(self.rnn, f"bias_ih_l{k}"))
+                               + F.linear(h, getattr(self.rnn, f"weight_hh_l{k}"), getattr(self.rnn, f"bias_hh_l{k}")))
+                self.ops.scale_into(out[t], h, 1.0)
+            x = out
+        return x.sum(-1)
+
+
+class TwoLayerRNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.RNN(4, 6, num_layers=2)
+
+    def forward(self, x):
+        return self.rnn(x)[0].sum(-1)
+
+
+def test_a_kernel_writing_rows_of_the_output_buffer_folds_and_the_buffer_is_recorded(ops):
+    torch.manual_seed(0)
+    ref = TwoLayerRNN()
+    torch.manual_seed(0)
+    cand = KernelSteps(ops)
+    res = diffkit.compare(ref, cand, [torch.randn(25, 2, 4)])
+    assert res.verdict == "match"
+    stores = [s for s in res.stages if s.cand is not None and s.cand.kind == "write"]
+    # FOLD_AFTER kernel calls recorded, then the first layer's buffer (its rows read by the second
+    # layer) and the second's (read by the sum), each once, filled
+    filled_buffers = [s for s in stores if tuple(s.cand.shape) == (25, 2, 6)]
+    assert len(filled_buffers) == 2 and len(stores) <= FOLD_AFTER + 2
+    filled = next(s for s in res.stages if s.ref is not None and s.ref.names()[0] == "rnn[0]")
+    assert filled.cand is not None and filled.cand.index == max(s.cand.index for s in stores) and filled.status == "ok"

@@ -152,3 +152,23 @@ def test_may_be_random_only_for_dropout_or_sampling():
     for model, want in ((Plain(), False), (Plain(p=0.3), True), (Plain(sample=True), True)):
         assert may_be_random(model, run_captured(model, [x])) is want
     assert may_be_random(Plain(p=0.3).eval(), run_captured(Plain(p=0.3).eval(), [x])) is False
+
+
+class _ExpSum(nn.Module):
+    def forward(self, x):
+        a = x.exp()
+        return a.sum(-1)
+
+
+class _LogSumExpThenExp(nn.Module):
+    def forward(self, x):
+        return torch.logsumexp(x, -1).exp()
+
+
+def test_a_reference_stage_right_after_the_inputs_with_no_counterpart_is_listed():
+    """The reference's first record after its inputs, unpaired, is a row of its own (it once went
+    with the inputs' rows, which are not listed)."""
+    res = diffkit.compare(_ExpSum(), _LogSumExpThenExp(), [torch.randn(3, 5)])
+    assert res.verdict == "match"
+    lone = [s for s in res.stages if s.ref is not None and s.cand is None]
+    assert [s.ref.names()[0] for s in lone] == ["forward:a"] and lone[0].status == "unmatched"
