@@ -105,3 +105,22 @@ def test_sanitize_racecheck_names_kernel_shared_array_and_stage_in_minutes(tmp_p
     assert "softmax_rows_kernel" in finding["detail"] and "shared array red" in finding["detail"], finding
     assert data["verdict"] == "diverged"
     assert elapsed < 180, f"racecheck took {elapsed:.0f} s"
+
+
+# ------------------------------------------------------------------ a launch per step writing into the output
+@pytest.mark.cuda
+def test_triton_launch_per_step_into_the_output_folds(tmp_path, monkeypatch):
+    """A bidirectional GRU whose Triton launch per step and direction writes its state straight into the
+    layer's output: the launches past FOLD_AFTER fold (the output-sized argument is judged against the
+    reference's writes, of which it has none), the filled output is recorded when read, the verdict stands."""
+    monkeypatch.setenv("DIFFKIT_GRU_LAYERS", "2")
+    monkeypatch.setenv("DIFFKIT_GRU_SEQ", "48")
+    # (the reference, cuDNN's GRU, runs its matmuls in TF32 on this GPU: 3e-4 from a float32 loop)
+    out, data = _diff("references/gru_bidirectional.py", "kernels/bench/gru_bidirectional_triton_steps.py", tmp_path,
+                      "--atol", "1e-3", "--rtol", "1e-3")
+    assert out.returncode == 0 and data["verdict"] == "match", data["summary"]
+    assert data["meta"]["cand_folded"]["results"] > 0
+    writes = [s for s in data["stages"] if s["cand"] and s["cand"]["kind"] == "write"]
+    # per layer: the first launches' writes, then the filled output once (the second layer's is the model's output)
+    assert 0 < len(writes) <= 2 * 8 + 2, [s["cand_name"] for s in writes]
+    assert data["meta"]["cand_records"] < 2 * 2 * 48
