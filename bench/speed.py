@@ -38,14 +38,23 @@ MODELS = {
     "gru": dict(ref="references/gru_bidirectional.py", cand="kernels/bench/gru_bidirectional_steps.py",
                 env=dict(DIFFKIT_GRU_LAYERS=6, DIFFKIT_GRU_SEQ=512, DIFFKIT_GRU_BATCH=4, DIFFKIT_GRU_INPUT=32,
                          DIFFKIT_GRU_HIDDEN=32)),
+    # the same GRU in two more step styles: stores into a preallocated output (`slab[t, :, cols] = h`), and a
+    # state read back out of the output each step (`y[t, :, cols].copy_(...)`)
+    "gru_slab": dict(ref="references/gru_bidirectional.py", cand="kernels/bench/gru_bidirectional_slab.py",
+                     env=dict(DIFFKIT_GRU_LAYERS=6, DIFFKIT_GRU_SEQ=512, DIFFKIT_GRU_BATCH=4, DIFFKIT_GRU_INPUT=32,
+                              DIFFKIT_GRU_HIDDEN=32)),
+    "gru_readback": dict(ref="references/gru_bidirectional.py", cand="kernels/bench/gru_bidirectional_readback.py",
+                         env=dict(DIFFKIT_GRU_LAYERS=6, DIFFKIT_GRU_SEQ=512, DIFFKIT_GRU_BATCH=4, DIFFKIT_GRU_INPUT=32,
+                                  DIFFKIT_GRU_HIDDEN=32)),
     "h200": dict(ref="references/deep_transformer.py", cand="kernels/deep_transformer_fused.py",
                  env=dict(DIFFKIT_DEPTH=24, DIFFKIT_BATCH=4, DIFFKIT_SEQ=2048, DIFFKIT_DIM=1024, DIFFKIT_HEADS=16)),
 }
 PRESETS = {"cpu": [("stack12", ["plain", "compare", "default", "naive", "isolated", "isolated_warm"]),
-                   ("gru", ["plain", "compare", "default", "compare_nofold"])],
+                   ("gru", ["plain", "compare", "default", "compare_nofold"]),
+                   ("gru_slab", ["plain", "compare"]), ("gru_readback", ["plain", "compare"])],
            "h200": [("h200", ["plain", "compare", "stream", "naive", "metrics"])]}
 TARGETS = {("stack12", "compare"): 2.0, ("stack12", "isolated"): 3.0, ("stack12", "isolated_warm"): 3.0,
-           ("gru", "compare"): 5.0,
+           ("gru", "compare"): 5.0, ("gru_slab", "compare"): 5.0, ("gru_readback", "compare"): 5.0,
            ("h200", "compare"): 3.0, ("h200", "stream"): 2.0}
 
 

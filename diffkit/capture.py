@@ -38,7 +38,9 @@ A write into existing memory (``out[t] = h``, an in-place op, a kernel writing i
 judged against the sizes of the other side's writes (`fold_writes`): a buffer the size of the
 output, filled one step at a time, holds nothing the reference has until it is full, so its stores
 fold too; the buffer is recorded once, as it is then, when a recorded call next reads it (`pending`)
--- the filled buffer still pairs (a layer's output with the reference's layer).
+-- the filled buffer still pairs (a layer's output with the reference's layer).  A view a call site
+made the last time too (the same memory, offset, shape and strides: ``bufs[layer]`` taken each step
+to store into) is folded at once, whatever its size.
 """
 from __future__ import annotations
 
@@ -432,6 +434,10 @@ class _State:
         # reads that memory (`_flush`), so the filled buffer can still pair
         self.pending: dict[int, tuple[Any, Any, str, str, tuple]] = {}
         self.flushed: dict[tuple, int] = {}  # flushes per call site: past FOLD_AFTER its buffers stay folded
+        # the view a call site made last, (storage, offset, shape, strides): the same view made again (a
+        # loop taking `bufs[layer]` each step to write into) is folded, as are the times it was (`views_again`)
+        self.last_view: dict[tuple, tuple] = {}
+        self.views_again: dict[tuple, int] = {}
         self.unpairable: dict[tuple, int] = {}
         self.lineage: dict[int, tuple[Any, frozenset, frozenset]] = {}
         self.lineage_storage: dict[int, tuple[Any, frozenset, frozenset]] = {}  # (weakref of the written tensor, …)
@@ -714,10 +720,32 @@ class _State:
         self.unpairable[key] = n
         return n > FOLD_AFTER
 
+    def same_view_again(self, tensors: list[tuple[tuple, torch.Tensor]], frame: Any) -> bool:
+        """Whether this call's one result is a view of memory its call site viewed in exactly this way the
+        last time (a record of it would only show that memory again, part written); counted per site."""
+        if frame is None or len(tensors) != 1:
+            return False
+        t = tensors[0][1]
+        if t._base is None:
+            return False
+        key = (frame.f_code, frame.f_lineno)
+        sig = (_storage_key(t), t.storage_offset(), tuple(t.shape), t.stride())
+        if self.last_view.get(key) == sig:
+            self.views_again[key] = self.views_again.get(key, 0) + 1
+            return True
+        self.last_view[key] = sig
+        return False
+
     def folded_sites(self) -> dict[str, int]:
         """Results folded, by call site "file:line" (`Trace.folded`)."""
-        return {f"{code.co_filename}:{line}": n - FOLD_AFTER for (code, line), n in self.unpairable.items()
-                if n > FOLD_AFTER}
+        out: dict[str, int] = {}
+        for (code, line), n in self.unpairable.items():
+            if n > FOLD_AFTER:
+                out[f"{code.co_filename}:{line}"] = n - FOLD_AFTER
+        for (code, line), n in self.views_again.items():
+            site = f"{code.co_filename}:{line}"
+            out[site] = out.get(site, 0) + n
+        return out
 
     def lineage_of(self, obj: Any, extra: tuple[str, ...] = ()) -> tuple[frozenset, frozenset]:
         """The records and parameters the tensors in `obj` come from (a folded tensor by its lineage).
@@ -946,6 +974,9 @@ class _State:
         if self.fold is not None:
             f = naming.user_frame(sys._getframe(2))
             writes = _may_write(fname, kwargs, args)
+            if not writes and self.same_view_again(found, f):
+                self.fold_into(found, self.lineage_of((args, kwargs)))
+                return
             if self.foldable(found, f, write=writes):
                 self.fold_into(found, self.lineage_of((args, kwargs)), in_place=writes, frame=f if writes else None,
                                op=_func_name(func) if writes else "")

@@ -435,3 +435,46 @@ def test_a_kernel_writing_rows_of_the_output_buffer_folds_and_the_buffer_is_reco
     assert len(filled_buffers) == 2 and len(stores) <= FOLD_AFTER + 2
     filled = next(s for s in res.stages if s.ref is not None and s.ref.names()[0] == "rnn[0]")
     assert filled.cand is not None and filled.cand.index == max(s.cand.index for s in stores) and filled.status == "ok"
+
+
+class NestedBuffers(nn.Module):
+    """Each step indexes the layer's slot of one buffer for all layers and stores into it
+    (``outs[layer][:, t] = h``): `outs[layer]` has the layer output's size, so by size each view could
+    pair; made again and again, it is the same memory each time."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.RNN(5, 7, num_layers=2, batch_first=True)
+
+    def forward(self, x):
+        outs = x.new_empty(2, x.shape[0], x.shape[1], 7)
+        seq = x
+        for layer in range(2):
+            w_ih, w_hh = getattr(self.rnn, f"weight_ih_l{layer}"), getattr(self.rnn, f"weight_hh_l{layer}")
+            b = getattr(self.rnn, f"bias_ih_l{layer}") + getattr(self.rnn, f"bias_hh_l{layer}")
+            h = x.new_zeros(x.shape[0], 7)
+            for t in range(x.shape[1]):
+                h = torch.tanh(seq[:, t] @ w_ih.T + h @ w_hh.T + b)
+                outs[layer][:, t] = h
+            seq = outs[layer]
+        return seq
+
+
+def test_the_same_view_made_each_step_folds():
+    torch.manual_seed(0)
+    ref = ElmanRef()
+    torch.manual_seed(0)
+    cand = NestedBuffers()
+    x = torch.randn(3, 40, 5)
+    folded = diffkit.compare(ref, cand, [x])
+    whole = diffkit.compare(ref, cand, [x], fold=False)
+    assert folded.verdict == whole.verdict == "match"
+    line = NestedBuffers.forward.__code__.co_firstlineno + 9  # outs[layer][:, t] = h
+    sites = folded.meta["cand_folded"]["sites"]
+    site = next(s for s in sites if s.endswith(f"test_fold.py:{line}"))
+    # per layer the view is recorded once, then made again 39 times; the stores past FOLD_AFTER fold too
+    assert sites[site] == 2 * 39 + (2 * 40 - FOLD_AFTER)
+    views = [r for r in folded.stages if r.cand is not None and r.cand.op == "Tensor.__getitem__"
+             and tuple(r.cand.shape) == (3, 40, 7)]
+    assert len(views) <= 2 + 2  # each layer's slot viewed to store into, and to read it back
+    assert folded.meta["cand_records"] * 3 < whole.meta["cand_records"]
