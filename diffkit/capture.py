@@ -722,11 +722,12 @@ class _State:
 
     def same_view_again(self, tensors: list[tuple[tuple, torch.Tensor]], frame: Any) -> bool:
         """Whether this call's one result is a view of memory its call site viewed in exactly this way the
-        last time (a record of it would only show that memory again, part written); counted per site."""
+        last time (a record of it would only show that memory again, part written); counted per site.
+        Asked only of a result of a size that may pair (the others fold by `foldable`)."""
         if frame is None or len(tensors) != 1:
             return False
         t = tensors[0][1]
-        if t._base is None:
+        if t._base is None or t.numel() not in self.fold:
             return False
         key = (frame.f_code, frame.f_lineno)
         sig = (_storage_key(t), t.storage_offset(), tuple(t.shape), t.stride())
@@ -974,10 +975,7 @@ class _State:
         if self.fold is not None:
             f = naming.user_frame(sys._getframe(2))
             writes = _may_write(fname, kwargs, args)
-            if not writes and self.same_view_again(found, f):
-                self.fold_into(found, self.lineage_of((args, kwargs)))
-                return
-            if self.foldable(found, f, write=writes):
+            if self.foldable(found, f, write=writes) or (not writes and self.same_view_again(found, f)):
                 self.fold_into(found, self.lineage_of((args, kwargs)), in_place=writes, frame=f if writes else None,
                                op=_func_name(func) if writes else "")
                 return
