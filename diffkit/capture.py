@@ -406,6 +406,18 @@ def written_in_place(r: Record) -> bool:
     return r.kind == "write" or (r.kind in ("op", "ext") and _writes_by_name(r.op.rsplit(".", 1)[-1]) == 1)
 
 
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The first and last element of its storage a tensor reaches (by its offset, sizes and strides)."""
+    lo = hi = t.storage_offset()
+    for n, st in zip(t.shape, t.stride()):
+        if n > 1:
+            if st < 0:
+                lo += (n - 1) * st
+            else:
+                hi += (n - 1) * st
+    return lo, hi
+
+
 def _func_name(func: Callable) -> str:
     name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
     mod = getattr(func, "__module__", None) or ""
@@ -432,7 +444,8 @@ class _State:
         # folded writes into a buffer of a pairable size, by storage: (weakref of the written tensor,
         # its call site, scope, op); recorded once, with the value it has then, when a recorded call
         # reads that memory (`_flush`), so the filled buffer can still pair
-        self.pending: dict[int, tuple[Any, Any, str, str, tuple]] = {}
+        # (storage -> [(weakref of the buffer, site, scope, op, (code, line), (first, last) element it spans)])
+        self.pending: dict[int, list[tuple]] = {}
         self.flushed: dict[tuple, int] = {}  # flushes per call site: past FOLD_AFTER its buffers stay folded
         # the view a call site made last, (storage, offset, shape, strides): the same view made again (a
         # loop taking `bufs[layer]` each step to write into) is folded, as are the times it was (`views_again`)
@@ -522,8 +535,17 @@ class _State:
                 rec.value = rec.value.clone()
 
     def before_write(self, args: Any, kwargs: Any = None) -> None:
-        """Called before a call that may write into its tensor arguments: copy what records hold there."""
-        if not self.lazy or self.busy:
+        """Called before a call that may write into its tensor arguments: copy what records hold there
+        (and record a pending buffer there first, `flush_before_write`)."""
+        if self.busy:
+            return
+        if self.pending:
+            self.busy = True
+            try:
+                self.flush_before_write(args, kwargs)
+            finally:
+                self.busy = False
+        if not self.lazy:
             return
         self.busy = True  # the copies are diffkit's own ops, not the model's
         try:
@@ -790,10 +812,12 @@ class _State:
         prm.extend(frozenset(self.derived[i]) for i in found if i in self.derived)
 
     def fold_into(self, tensors: list[tuple[tuple, torch.Tensor]], lineage: tuple[frozenset, frozenset],
-                  in_place: bool = False, frame: Any = None, op: str = "") -> None:
+                  in_place: bool = False, frame: Any = None, op: str = "", known: bool = True) -> None:
         """Give folded results their lineage.  `in_place`: the call wrote into them (their memory may
         be read through other views later: the lineage is noted by storage too, and adds to theirs;
-        one of a size the other side has is `pending` from `frame`, the call site, made by `op`)."""
+        the buffer written, when the other side has a record of its size, is `pending` from `frame`,
+        the call site, made by `op`).  `known=False`: a kernel's arguments, any of which it may have
+        written; one whose memory only ever held a record's result, never a write, is taken as read."""
         for _, t in tensors:
             if id(t) in self.param_ids:
                 continue  # a parameter written in place stays a parameter
@@ -814,31 +838,72 @@ class _State:
                     except TypeError:
                         pass
                     self.folded_writes[key] = len(self.trace.records)
-                    if frame is not None and whole.numel() in self.fold:
-                        at = (frame.f_code, frame.f_lineno)
-                        if self.flushed.get(at, 0) < FOLD_AFTER:  # (a loop reading back what it wrote)
-                            self.pending[key] = (weakref.ref(whole), naming.site_of(frame), self.scope, op, at)
+                    if frame is not None:
+                        self._pend(key, t, frame, op, known)
             try:
                 self.lineage[id(t)] = (weakref.ref(t), *lineage)
             except TypeError:
                 pass
 
-    def _flush(self, t: torch.Tensor) -> None:
-        """Record the buffer folded writes filled in `t`'s memory (`pending`), as it is now: a recorded
-        call is about to read it.  A kernel's tensor argument it did not change is not recorded."""
-        key = _storage_key(t)
-        entry = self.pending.pop(key, None)
-        if entry is None:
+    def _pend(self, key: int, t: torch.Tensor, frame: Any, op: str, known: bool) -> None:
+        """Note the buffer a folded write filled (`pending`): the written tensor's base where that has a
+        size the other side's records have, else the tensor itself where it has (a layer's slot of a
+        buffer for all layers); neither, nothing."""
+        base = t._base
+        whole = base if base is not None and base.numel() in self.fold else t if t.numel() in self.fold else None
+        if whole is None:
             return
+        if not known and not self.storage_writes.get(key) and key in self.storage_owner:
+            return  # a kernel's input: this memory held records' results, and no write in place
+        at = (frame.f_code, frame.f_lineno)
+        if self.flushed.get(at, 0) >= FOLD_AFTER:  # (a loop reading back what it wrote)
+            return
+        entries = [e for e in self.pending.get(key, ()) if e[0]() is not None and e[0]() is not whole]
+        try:
+            entries.append((weakref.ref(whole), naming.site_of(frame), self.scope, op, at, _span(whole)))
+        except TypeError:
+            return
+        self.pending[key] = entries[-FOLD_AFTER:]
+
+    def flush_before_write(self, args: Any, kwargs: Any) -> None:
+        """A call about to write into memory holding a pending buffer: record the buffer first, unless
+        the call is a store its loop folds (its site is past FOLD_AFTER)."""
+        f = naming.user_frame(sys._getframe(1))
+        if f is not None and self.unpairable.get((f.f_code, f.f_lineno), 0) >= FOLD_AFTER:
+            return
+        for _, t in _tensors((args, kwargs)):
+            if _storage_key(t) in self.pending:
+                self._flush(t)
+
+    def _flush(self, t: torch.Tensor) -> None:
+        """Record the buffers folded writes filled in the memory `t` spans (`pending`), as they are now:
+        a recorded call is about to read it (or to write into it)."""
+        key = _storage_key(t)
+        entries = self.pending.get(key)
+        if not entries:
+            return
+        lo, hi = _span(t)
+        keep = []
+        for entry in entries:
+            if entry[0]() is None:
+                continue
+            if entry[5][1] < lo or hi < entry[5][0]:
+                keep.append(entry)  # another part of this memory (another layer's slot)
+            else:
+                self._record_pending(entry)
+        if keep:
+            self.pending[key] = keep
+        else:
+            self.pending.pop(key, None)
+            # the records now stand for what the folded writes put into this memory
+            self.lineage_storage.pop(key, None)
+            self.folded_writes.pop(key, None)
+
+    def _record_pending(self, entry: tuple) -> None:
+        """One pending buffer's record (a write, named after the site of the stores that filled it)."""
         target = entry[0]()
         if target is None:
             return
-        hit = self.tracked.get(id(target))
-        if hit is not None and hit[0]() is target and hit[1] < len(self.trace.records):
-            old = self.trace.records[hit[1]].value
-            if (old is not None and old.shape == target.shape and old.dtype == target.dtype
-                    and old.data_ptr() != target.data_ptr() and bool(torch.equal(old, target))):
-                return  # unchanged since its record (a kernel's input, folded with what it wrote)
         ins, prm = self.lineage_of(target)
         site, scope, op = entry[1], entry[2], entry[3]
         self.flushed[entry[4]] = self.flushed.get(entry[4], 0) + 1
@@ -846,8 +911,6 @@ class _State:
         self.add(name=self.op_name(scope, site.function, label), rebound=label in site.rebound, kind="write",
                  label=label, scope=scope, function=site.function, file=site.file, line=site.line, op=op,
                  tensor=target, inputs=tuple(Ref(i) for i in sorted(ins)), params=tuple(sorted(prm)))
-        self.lineage_storage.pop(key, None)
-        self.folded_writes.pop(key, None)
 
     def params_of_module(self, module: torch.nn.Module) -> tuple[str, ...]:
         """What a call of `module` reads: every parameter and buffer of the model inside it (its
@@ -922,11 +985,16 @@ class _State:
         self.track(tensor, rec.index)
         key = _storage_key(tensor)
         if key is not None:
-            if self.pending:
-                p = self.pending.get(key)
-                if p is not None and (p[0]() is None or p[0]() is tensor or (
-                        kind != "write" and getattr(tensor, "_base", None) is None)):
-                    del self.pending[key]  # recorded as it is now, or new memory under an old address
+            entries = self.pending.get(key) if self.pending else None
+            if entries:
+                if kind != "write" and getattr(tensor, "_base", None) is None:
+                    del self.pending[key]  # new memory under an old address
+                else:  # a buffer recorded as it is now needs no record later
+                    left = [e for e in entries if e[0]() is not None and e[0]() is not tensor]
+                    if left:
+                        self.pending[key] = left
+                    else:
+                        del self.pending[key]
             self.storage_owner[key] = (weakref.ref(tensor), rec.index)
             if in_place:
                 self.storage_writes.setdefault(key, []).append(rec.index)
@@ -1000,7 +1068,7 @@ class _State:
             f = naming.user_frame(sys._getframe(1))
             if self.foldable(found, f, write=writes):
                 self.fold_into(found, self.lineage_of((args, kwargs)), in_place=writes, frame=f if writes else None,
-                               op=f"ext:{qualname}")
+                               op=f"ext:{qualname}", known=out is not None)
                 return
         site = self.site()
         tmpl, refs, params = self.template((args, kwargs))
@@ -1051,7 +1119,7 @@ class _Mode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         st = self.state
-        if st.lazy and not st.busy and _may_write(getattr(func, "__name__", ""), kwargs, args):
+        if (st.lazy or st.pending) and not st.busy and _may_write(getattr(func, "__name__", ""), kwargs, args):
             st.before_write(args, kwargs)
         out = func(*args, **kwargs)
         if st.busy or st.opaque:
@@ -1355,7 +1423,7 @@ class _TritonPatch:
                         if st.foldable(written, f, write=True):
                             out = _launch(st, f"triton:{name}", launch, args, kwargs)
                             st.fold_into(written, st.lineage_of((args, kwargs)), in_place=True, frame=f,
-                                         op=f"triton:{name}")
+                                         op=f"triton:{name}", known=False)
                             return out
                     before = [(i, a.detach().clone()) for i, a in tensors]
                     out = _launch(st, f"triton:{name}", launch, args, kwargs)

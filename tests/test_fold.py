@@ -13,6 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import diffkit
+from diffkit.align import record_numel
 from diffkit.options import FOLD_AFTER
 
 C = importlib.import_module("diffkit.capture")
@@ -478,3 +479,116 @@ def test_the_same_view_made_each_step_folds():
              and tuple(r.cand.shape) == (3, 40, 7)]
     assert len(views) <= 2 + 2  # each layer's slot viewed to store into, and to read it back
     assert folded.meta["cand_records"] * 3 < whole.meta["cand_records"]
+
+
+# -- a pending buffer's record: its value before an in-place reader, a layer's slot, a kernel's inputs
+class ScaledSlabs(SlabWriter):
+    """SlabWriter whose lower output is scaled in place, and back, before the upper layer reads it:
+    the filled buffer is recorded before the first in-place op changes it."""
+
+    def forward(self, x):
+        for k, gru in enumerate((self.lower, self.upper)):
+            slab = x.new_empty(x.shape[0], x.shape[1], 2 * gru.hidden_size)
+            for d in range(2):
+                self._direction(gru, "_reverse" if d else "", x, slab, d * gru.hidden_size, d == 1, False)
+            if k == 0:
+                slab.mul_(2.0)
+                torch.mul(slab, 0.5, out=slab)
+            x = slab
+        return x
+
+
+def test_a_filled_buffer_is_recorded_before_an_in_place_op_changes_it():
+    torch.manual_seed(0)
+    ref = TwoGRUs()
+    torch.manual_seed(0)
+    cand = ScaledSlabs()
+    x = torch.randn(30, 3, 4)
+    rt = _capture(ref, [x], None)
+    with torch.no_grad():  # as a diff captures it: folding against the reference's sizes and writes
+        with C.capture(cand, inputs=(x,), fold=frozenset(record_numel(r) for r in rt.records),
+                       fold_writes=frozenset(record_numel(r) for r in rt.records if C.written_in_place(r))) as ct:
+            cand(x)
+    assert sum(ct.folded.values()) > 0
+    lower = next(r for r in rt.records if r.name == "lower[0]").value
+    doubled = next(i for i, r in enumerate(ct.records) if r.op.endswith("mul_"))
+    filled = ct.records[doubled - 1]  # recorded just before the first in-place op, as the stores left it
+    assert filled.kind == "write" and filled.name.startswith("_direction:slab")
+    torch.testing.assert_close(filled.value, lower)
+    res = diffkit.compare(ref, cand, [x])
+    assert res.verdict == "match"
+
+
+class SlotWriter(SlabWriter):
+    """SlabWriter with one allocation for both layers' outputs: each layer names its slot, its steps
+    store into it."""
+
+    def forward(self, x):
+        both = x.new_empty(2, x.shape[0], x.shape[1], 2 * self.lower.hidden_size)
+        for k, gru in enumerate((self.lower, self.upper)):
+            slot = both[k]
+            for d in range(2):
+                self._direction(gru, "_reverse" if d else "", x, slot, d * gru.hidden_size, d == 1,
+                                k == 0 and d == 1 and self.bad_step is not None)
+            x = slot
+        return x
+
+
+@pytest.mark.parametrize("bad_step", [None, 20])
+def test_a_layer_slot_of_a_shared_buffer_is_recorded_filled(bad_step):
+    torch.manual_seed(0)
+    ref = TwoGRUs()
+    torch.manual_seed(0)
+    res = diffkit.compare(ref, SlotWriter(bad_step), [torch.randn(30, 3, 4)])
+    lower = next(s for s in res.stages if s.ref is not None and s.ref.names()[0] == "lower[0]")
+    assert lower.cand is not None and lower.cand.kind == "write" and lower.cand.names()[0].startswith("_direction:slab")
+    if bad_step is None:
+        assert res.verdict == "match" and lower.status == "ok"
+    else:
+        assert res.first_divergence.ref_name == "lower[0]" and res.first_divergence.stats.mismatches == 3 * 5
+
+
+class KernelReadsRows(nn.Module):
+    """A kernel copies each step's input row out of a projection it only reads (out-parameter style)."""
+
+    def __init__(self, ops):
+        super().__init__()
+        self.proj = nn.Linear(4, 6)
+        self.rnn = nn.RNN(6, 6, num_layers=2)
+        self.ops = ops
+
+    def forward(self, x):
+        p = self.proj(x)
+        seq = p
+        for k in range(2):
+            out = torch.empty(x.shape[0], x.shape[1], 6)
+            h = x.new_zeros(x.shape[1], 6)
+            for t in range(x.shape[0]):
+                row = torch.empty(x.shape[1], 6)
+                self.ops.scale_into(row, seq[t], 1.0)
+                h = torch.tanh(F.linear(row, getattr(self.rnn, f"weight_ih_l{k}"), getattr(self.rnn, f"bias_ih_l{k}"))
+                               + F.linear(h, getattr(self.rnn, f"weight_hh_l{k}"), getattr(self.rnn, f"bias_hh_l{k}")))
+                out[t] = h
+            seq = out
+        return seq + p
+
+
+class ProjRNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 6)
+        self.rnn = nn.RNN(6, 6, num_layers=2)
+
+    def forward(self, x):
+        p = self.proj(x)
+        return self.rnn(p)[0] + p
+
+
+def test_a_kernels_read_only_argument_is_not_recorded_as_written(ops):
+    torch.manual_seed(0)
+    ref = ProjRNN()
+    torch.manual_seed(0)
+    res = diffkit.compare(ref, KernelReadsRows(ops), [torch.randn(20, 2, 4)])
+    assert res.verdict == "match"
+    kernel_writes = [s.cand for s in res.stages if s.cand is not None and s.cand.op.startswith("ext:")]
+    assert kernel_writes and all(tuple(c.shape) == (2, 6) for c in kernel_writes)  # the rows only
