@@ -67,10 +67,7 @@ class Unrolled(nn.Module):
 
 
 def _pair(bad_from=None, steps=40):
-    torch.manual_seed(0)
-    ref = ElmanRef()
-    torch.manual_seed(0)
-    cand = Unrolled(bad_from=bad_from)
+    ref, cand = _seeded(ElmanRef, lambda: Unrolled(bad_from=bad_from))
     x = torch.randn(3, steps, 5)
     return ref, cand, x
 
@@ -333,11 +330,16 @@ class SlabWriter(nn.Module):
         return x
 
 
+def _seeded(make_ref, make_cand):
+    """The reference and the candidate, each built from seed 0 (their parameters alike)."""
+    torch.manual_seed(0)
+    ref = make_ref()
+    torch.manual_seed(0)
+    return ref, make_cand()
+
+
 def _slab_diff(bad_step, fold, steps=30):
-    torch.manual_seed(0)
-    ref = TwoGRUs()
-    torch.manual_seed(0)
-    cand = SlabWriter(bad_step)
+    ref, cand = _seeded(TwoGRUs, lambda: SlabWriter(bad_step))
     return diffkit.compare(ref, cand, [torch.randn(steps, 3, 4)], fold=fold)
 
 
@@ -382,10 +384,7 @@ class StepWriterRef(nn.Module):
 
 
 def test_stores_are_kept_where_the_reference_makes_stores_of_that_size():
-    torch.manual_seed(0)
-    ref = StepWriterRef()
-    torch.manual_seed(0)
-    cand = StepWriterRef()
+    ref, cand = _seeded(StepWriterRef, StepWriterRef)
     res = diffkit.compare(ref, cand, [torch.randn(20, 6)])
     assert res.verdict == "match"
     stores = [s for s in res.stages if s.ref is not None and s.cand is not None and s.ref.kind == "write"]
@@ -423,10 +422,7 @@ class TwoLayerRNN(nn.Module):
 
 
 def test_a_kernel_writing_rows_of_the_output_buffer_folds_and_the_buffer_is_recorded(ops):
-    torch.manual_seed(0)
-    ref = TwoLayerRNN()
-    torch.manual_seed(0)
-    cand = KernelSteps(ops)
+    ref, cand = _seeded(TwoLayerRNN, lambda: KernelSteps(ops))
     res = diffkit.compare(ref, cand, [torch.randn(25, 2, 4)])
     assert res.verdict == "match"
     stores = [s for s in res.stages if s.cand is not None and s.cand.kind == "write"]
@@ -462,10 +458,7 @@ class NestedBuffers(nn.Module):
 
 
 def test_the_same_view_made_each_step_folds():
-    torch.manual_seed(0)
-    ref = ElmanRef()
-    torch.manual_seed(0)
-    cand = NestedBuffers()
+    ref, cand = _seeded(ElmanRef, NestedBuffers)
     x = torch.randn(3, 40, 5)
     folded = diffkit.compare(ref, cand, [x])
     whole = diffkit.compare(ref, cand, [x], fold=False)
@@ -499,10 +492,7 @@ class ScaledSlabs(SlabWriter):
 
 
 def test_a_filled_buffer_is_recorded_before_an_in_place_op_changes_it():
-    torch.manual_seed(0)
-    ref = TwoGRUs()
-    torch.manual_seed(0)
-    cand = ScaledSlabs()
+    ref, cand = _seeded(TwoGRUs, ScaledSlabs)
     x = torch.randn(30, 3, 4)
     rt = _capture(ref, [x], None)
     with torch.no_grad():  # as a diff captures it: folding against the reference's sizes and writes
@@ -536,10 +526,8 @@ class SlotWriter(SlabWriter):
 
 @pytest.mark.parametrize("bad_step", [None, 20])
 def test_a_layer_slot_of_a_shared_buffer_is_recorded_filled(bad_step):
-    torch.manual_seed(0)
-    ref = TwoGRUs()
-    torch.manual_seed(0)
-    res = diffkit.compare(ref, SlotWriter(bad_step), [torch.randn(30, 3, 4)])
+    ref, cand = _seeded(TwoGRUs, lambda: SlotWriter(bad_step))
+    res = diffkit.compare(ref, cand, [torch.randn(30, 3, 4)])
     lower = next(s for s in res.stages if s.ref is not None and s.ref.names()[0] == "lower[0]")
     assert lower.cand is not None and lower.cand.kind == "write" and lower.cand.names()[0].startswith("_direction:slab")
     if bad_step is None:
@@ -585,10 +573,8 @@ class ProjRNN(nn.Module):
 
 
 def test_a_kernels_read_only_argument_is_not_recorded_as_written(ops):
-    torch.manual_seed(0)
-    ref = ProjRNN()
-    torch.manual_seed(0)
-    res = diffkit.compare(ref, KernelReadsRows(ops), [torch.randn(20, 2, 4)])
+    ref, cand = _seeded(ProjRNN, lambda: KernelReadsRows(ops))
+    res = diffkit.compare(ref, cand, [torch.randn(20, 2, 4)])
     assert res.verdict == "match"
     kernel_writes = [s.cand for s in res.stages if s.cand is not None and s.cand.op.startswith("ext:")]
     assert kernel_writes and all(tuple(c.shape) == (2, 6) for c in kernel_writes)  # the rows only
