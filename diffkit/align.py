@@ -317,8 +317,8 @@ def _fingerprint(r: Record, k: int = 33, v: torch.Tensor | None = None) -> torch
     """`k` quantiles of a floating value's finite elements (`v`, else the record's; subsampled past
     65536 elements): a summary that no reshape or permutation changes.  None for other values."""
     v = r.value if v is None else v
-    if v is None or not (v.is_floating_point()) or v.numel() == 0:
-        return None
+    if v is None or not (v.is_floating_point()) or v.numel() == 0 or v.layout != torch.strided:
+        return None  # (a sparse or nested value: no quantiles without densifying it)
     flat = v.detach().reshape(-1)
     if flat.numel() > 65536:
         step = flat.numel() // 65536 + 1

@@ -406,6 +406,15 @@ def written_in_place(r: Record) -> bool:
     return r.kind == "write" or (r.kind in ("op", "ext") and _writes_by_name(r.op.rsplit(".", 1)[-1]) == 1)
 
 
+def _version(t: torch.Tensor) -> int:
+    """A tensor's version counter (bumped by each in-place write); -1 for an inference-mode tensor,
+    which keeps none (writes into it are then known only from the write records capture makes)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return -1
+
+
 def _span(t: torch.Tensor) -> tuple[int, int]:
     """The first and last element of its storage a tensor reaches (by its offset, sizes and strides)."""
     lo = hi = t.storage_offset()
@@ -577,14 +586,14 @@ class _State:
 
     def track(self, t: torch.Tensor, index: int) -> None:
         try:
-            self.tracked[id(t)] = (weakref.ref(t), index, t._version)
+            self.tracked[id(t)] = (weakref.ref(t), index, _version(t))
         except TypeError:
             pass
 
     def ref_of(self, t: torch.Tensor) -> Ref | None:
         """The record holding exactly `t`'s current value (the tensor itself, unchanged since)."""
         hit = self.tracked.get(id(t))
-        if hit is None or hit[0]() is not t or hit[2] != t._version or self._later_writes(t, hit[1]):
+        if hit is None or hit[0]() is not t or hit[2] != _version(t) or self._later_writes(t, hit[1]):
             return None
         if self.folded_writes and self.folded_writes.get(_storage_key(t), -1) > hit[1]:
             return None  # a folded write (a kernel's raw write bumps no version) came after the record
@@ -930,7 +939,7 @@ class _State:
             return None
         # the same tensor, unchanged since it was recorded: give the record another name instead
         hit = self.tracked.get(id(tensor))
-        unchanged = hit is not None and hit[0]() is tensor and hit[2] == tensor._version and not (
+        unchanged = hit is not None and hit[0]() is tensor and hit[2] == _version(tensor) and not (
             self.folded_writes and self.folded_writes.get(_storage_key(tensor), -1) > hit[1])
         if self.mutator is not None and self.current_call is not None and kind in ("op", "module") and not (
                 unchanged and kind == "module"):
@@ -981,7 +990,7 @@ class _State:
         # written in place: the tensor was recorded before and has changed since (a kernel's raw write
         # does not bump the version, so a write record or an extension handing back its argument counts)
         in_place = kind == "write" or (hit is not None and hit[0]() is tensor
-                                       and (hit[2] != tensor._version or kind == "ext"))
+                                       and (hit[2] != _version(tensor) or kind == "ext"))
         self.track(tensor, rec.index)
         key = _storage_key(tensor)
         if key is not None:

@@ -15,6 +15,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import diffkit
+
 from conftest import ROOT
 
 REF = """
@@ -263,3 +265,38 @@ def test_sigterm_stops_the_children_and_removes_temp_dirs(files):
     left = subprocess.run(["pgrep", "-f", str(cand)], capture_output=True, text=True).stdout.split()
     assert not left, f"children still running: {left}"
     assert not [n for n in os.listdir(tmp) if n.startswith("diffkit-")]
+
+
+class _TanhSum(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(4, 4) * 0.3)
+
+    def forward(self, x):
+        return torch.tanh(x @ self.w).sum(0)
+
+
+class _RowsInPlace(_TanhSum):
+    """Rows written into a buffer one by one, through a sparse intermediate, with an in-place add."""
+
+    def forward(self, x):
+        out = torch.zeros(x.shape[0], 4)
+        for i in range(x.shape[0]):
+            row = torch.tanh(x[i] @ self.w).to_sparse()
+            out[i] = row.to_dense()
+            out[i].add_(0.0)
+        return out.sum(0)
+
+
+@pytest.mark.parametrize("inference", [False, True])
+def test_in_place_writes_and_a_sparse_intermediate_under_inference_mode(inference):
+    """Inference-mode tensors keep no version counter, and a sparse value has no quantiles: neither
+    stops the diff (both once raised)."""
+    torch.manual_seed(0)
+    ref = _TanhSum()
+    torch.manual_seed(0)
+    cand = _RowsInPlace()
+    x = torch.randn(20, 4)
+    with torch.inference_mode(inference):
+        res = diffkit.compare(ref, cand, [x])
+    assert res.verdict == "match", res.summary
