@@ -1029,7 +1029,12 @@ class _State:
     # -- torch function mode
     def on_op(self, func, args, kwargs, out) -> None:
         fname = getattr(func, "__name__", "")
-        if fname in _SKIP_FUNCS or fname in _ALLOC_FUNCS:
+        if fname in _ALLOC_FUNCS:
+            if isinstance(out, torch.Tensor) and self.storage_owner:
+                # new memory, maybe under a freed record's address: no record's result lives here now
+                self.storage_owner.pop(_storage_key(out), None)
+            return
+        if fname in _SKIP_FUNCS:
             return
         if out is None and fname == "__setitem__" and args and isinstance(args[0], torch.Tensor):
             f = naming.user_frame(sys._getframe(2)) if self.fold is not None else None
