@@ -406,6 +406,11 @@ def written_in_place(r: Record) -> bool:
     return r.kind == "write" or (r.kind in ("op", "ext") and _writes_by_name(r.op.rsplit(".", 1)[-1]) == 1)
 
 
+def _store_label(site) -> str:
+    """The name a store `y[i] = v` is recorded under: the tensor written, `y`."""
+    return site.labels[0] if site.labels else (re.match(r"[\w.]+", site.text) or [site.text])[0]
+
+
 def _version(t: torch.Tensor) -> int:
     """A tensor's version counter (bumped by each in-place write); -1 for an inference-mode tensor,
     which keeps none (writes into it are then known only from the write records capture makes)."""
@@ -450,10 +455,9 @@ class _State:
         # the sizes a write may pair with: the other side's records written in place (a partly filled
         # buffer pairs only with another; the filled one is recorded when next read, `pending`)
         self.fold_writes = fold if fold_writes is None else fold_writes
-        # folded writes into a buffer of a pairable size, by storage: (weakref of the written tensor,
-        # its call site, scope, op); recorded once, with the value it has then, when a recorded call
-        # reads that memory (`_flush`), so the filled buffer can still pair
-        # (storage -> [(weakref of the buffer, site, scope, op, (code, line), (first, last) element it spans)])
+        # buffers of a pairable size filled by folded writes, recorded once, as they are then, when a
+        # recorded call reads or writes that memory (`_flush`), so the filled buffer can still pair:
+        # storage -> [(weakref of the buffer, site, scope, op, (code, line), (first, last) element it spans)]
         self.pending: dict[int, list[tuple]] = {}
         self.flushed: dict[tuple, int] = {}  # flushes per call site: past FOLD_AFTER its buffers stay folded
         # the view a call site made last, (storage, offset, shape, strides): the same view made again (a
@@ -916,7 +920,7 @@ class _State:
         ins, prm = self.lineage_of(target)
         site, scope, op = entry[1], entry[2], entry[3]
         self.flushed[entry[4]] = self.flushed.get(entry[4], 0) + 1
-        label = site.labels[0] if site.labels else (re.match(r"[\w.]+", site.text) or [site.text])[0]
+        label = _store_label(site)
         self.add(name=self.op_name(scope, site.function, label), rebound=label in site.rebound, kind="write",
                  label=label, scope=scope, function=site.function, file=site.file, line=site.line, op=op,
                  tensor=target, inputs=tuple(Ref(i) for i in sorted(ins)), params=tuple(sorted(prm)))
@@ -1044,7 +1048,7 @@ class _State:
                 return
             site = self.site()
             # `y[0] = v` runs as a store to the subscript: name the record by the tensor written, `y`
-            label = site.labels[0] if site.labels else (re.match(r"[\w.]+", site.text) or [site.text])[0]
+            label = _store_label(site)
             target = args[0]
             _, refs, params = self.template((args, kwargs))  # the tensor written into, and what was stored
             self.add(name=self.op_name(self.scope, site.function, label), rebound=label in site.rebound, kind="write", label=label,
