@@ -486,6 +486,17 @@ class Dataflow:
             flow.append(r, rename)
         return flow
 
+    def readers(self) -> dict[str, list[int]]:
+        """The records that read each parameter (built once, again only after records were added)."""
+        cached = getattr(self, "_readers", None)
+        if cached is None or cached[0] != len(self.params):
+            by: dict[str, list[int]] = {}
+            for j, ps in enumerate(self.params):
+                for n in ps:
+                    by.setdefault(n, []).append(j)
+            cached = self._readers = (len(self.params), by)
+        return cached[1]
+
     def append(self, r: Record, rename: dict[str, str] | None = None) -> None:
         """Add the next record (a streaming diff builds the candidate's graph as records are made)."""
         pos = len(self.inputs)
@@ -1132,6 +1143,10 @@ def _dataflow_round(state: AlignState, partial: bool) -> int:
                         j == ci or (free_cand(j) and cand_cover(j) == cc) for j in cf.inputs[x])):
                 later.append(x)
         if partial and all(cc[1] < ref_cover(ri)[1] for ri in contenders):
+            if _reads_elsewhere(cf, ci, frozenset().union(*(ref_cover(ri)[1] - cc[1] for ri in contenders))):
+                # the candidate reads the rest elsewhere: this is a stage inside the reference's (one
+                # layer of a multi-layer nn.GRU), not its counterpart
+                continue
             # the candidate left some of the reference's parameters out: its computation departs from
             # the reference's at the first stage that reads one of them, whatever it computes after
             ri, by_value = contenders[0], True
@@ -1150,6 +1165,14 @@ def _dataflow_round(state: AlignState, partial: bool) -> int:
                 dirty.add(j)
         _forget_downstream(memo_c, cf, ci, partner.__contains__)
     return made
+
+
+def _reads_elsewhere(flow: Dataflow, i: int, names: frozenset) -> bool:
+    """Whether a record other than `i` and those upstream of it reads one of `names` (later on, or in
+    a record made after the fact: a filled buffer recorded when the forward returned)."""
+    readers = flow.readers()
+    up = flow.ancestors[i]
+    return any(j != i and not (up >> j) & 1 for n in names for j in readers.get(n, ()))
 
 
 def _forget_downstream(memo: dict[int, Cover], flow: Dataflow, k: int, anchored: Callable[[int], bool]) -> list[int]:

@@ -44,6 +44,7 @@ to store into) is folded at once, whatever its size.
 """
 from __future__ import annotations
 
+import collections
 import os
 import re
 import sys
@@ -460,6 +461,14 @@ class _State:
         # storage -> [(weakref of the buffer, site, scope, op, (code, line), (first, last) element it spans)]
         self.pending: dict[int, list[tuple]] = {}
         self.flushed: dict[tuple, int] = {}  # flushes per call site: past FOLD_AFTER its buffers stay folded
+        # stores into part of a buffer (`out[t] = h`) whose size no write of the other side has, per call
+        # site: none is recorded (a part-filled buffer holds nothing the other side has); they fill a
+        # pending buffer from the first (`partial_store`)
+        self.part_stores: dict[tuple, int] = {}
+        # the buffers pended last, held so that one nothing reads before the forward returns (a last
+        # layer's output the model does not return) is still alive to be recorded then (`flush_remaining`)
+        self.pending_hold: collections.deque = collections.deque(maxlen=FOLD_AFTER)
+        self.filled: set[int] = set()  # the records of pending buffers (results, for `_pend`, not writes)
         # the view a call site made last, (storage, offset, shape, strides): the same view made again (a
         # loop taking `bufs[layer]` each step to write into) is folded, as are the times it was (`views_again`)
         self.last_view: dict[tuple, tuple] = {}
@@ -547,7 +556,7 @@ class _State:
             else:
                 rec.value = rec.value.clone()
 
-    def before_write(self, args: Any, kwargs: Any = None) -> None:
+    def before_write(self, args: Any, kwargs: Any = None, fname: str = "") -> None:
         """Called before a call that may write into its tensor arguments: copy what records hold there
         (and record a pending buffer there first, `flush_before_write`)."""
         if self.busy:
@@ -555,7 +564,7 @@ class _State:
         if self.pending:
             self.busy = True
             try:
-                self.flush_before_write(args, kwargs)
+                self.flush_before_write(args, kwargs, fname)
             finally:
                 self.busy = False
         if not self.lazy:
@@ -574,6 +583,7 @@ class _State:
 
     def seal(self) -> None:
         """The capture ends: copy every value whose memory something else still holds (or may write)."""
+        self.pending_hold.clear()
         for key in list(self.lazy):
             held = self.lazy[key]
             if not held:
@@ -778,9 +788,10 @@ class _State:
         for (code, line), n in self.unpairable.items():
             if n > FOLD_AFTER:
                 out[f"{code.co_filename}:{line}"] = n - FOLD_AFTER
-        for (code, line), n in self.views_again.items():
-            site = f"{code.co_filename}:{line}"
-            out[site] = out.get(site, 0) + n
+        for counts in (self.views_again, self.part_stores):
+            for (code, line), n in counts.items():
+                site = f"{code.co_filename}:{line}"
+                out[site] = out.get(site, 0) + n
         return out
 
     def lineage_of(self, obj: Any, extra: tuple[str, ...] = ()) -> tuple[frozenset, frozenset]:
@@ -866,23 +877,77 @@ class _State:
         whole = base if base is not None and base.numel() in self.fold else t if t.numel() in self.fold else None
         if whole is None:
             return
-        if not known and not self.storage_writes.get(key) and key in self.storage_owner:
-            return  # a kernel's input: this memory held records' results, and no write in place
+        if not known and key in self.storage_owner and all(w in self.filled for w in self.storage_writes.get(key, ())):
+            return  # a kernel's input: this memory held records' results (a filled buffer's too), no other write
         at = (frame.f_code, frame.f_lineno)
         if self.flushed.get(at, 0) >= FOLD_AFTER:  # (a loop reading back what it wrote)
             return
-        entries = [e for e in self.pending.get(key, ()) if e[0]() is not None and e[0]() is not whole]
+        old = self.pending.get(key, ())
+        if not known and any(e[0]() is whole for e in old):
+            return  # filled by known writes already: a kernel given part of it may only read it
+        entries = [e for e in old if e[0]() is not None and e[0]() is not whole]
         try:
             entries.append((weakref.ref(whole), naming.site_of(frame), self.scope, op, at, _span(whole)))
         except TypeError:
             return
         self.pending[key] = entries[-FOLD_AFTER:]
+        if not self.pending_hold or self.pending_hold[-1] is not whole:
+            self.pending_hold.append(whole)
 
-    def flush_before_write(self, args: Any, kwargs: Any) -> None:
+    def partial_store(self, fname: str, args: tuple, kwargs: dict) -> torch.Tensor | None:
+        """The tensor a call writes into, where the call writes only part of a buffer that no write of
+        the other side matches in size: `y[i] = v` with fewer values than `y` (broadcast or indexed), or
+        an in-place op, ``copy_`` or ``out=`` into a view smaller than its base.  None otherwise (the
+        call is then judged like any other, `foldable`)."""
+        if self.fold is None:
+            return None
+        if fname == "__setitem__":
+            if len(args) < 3 or not isinstance(args[0], torch.Tensor):
+                return None
+            t, v = args[0], args[2]
+            n = v.numel() if isinstance(v, torch.Tensor) else 1
+            if n >= t.numel() or t.numel() in self.fold_writes:
+                return None
+            return t
+        t = kwargs.get("out") if kwargs else None
+        if not isinstance(t, torch.Tensor):
+            t = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if t is None or t._base is None or t.numel() >= t._base.numel():
+            return None
+        if t.numel() in self.fold_writes or t._base.numel() in self.fold_writes:
+            return None
+        return t
+
+    def store_part(self, fname: str, args: tuple, kwargs: dict, frame: Any, op: str) -> bool:
+        """Fold a store into part of a buffer (`partial_store`) at once: its lineage goes to the buffer,
+        which is `pending` (recorded when next read, or when the capture ends).  Returns whether it was."""
+        t = self.partial_store(fname, args, kwargs)
+        if t is None:
+            return False
+        key = (frame.f_code, frame.f_lineno)
+        self.part_stores[key] = self.part_stores.get(key, 0) + 1
+        self.fold_into([((), t)], self.lineage_of((args, kwargs)), in_place=True, frame=frame, op=op)
+        return True
+
+    def flush_remaining(self, outputs: list[torch.Tensor]) -> None:
+        """The capture ends: record the pending buffers no recorded call read (a last layer's filled
+        output, say), except one the model returns as it is (its output record stands for it)."""
+        returned = {(_storage_key(t), _span(t)) for t in outputs}
+        for key in list(self.pending):
+            for entry in self.pending.pop(key):
+                target = entry[0]()
+                if target is not None and (key, entry[5]) not in returned:
+                    self._record_pending(entry)
+        self.pending_hold.clear()
+
+    def flush_before_write(self, args: Any, kwargs: Any, fname: str = "") -> None:
         """A call about to write into memory holding a pending buffer: record the buffer first, unless
-        the call is a store its loop folds (its site is past FOLD_AFTER)."""
+        the call is a store its loop folds (its site is past FOLD_AFTER) or a store into part of it
+        (`partial_store`: it goes on filling the buffer)."""
         f = naming.user_frame(sys._getframe(1))
         if f is not None and self.unpairable.get((f.f_code, f.f_lineno), 0) >= FOLD_AFTER:
+            return
+        if self.partial_store(fname, args, kwargs or {}) is not None:
             return
         for _, t in _tensors((args, kwargs)):
             if _storage_key(t) in self.pending:
@@ -921,9 +986,11 @@ class _State:
         site, scope, op = entry[1], entry[2], entry[3]
         self.flushed[entry[4]] = self.flushed.get(entry[4], 0) + 1
         label = _store_label(site)
-        self.add(name=self.op_name(scope, site.function, label), rebound=label in site.rebound, kind="write",
-                 label=label, scope=scope, function=site.function, file=site.file, line=site.line, op=op,
-                 tensor=target, inputs=tuple(Ref(i) for i in sorted(ins)), params=tuple(sorted(prm)))
+        rec = self.add(name=self.op_name(scope, site.function, label), rebound=label in site.rebound, kind="write",
+                       label=label, scope=scope, function=site.function, file=site.file, line=site.line, op=op,
+                       tensor=target, inputs=tuple(Ref(i) for i in sorted(ins)), params=tuple(sorted(prm)))
+        if rec is not None:
+            self.filled.add(rec.index)
 
     def params_of_module(self, module: torch.nn.Module) -> tuple[str, ...]:
         """What a call of `module` reads: every parameter and buffer of the model inside it (its
@@ -1042,6 +1109,8 @@ class _State:
             return
         if out is None and fname == "__setitem__" and args and isinstance(args[0], torch.Tensor):
             f = naming.user_frame(sys._getframe(2)) if self.fold is not None else None
+            if f is not None and self.store_part(fname, args, kwargs, f, "Tensor.__setitem__"):
+                return
             if f is not None and self.foldable([((), args[0])], f, write=True):
                 self.fold_into([((), args[0])], self.lineage_of((args, kwargs)), in_place=True, frame=f,
                                op="Tensor.__setitem__")
@@ -1061,6 +1130,8 @@ class _State:
         if self.fold is not None:
             f = naming.user_frame(sys._getframe(2))
             writes = _may_write(fname, kwargs, args)
+            if writes and f is not None and self.store_part(fname, args, kwargs, f, _func_name(func)):
+                return
             if self.foldable(found, f, write=writes) or (not writes and self.same_view_again(found, f)):
                 self.fold_into(found, self.lineage_of((args, kwargs)), in_place=writes, frame=f if writes else None,
                                op=_func_name(func) if writes else "")
@@ -1138,7 +1209,7 @@ class _Mode(TorchFunctionMode):
         kwargs = kwargs or {}
         st = self.state
         if (st.lazy or st.pending) and not st.busy and _may_write(getattr(func, "__name__", ""), kwargs, args):
-            st.before_write(args, kwargs)
+            st.before_write(args, kwargs, getattr(func, "__name__", ""))
         out = func(*args, **kwargs)
         if st.busy or st.opaque:
             return out
@@ -1211,6 +1282,8 @@ def _post_hook(module, args, *rest):
         st.calls[top_path] = n
         base = "output" if is_root else (top_path if n == 1 else f"{top_path}#{n}")
         found = _tensors(output)
+        if is_root and st.pending:
+            st.flush_remaining([t for _, t in found])
         if isinstance(site, types.FrameType):
             if not is_root and st.foldable(found, site):
                 st.fold_into(found, st.lineage_of((margs, {}), st.params_of_module(module)))

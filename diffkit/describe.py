@@ -290,11 +290,11 @@ def notes(result) -> list[str]:
         return []
     sites = fold.get("sites") or {}
     top = ", ".join(f"{os.path.basename(site)} ({n})" for site, n in list(sites.items())[:3])
-    return [f"{fold['results']} candidate loop results were folded, not recorded: their sizes match no reference "
-            f"record (a step's write into a buffer: no reference write; or they view memory their call site viewed "
-            f"so the step before), so none could pair, and their call sites had "
-            f"made {fold.get('recorded_per_site', '?')} records each already; their dataflow is kept, and a buffer "
-            f"they filled is recorded when next read ({top}{' …' if len(sites) > 3 else ''}; --no-fold records them all)"]
+    return [f"{fold['results']} candidate loop results were folded, not recorded (their dataflow is kept): "
+            f"results of sizes no reference record has, past the first {fold.get('recorded_per_site', '?')} of "
+            f"their call site; views a call site made the step before as well; stores into part of a buffer, "
+            f"which is recorded once filled, when next read or when the forward returns "
+            f"({top}{' …' if len(sites) > 3 else ''}; --no-fold records them all)"]
 
 
 def what_if_lines(result, limit: int = 3) -> list[str]:

@@ -466,8 +466,9 @@ def test_the_same_view_made_each_step_folds():
     line = NestedBuffers.forward.__code__.co_firstlineno + 9  # outs[layer][:, t] = h
     sites = folded.meta["cand_folded"]["sites"]
     site = next(s for s in sites if s.endswith(f"test_fold.py:{line}"))
-    # per layer the view is recorded once, then made again 39 times; the stores past FOLD_AFTER fold too
-    assert sites[site] == 2 * 39 + (2 * 40 - FOLD_AFTER)
+    # per layer the view is recorded once, then made again 39 times; every store fills part of the
+    # buffer, so none is recorded (the filled buffer is, when read)
+    assert sites[site] == 2 * 39 + 2 * 40
     views = [r for r in folded.stages if r.cand is not None and r.cand.op == "Tensor.__getitem__"
              and tuple(r.cand.shape) == (3, 40, 7)]
     assert len(views) <= 2 + 2  # each layer's slot viewed to store into, and to read it back
@@ -578,3 +579,88 @@ def test_a_kernels_read_only_argument_is_not_recorded_as_written(ops):
     assert res.verdict == "match"
     kernel_writes = [s.cand for s in res.stages if s.cand is not None and s.cand.op.startswith("ext:")]
     assert kernel_writes and all(tuple(c.shape) == (2, 6) for c in kernel_writes)  # the rows only
+
+
+# -- a reference that returns a multi-layer recurrence's final state (KernelBench's "...Hn" models): the
+# module's output sequence is a sibling record, which only the candidate's last layer can stand for
+
+class StackedLSTMFinalState(nn.Module):
+    def __init__(self, layers=3):
+        super().__init__()
+        self.lstm = nn.LSTM(5, 6, num_layers=layers, batch_first=True)
+
+    def forward(self, x):
+        _, (h_n, _) = self.lstm(x)
+        return h_n
+
+
+def _lstm_step(x_t, h, c, w_ih, w_hh, b, forget_bias=True):
+    gates = torch.addmm(b, x_t, w_ih.t()) + h @ w_hh.t()
+    i, f, g, o = gates.chunk(4, dim=1)
+    if not forget_bias:
+        f = f - b.chunk(4)[1]
+    c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+    return torch.sigmoid(o) * torch.tanh(c), c
+
+
+class HandLSTM(nn.Module):
+    """Each layer's sequence goes into a buffer one step at a time (``seq.select(1, t).copy_(h)``);
+    `keep_last=False`: the last layer keeps no sequence, only its state; `bad_layer`: that layer's forget
+    gate misses its bias."""
+
+    def __init__(self, layers=3, keep_last=True, bad_layer=None):
+        super().__init__()
+        self.lstm = nn.LSTM(5, 6, num_layers=layers, batch_first=True)
+        self.layers, self.keep_last, self.bad_layer = layers, keep_last, bad_layer
+
+    def forward(self, x):
+        finals = []
+        feed = x
+        for j in range(self.layers):
+            w_ih, w_hh = getattr(self.lstm, f"weight_ih_l{j}"), getattr(self.lstm, f"weight_hh_l{j}")
+            b = getattr(self.lstm, f"bias_ih_l{j}") + getattr(self.lstm, f"bias_hh_l{j}")
+            h = c = x.new_zeros(x.shape[0], 6)
+            seq = x.new_empty(x.shape[0], x.shape[1], 6)
+            for t in range(x.shape[1]):
+                h, c = _lstm_step(feed[:, t], h, c, w_ih, w_hh, b, forget_bias=j != self.bad_layer)
+                if self.keep_last or j < self.layers - 1:
+                    seq.select(1, t).copy_(h)
+            finals.append(h)
+            feed = seq
+        return torch.stack(finals)
+
+
+def _final_state_diff(**kw):
+    ref, cand = _seeded(StackedLSTMFinalState, lambda: HandLSTM(**kw))
+    return diffkit.compare(ref, cand, [torch.randn(2, 24, 5)])
+
+
+@pytest.mark.parametrize("keep_last", [True, False])
+def test_a_layer_buffer_pairs_only_with_what_it_computed(keep_last):
+    res = _final_state_diff(keep_last=keep_last)
+    assert res.verdict == "match"
+    # no stage out of tolerance: a lower layer's buffer is not taken for the module's output sequence
+    assert not [s for s in res.stages if s.status not in ("ok", "unmatched")]
+    assert not [w for w in res.warnings if "out of tolerance" in w]
+    seq_stage = [s for s in res.stages if s.ref is not None and s.ref.name == "lstm[0]"]
+    assert len(seq_stage) == 1
+    if keep_last:  # the last layer's filled buffer (nothing reads it: recorded when the forward returns)
+        assert seq_stage[0].status == "ok" and seq_stage[0].cand.kind == "write"
+    else:  # nothing in the candidate computes it
+        assert seq_stage[0].cand is None
+    # the step stores record nothing (a part-filled buffer): one record per layer's filled buffer
+    buffers = [s.cand for s in res.stages if s.cand is not None and s.cand.kind == "write"]
+    assert len(buffers) == (3 if keep_last else 2)
+    assert all(tuple(b.shape) == (2, 24, 6) for b in buffers)
+
+
+@pytest.mark.parametrize("bad_layer,keep_last", [(1, True), (2, False)])
+def test_a_wrong_layer_is_not_reported_at_a_lower_layers_buffer(bad_layer, keep_last):
+    res = _final_state_diff(bad_layer=bad_layer, keep_last=keep_last)
+    assert res.verdict == "diverged"
+    first = res.first_divergence
+    # the first divergence is a stage computed from every layer's weights (the output, or the last
+    # layer's sequence), never the first layer's buffer compared against the module's output
+    assert first.ref.name in ("output", "lstm[0]")
+    before = [s for s in res.stages if s.index < first.index and s.status not in ("ok", "unmatched")]
+    assert not before
