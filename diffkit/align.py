@@ -906,6 +906,9 @@ DATAFLOW_MAX_ROUNDS = 64
 # is this much closer than the next; contenders within DATAFLOW_TIE of the closest are tied (equal values in
 # another layout), and the earliest of them is taken
 DATAFLOW_CLEARLY_CLOSER = 0.7
+# a lone contender's values this far from a record's (relative error) leave it to a later record of the
+# same cover that is clearly closer (the step that finishes what this one began)
+DATAFLOW_DEFER_ABOVE = 0.05
 DATAFLOW_TIE = 1.25
 
 
@@ -983,6 +986,31 @@ def _known_roots(state: AlignState, ci: int, contenders: list[int]) -> list[int]
     return accepted
 
 
+def _feeds_partner(state: AlignState, ri: int) -> set[int]:
+    """The candidate records, of `ri`'s element count, that the counterparts of `ri`'s paired consumers
+    read: where a record the reference hands to a paired stage sits in the candidate (the last step of
+    a hand-written LSTM, which its final linear layer reads, for the reference's ``out[:, -1, :]``)."""
+    rf, cf = state.flows()
+    n = record_numel(state.ref[ri])
+    found: set[int] = set()
+    for rj in rf.consumers[ri]:
+        cj = state.paired_ref.get(rj)
+        if cj is None:
+            continue
+        for ck in cf.inputs[cj]:
+            if ck not in state.pairs and record_numel(state.cand[ck]) == n:
+                found.add(ck)
+    return found
+
+
+def _count_only(c: Record, r: Record) -> bool:
+    """Whether only the element count ties two records whose values disagree: other shapes, other
+    torch functions.  What they were computed from is then no evidence enough to pair them (a [4, 192]
+    gate pre-activation in the last layer of a hand-written LSTM is not the module's [4, 4, 48] final
+    cell state, though both read every layer's weights)."""
+    return not same_layout(c, r) and not same_op(c, r)
+
+
 def _choose(state: AlignState, c: Record, contenders: list[int], later: list[int]) -> tuple[int | None, bool]:
     """Among reference records of the same cover, the counterpart of `c`: the closest in value when
     values decide, else by position (a candidate record that is the last of its cover takes the last
@@ -1002,13 +1030,24 @@ def _choose(state: AlignState, c: Record, contenders: list[int], later: list[int
                 contenders = [ri for ri in contenders if ri not in taken]
                 later = [x for x in later if not any(same_op(state.cand[x], state.ref[ri]) for ri in taken)]
     if len(contenders) == 1:
-        if later:
-            mine = _value_err(state, c, state.ref[contenders[0]])
-            if mine is not None and mine > VALUE_MATCH_REL_ERR:
+        r = state.ref[contenders[0]]
+        feeds = _feeds_partner(state, contenders[0])
+        if feeds:
+            if c.index in feeds:
+                return contenders[0], True  # it is what the consumer's counterpart reads: the same place
+            if any(x in feeds for x in later):
+                return None, False  # a later record is (`_feeds_partner`)
+        if later or not same_layout(c, r):
+            mine = _value_err(state, c, r)
+            if mine is not None and mine > DATAFLOW_DEFER_ABOVE:
+                # a later record of the same cover that holds the values (clearly closer) is the stage
+                bar = min(VALUE_MATCH_REL_ERR, DATAFLOW_CLEARLY_CLOSER * mine)
                 for x in later:
-                    theirs = _value_err(state, state.cand[x], state.ref[contenders[0]])
-                    if theirs is not None and theirs <= VALUE_MATCH_REL_ERR:
+                    theirs = _value_err(state, state.cand[x], r)
+                    if theirs is not None and theirs <= bar:
                         return None, False
+            if mine is not None and mine > VALUE_MATCH_REL_ERR and _count_only(c, r):
+                return None, False
         return contenders[0], True
     last = not later
     if state.cand_value(c) is not None:
@@ -1023,10 +1062,17 @@ def _choose(state: AlignState, c: Record, contenders: list[int], later: list[int
             scored.sort()
             best, second = scored[0][0], scored[1][0]
             if best <= VALUE_MATCH_REL_ERR or best < DATAFLOW_CLEARLY_CLOSER * second:
-                return min(ri for e, ri in scored if e <= best * DATAFLOW_TIE + _IDENTICAL_REL_ERR), True
+                pick = min(ri for e, ri in scored if e <= best * DATAFLOW_TIE + _IDENTICAL_REL_ERR)
+                if best > VALUE_MATCH_REL_ERR and _count_only(c, state.ref[pick]):
+                    return None, False
+                return pick, True
             other = _holds_another(state, c.index, -1)
             if other is not None and other.ref not in contenders:
                 return None, False  # it holds another reference tensor's values (a copy of one): no stage here
+            pick = contenders[-1] if last else contenders[0]
+            if _count_only(c, state.ref[pick]):
+                return None, False
+            return pick, False
     return (contenders[-1] if last else contenders[0]), False
 
 

@@ -664,3 +664,69 @@ def test_a_wrong_layer_is_not_reported_at_a_lower_layers_buffer(bad_layer, keep_
     assert first.ref.name in ("output", "lstm[0]")
     before = [s for s in res.stages if s.index < first.index and s.status not in ("ok", "unmatched")]
     assert not before
+
+
+# -- a reference that reads the last step of an LSTM's output through a linear layer (KernelBench's LSTM
+# models): many candidate step results share that slice's size, and its inputs and parameters
+
+class LastStepHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(6, 8, num_layers=3, batch_first=True)
+        self.fc = nn.Linear(8, 3)
+
+    def forward(self, x):
+        out, _ = self.lstm(x)
+        return self.fc(out[:, -1, :])
+
+
+class LoopedHead(nn.Module):
+    """Per layer, the input projection for all steps at once and a Python loop over the steps; the
+    last layer keeps only its state.  `shift`: added to the cell state inside the output's tanh."""
+
+    def __init__(self, shift=0.0):
+        super().__init__()
+        self.lstm = nn.LSTM(6, 8, num_layers=3, batch_first=True)
+        self.fc = nn.Linear(8, 3)
+        self.shift = shift
+
+    def forward(self, x):
+        b = x.shape[0]
+        h = c = x.new_zeros(b, 8)
+        seq = x
+        for j in range(3):
+            xp = torch.matmul(seq, getattr(self.lstm, f"weight_ih_l{j}").T) + getattr(self.lstm, f"bias_ih_l{j}")
+            h = c = x.new_zeros(b, 8)
+            outs = []
+            for t in range(seq.shape[1]):
+                z = xp[:, t] + torch.mm(h, getattr(self.lstm, f"weight_hh_l{j}").T) + getattr(self.lstm, f"bias_hh_l{j}")
+                zi, zf, zg, zo = z.split(8, dim=1)
+                c = torch.sigmoid(zf) * c + torch.sigmoid(zi) * torch.tanh(zg)
+                h = torch.sigmoid(zo) * torch.tanh(c + self.shift)
+                if j < 2:
+                    outs.append(h)
+            if j < 2:
+                seq = torch.stack(outs, 1)
+        return self.fc(h)
+
+
+def test_the_last_step_pairs_with_what_the_head_reads():
+    ref, cand = _seeded(LastStepHead, LoopedHead)
+    res = diffkit.compare(ref, cand, [torch.randn(3, 30, 6)])
+    assert res.verdict == "match"
+    assert not [s for s in res.stages if s.status not in ("ok", "unmatched")]
+    last = [s for s in res.stages if s.ref is not None and s.ref.op.endswith("__getitem__")]
+    assert len(last) == 1 and last[0].status == "ok" and last[0].cand is not None
+    # the final step's state, not an earlier one of similar values (nor a gate of another shape)
+    fc_input = [s.cand for s in res.stages if s.cand is not None and s.cand.is_output][0].inputs
+    assert last[0].cand.index in fc_input
+
+
+def test_a_wrong_step_is_reported_at_the_last_step():
+    ref, cand = _seeded(LastStepHead, lambda: LoopedHead(shift=0.05))
+    res = diffkit.compare(ref, cand, [torch.randn(3, 30, 6)])
+    assert res.verdict == "diverged"
+    first = res.first_divergence
+    assert first.ref.op.endswith("__getitem__")
+    fc_input = [s.cand for s in res.stages if s.cand is not None and s.cand.is_output][0].inputs
+    assert first.cand.index in fc_input
