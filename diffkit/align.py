@@ -908,7 +908,7 @@ DATAFLOW_MAX_ROUNDS = 64
 DATAFLOW_CLEARLY_CLOSER = 0.7
 # a lone contender's values this far from a record's (relative error) leave it to a later record of the
 # same cover that is clearly closer (the step that finishes what this one began)
-DATAFLOW_DEFER_ABOVE = 0.05
+DATAFLOW_DEFER_ABOVE = 1e-3
 DATAFLOW_TIE = 1.25
 
 
@@ -1008,7 +1008,14 @@ def _count_only(c: Record, r: Record) -> bool:
     torch functions.  What they were computed from is then no evidence enough to pair them (a [4, 192]
     gate pre-activation in the last layer of a hand-written LSTM is not the module's [4, 4, 48] final
     cell state, though both read every layer's weights)."""
-    return not same_layout(c, r) and not same_op(c, r)
+    return not same_layout(c, r) and not same_op(c, r) and not _flattened(c, r)
+
+
+def _flattened(c: Record, r: Record) -> bool:
+    """One shape is the other with its leading axes merged (a [B*T, H] kernel output for [B, T, H])."""
+    a = tuple(s for s in c.shape if s != 1)
+    b = tuple(s for s in r.shape if s != 1)
+    return bool(a and b) and a[-1] == b[-1] and (_refines(a, b) or _refines(b, a))
 
 
 def _choose(state: AlignState, c: Record, contenders: list[int], later: list[int]) -> tuple[int | None, bool]:
@@ -1032,7 +1039,7 @@ def _choose(state: AlignState, c: Record, contenders: list[int], later: list[int
     if len(contenders) == 1:
         r = state.ref[contenders[0]]
         feeds = _feeds_partner(state, contenders[0])
-        if feeds:
+        if len(feeds) == 1:  # (several: no telling which)
             if c.index in feeds:
                 return contenders[0], True  # it is what the consumer's counterpart reads: the same place
             if any(x in feeds for x in later):

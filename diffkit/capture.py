@@ -916,6 +916,8 @@ class _State:
             return None
         if t.numel() in self.fold_writes or t._base.numel() in self.fold_writes:
             return None
+        if fname not in ("copy_", "fill_", "zero_") and t.numel() in self.fold:
+            return None  # an in-place op computing a result the other side may have (`q.mul_(s)` for `q * s`)
         return t
 
     def store_part(self, fname: str, args: tuple, kwargs: dict, frame: Any, op: str) -> bool:
@@ -926,18 +928,25 @@ class _State:
             return False
         key = (frame.f_code, frame.f_lineno)
         self.part_stores[key] = self.part_stores.get(key, 0) + 1
+        if self.pending:  # a filled buffer the store reads (not the memory it writes) is read now
+            dst = _storage_key(t)
+            for _, a in _tensors((args[1:], {k: v for k, v in (kwargs or {}).items() if k != "out"})):
+                k = _storage_key(a)
+                if k != dst and k in self.pending:
+                    self._flush(a)
         self.fold_into([((), t)], self.lineage_of((args, kwargs)), in_place=True, frame=frame, op=op)
         return True
 
-    def flush_remaining(self, outputs: list[torch.Tensor]) -> None:
-        """The capture ends: record the pending buffers no recorded call read (a last layer's filled
-        output, say), except one the model returns as it is (its output record stands for it)."""
-        returned = {(_storage_key(t), _span(t)) for t in outputs}
+    def flush_remaining(self) -> None:
+        """The forward has returned: record the pending buffers no recorded call read (a last layer's
+        filled output, say).  One the model returns as it is is recorded too: the output record then
+        stands for the same record (`add`), which keeps what the buffer was computed from."""
         for key in list(self.pending):
             for entry in self.pending.pop(key):
-                target = entry[0]()
-                if target is not None and (key, entry[5]) not in returned:
+                if entry[0]() is not None:
                     self._record_pending(entry)
+            self.lineage_storage.pop(key, None)
+            self.folded_writes.pop(key, None)
         self.pending_hold.clear()
 
     def flush_before_write(self, args: Any, kwargs: Any, fname: str = "") -> None:
@@ -991,6 +1000,15 @@ class _State:
                        tensor=target, inputs=tuple(Ref(i) for i in sorted(ins)), params=tuple(sorted(prm)))
         if rec is not None:
             self.filled.add(rec.index)
+        self._unhold(target)
+
+    def _unhold(self, t: torch.Tensor) -> None:
+        """Stop holding a buffer (`pending_hold`): it was recorded (the record keeps its own copy) or a
+        record holds it."""
+        if any(x is t for x in self.pending_hold):
+            kept = [x for x in self.pending_hold if x is not t]
+            self.pending_hold.clear()
+            self.pending_hold.extend(kept)
 
     def params_of_module(self, module: torch.nn.Module) -> tuple[str, ...]:
         """What a call of `module` reads: every parameter and buffer of the model inside it (its
@@ -1068,7 +1086,8 @@ class _State:
             entries = self.pending.get(key) if self.pending else None
             if entries:
                 if kind != "write" and getattr(tensor, "_base", None) is None:
-                    del self.pending[key]  # new memory under an old address
+                    del self.pending[key]  # new memory under an old address (or this record holds the buffer)
+                    self._unhold(tensor)
                 else:  # a buffer recorded as it is now needs no record later
                     left = [e for e in entries if e[0]() is not None and e[0]() is not tensor]
                     if left:
@@ -1283,7 +1302,7 @@ def _post_hook(module, args, *rest):
         base = "output" if is_root else (top_path if n == 1 else f"{top_path}#{n}")
         found = _tensors(output)
         if is_root and st.pending:
-            st.flush_remaining([t for _, t in found])
+            st.flush_remaining()
         if isinstance(site, types.FrameType):
             if not is_root and st.foldable(found, site):
                 st.fold_into(found, st.lineage_of((margs, {}), st.params_of_module(module)))
