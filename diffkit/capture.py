@@ -945,8 +945,7 @@ class _State:
             for entry in self.pending.pop(key):
                 if entry[0]() is not None:
                     self._record_pending(entry)
-            self.lineage_storage.pop(key, None)
-            self.folded_writes.pop(key, None)
+            self._drop_pending(key)
         self.pending_hold.clear()
 
     def flush_before_write(self, args: Any, kwargs: Any, fname: str = "") -> None:
@@ -981,10 +980,14 @@ class _State:
         if keep:
             self.pending[key] = keep
         else:
-            self.pending.pop(key, None)
-            # the records now stand for what the folded writes put into this memory
-            self.lineage_storage.pop(key, None)
-            self.folded_writes.pop(key, None)
+            self._drop_pending(key)
+
+    def _drop_pending(self, key: int) -> None:
+        """Every pending buffer in this memory is recorded: the records now stand for what the folded
+        writes put there (its folded lineage and writes are forgotten)."""
+        self.pending.pop(key, None)
+        self.lineage_storage.pop(key, None)
+        self.folded_writes.pop(key, None)
 
     def _record_pending(self, entry: tuple) -> None:
         """One pending buffer's record (a write, named after the site of the stores that filled it)."""
@@ -1227,8 +1230,10 @@ class _Mode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         st = self.state
-        if (st.lazy or st.pending) and not st.busy and _may_write(getattr(func, "__name__", ""), kwargs, args):
-            st.before_write(args, kwargs, getattr(func, "__name__", ""))
+        if st.lazy or st.pending:
+            name = getattr(func, "__name__", "")
+            if not st.busy and _may_write(name, kwargs, args):
+                st.before_write(args, kwargs, name)
         out = func(*args, **kwargs)
         if st.busy or st.opaque:
             return out

@@ -409,15 +409,10 @@ def packed_batch(pairs: list[tuple[torch.Tensor, torch.Tensor]], atol: float, rt
     return packed
 
 
-_NO_TABLE: dict = {}
-
-
+@functools.cache
 def _no_table(dev: torch.device) -> torch.Tensor:
     """A stand-in for the table arguments of a launch that reads none (one int64 per device, kept)."""
-    t = _NO_TABLE.get(dev)
-    if t is None:
-        t = _NO_TABLE[dev] = torch.zeros(1, dtype=torch.int64, device=dev)
-    return t
+    return torch.zeros(1, dtype=torch.int64, device=dev)
 
 
 def packed(r: torch.Tensor, c: torch.Tensor, atol: float, rtol: float) -> torch.Tensor:
