@@ -418,8 +418,9 @@ def measure_async(ref: torch.Tensor, cand: torch.Tensor, atol: float, rtol: floa
     vector, chunk by chunk, so the temporary memory does not grow with the tensor.
 
     Three ways, one answer: on CUDA, the fused single-pass kernel of `diffkit.metrics_kernel` when
-    Triton is there; on the CPU, `_measure_host` (a handful of passes over cache-sized chunks in the
-    tensors' own precision); otherwise, and for integer, complex and non-finite values, the exact
+    Triton is there; on the CPU, the one-pass native kernel (`diffkit.host_kernel`) for float32 and
+    float64 in row-major order, else `_measure_host_1` (a handful of torch passes over cache-sized
+    chunks in the tensors' own precision); otherwise, and for integer, complex and non-finite values, the exact
     float64 reductions of `_partials`."""
     if tuple(ref.shape) != tuple(cand.shape):
         raise ValueError(f"measure needs equal shapes, got {tuple(ref.shape)} and {tuple(cand.shape)}")
@@ -485,23 +486,119 @@ GROUP_ROWS = 16
 HOST_PARALLEL_MIN = 1 << 18
 
 
-def _measure_host_many(items: list[tuple[torch.Tensor, torch.Tensor, float, float]]) -> list[PendingStats]:
-    """`_measure_host` for many CPU pairs: one pair per worker thread, as many workers as torch has
-    intra-op threads, each running its passes on one thread (torch releases the GIL inside an op, so
-    the workers' chunks run side by side)."""
-    def one(item):
-        r, c, atol, rtol = item
-        return _measure_host_1(r.detach(), c.detach(), atol, rtol, tuple(r.shape))
+# elements of one pair measured by one task of the native kernel: larger pairs are split, so the worker
+# threads share a single large pair too; a side not in row-major order is gathered GATHER at a time
+NATIVE_SPAN = 1 << 22
+GATHER = 1 << 16
 
-    workers = min(torch.get_num_threads(), len(items))
+
+def _native(r: torch.Tensor, c: torch.Tensor) -> bool:
+    """Whether the pair goes to the native CPU kernel (`host_kernel`): float32/float64 in row-major order."""
+    from . import host_kernel
+
+    return host_kernel.supports(r) and host_kernel.supports(c) and host_kernel.available()
+
+
+def _measure_host_many(items: list[tuple[torch.Tensor, torch.Tensor, float, float]]) -> list[PendingStats]:
+    """`_measure_host` for many CPU pairs, spread over as many worker threads as torch has intra-op
+    threads.  Pairs the native kernel reads are cut into spans of NATIVE_SPAN elements, one kernel call
+    each (ctypes lets go of the GIL), and each pair's spans combined (`_from_parts`); the rest run the
+    torch passes one pair per worker, each on one thread (torch releases the GIL inside an op)."""
+    from . import host_kernel
+
+    items = [(r.detach(), c.detach(), atol, rtol) for r, c, atol, rtol in items]
+    native = [i for i, (r, c, _, _) in enumerate(items) if _native(r, c)]
+    spans = [(i, lo, min(lo + NATIVE_SPAN, items[i][0].numel())) for i in native
+             for lo in range(0, items[i][0].numel(), NATIVE_SPAN)]
+    others = sorted(set(range(len(items))) - set(native))
+
+    def span(job) -> list[list[float]]:
+        i, lo, hi = job
+        r, c, atol, rtol = items[i]
+        if r.is_contiguous() and c.is_contiguous():
+            return [host_kernel.partials(r, c, lo, hi, atol, rtol)]
+        # a side not laid out in row-major order: gathered GATHER elements at a time into buffers (the
+        # kernel's flat indices are then into the buffer: shifted back)
+        fr, fc = _Flat(r), _Flat(c)
+        rb = None if fr.flat is not None else torch.empty(min(GATHER, hi - lo), dtype=r.dtype)
+        cb = None if fc.flat is not None else torch.empty(min(GATHER, hi - lo), dtype=c.dtype)
+        out = []
+        for g in range(lo, hi, GATHER):
+            g2 = min(g + GATHER, hi)
+            a, b = fr.part(g, g2, rb).contiguous(), fc.part(g, g2, cb).contiguous()
+            p = host_kernel.partials(a, b, 0, g2 - g, atol, rtol)
+            for slot in (_Part.MAX_ABS_AT, _Part.MAX_EXCESS_AT, _Part.FIRST_DISAGREE_AT):
+                p[slot] += g
+            out.append(p)
+        return out
+
+    def one(i):
+        r, c, atol, rtol = items[i]
+        return _measure_host_1(r, c, atol, rtol, tuple(r.shape))
+
+    out: list[PendingStats | None] = [None] * len(items)
+    workers = min(torch.get_num_threads(), len(spans) + len(others))
     with _one_thread():
         if workers < 2 or sum(r.numel() for r, _, _, _ in items) < HOST_PARALLEL_MIN:
-            return [one(item) for item in items]
-        from concurrent.futures import ThreadPoolExecutor
+            parts = [span(job) for job in spans]
+            done = [one(i) for i in others]
+        else:
+            from concurrent.futures import ThreadPoolExecutor
 
-        with ThreadPoolExecutor(workers, thread_name_prefix="diffkit-measure",
-                                initializer=torch.set_num_threads, initargs=(1,)) as pool:
-            return list(pool.map(one, items))
+            with ThreadPoolExecutor(workers, thread_name_prefix="diffkit-measure",
+                                    initializer=torch.set_num_threads, initargs=(1,)) as pool:
+                later = pool.map(one, others)
+                parts = list(pool.map(span, spans))
+                done = list(later)
+    for i, pending in zip(others, done):
+        out[i] = pending
+    by_pair: dict[int, list[list[float]]] = {}
+    for (i, _, _), ps in zip(spans, parts):
+        by_pair.setdefault(i, []).extend(ps)
+    for i, ps in by_pair.items():
+        r, c, atol, rtol = items[i]
+        out[i] = _from_parts(ps, r, c, atol, rtol)
+    return out  # type: ignore[return-value]
+
+
+def _from_parts(parts: list[list[float]], r: torch.Tensor, c: torch.Tensor, atol: float, rtol: float) -> PendingStats:
+    """One pair's Stats from the `_Part` vectors of its consecutive spans (in index order, as host lists):
+    sums added, maxima kept with the first index holding them, the worst element chosen as
+    `_packed_exact` chooses it, and its values read from the tensors."""
+    n, shape = r.numel(), tuple(r.shape)
+    mism = sum_abs = dot = ref_sq = cand_sq = diff_sq = 0.0
+    max_rel, first_nb = 0.0, math.inf
+    counts = [0.0] * len(_COUNTS)
+    max_abs, at_abs = -math.inf, 0
+    max_exc, at_exc = -math.inf, int(parts[0][_Part.MAX_EXCESS_AT])  # (all -inf: the first element, as argmax)
+    for p in parts:
+        mism += p[_Part.MISMATCHES]
+        sum_abs += p[_Part.SUM_ABS]
+        dot += p[_Part.DOT]
+        ref_sq += p[_Part.REF_SQ]
+        cand_sq += p[_Part.CAND_SQ]
+        diff_sq += p[_Part.DIFF_SQ]
+        max_rel = max(max_rel, p[_Part.MAX_REL])
+        first_nb = min(first_nb, p[_Part.FIRST_DISAGREE_AT])
+        counts = [x + p[s] for x, s in zip(counts, _COUNTS)]
+        if p[_Part.MAX_ABS] > max_abs:  # (strictly: an earlier span keeps an equal maximum)
+            max_abs, at_abs = p[_Part.MAX_ABS], int(p[_Part.MAX_ABS_AT])
+        if p[_Part.MAX_EXCESS] > max_exc:
+            max_exc, at_exc = p[_Part.MAX_EXCESS], int(p[_Part.MAX_EXCESS_AT])
+    flat = int(first_nb) if first_nb < n else (at_exc if mism > 0 else at_abs)
+    nr, nc = math.sqrt(ref_sq), math.sqrt(cand_sq)
+    cosine = max(-1.0, min(1.0, dot / (nr * nc))) if nr * nc > 0 else float(nr == nc)
+    wr, wc = float(_Flat(r).item(flat)), float(_Flat(c).item(flat))
+    abs_err = abs(wc - wr)
+    if abs_err != abs_err:
+        abs_err = math.inf
+    stats = Stats(numel=n, max_abs=max_abs, mean_abs=sum_abs / n, max_rel=max_rel, mismatches=int(mism),
+                  cosine=cosine, ref_nan=int(counts[0]), ref_inf=int(counts[1]), cand_nan=int(counts[2]),
+                  cand_inf=int(counts[3]), worst=Worst(index=_unravel(flat, shape), ref=wr, cand=wc, abs_err=abs_err),
+                  atol=atol, rtol=rtol)
+    pending = PendingStats(None, shape, atol, rtol, ready=stats)
+    pending.rel_l2 = math.sqrt(diff_sq) / (nr if nr > 0 else 1.0)
+    return pending
 
 
 @contextlib.contextmanager
@@ -571,6 +668,8 @@ def _gather(t: torch.Tensor, lo: int, hi: int, out: torch.Tensor) -> None:
 
 
 def _measure_host(r: torch.Tensor, c: torch.Tensor, atol: float, rtol: float, shape) -> PendingStats:
+    if _native(r, c):
+        return _measure_host_many([(r, c, atol, rtol)])[0]
     with _one_thread():
         return _measure_host_1(r, c, atol, rtol, shape)
 

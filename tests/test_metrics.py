@@ -5,7 +5,19 @@ import math
 import pytest
 import torch
 
+from diffkit import host_kernel
 from diffkit import measure as M
+
+
+@pytest.fixture(params=["native", "torch"])
+def host_engine(request, monkeypatch):
+    """Each CPU host-path test twice: through the native one-pass kernel, and through the torch passes."""
+    if request.param == "native":
+        if not host_kernel.available():
+            pytest.skip(f"no native kernel here: {host_kernel.why()}")
+    else:
+        monkeypatch.setattr(M, "_native", lambda r, c: False)
+    return request.param
 
 
 def _exact(r, c, atol, rtol):
@@ -58,15 +70,16 @@ def _pair(kind: str, n: int, dtype: torch.dtype, cand_dtype: torch.dtype, seed: 
                                     (torch.bfloat16, torch.float32), (torch.float64, torch.float32)],
                          ids=["f32", "f16", "bf16-f32", "f64-f32"])
 @pytest.mark.parametrize("n", [1, 37, 5000])
-def test_host_path_agrees_with_the_exact_path(monkeypatch, kind, dtypes, n):
+def test_host_path_agrees_with_the_exact_path(monkeypatch, kind, dtypes, n, host_engine):
     monkeypatch.setattr(M, "CHUNK_HOST", 512)  # several chunks at n=5000, and a short last one
+    monkeypatch.setattr(M, "NATIVE_SPAN", 700)  # native: spans of a full block and a tail each
     r, c = _pair(kind, n, *dtypes, seed=n)
     atol, rtol = 1e-4, 1e-3
     st = _assert_agrees_with_exact(r, c, atol, rtol)
     assert st.ok == _exact(r, c, atol, rtol)[0].ok
 
 
-def test_host_path_reads_every_element_once_per_pass_in_cache_sized_chunks():
+def test_host_path_reads_every_element_once_per_pass_in_cache_sized_chunks(host_engine):
     """A tensor far larger than a chunk: the largest error sits in the last chunk and is found."""
     r = torch.zeros(3 * M.CHUNK_HOST + 5)
     c = r.clone()
@@ -77,12 +90,14 @@ def test_host_path_reads_every_element_once_per_pass_in_cache_sized_chunks():
 
 @pytest.mark.parametrize("kind", ["close", "bad", "specials"])
 @pytest.mark.parametrize("layout", ["permuted", "one_side_transposed", "offset_view"])
-def test_host_path_reads_a_permuted_layout_in_logical_order(monkeypatch, kind, layout):
+def test_host_path_reads_a_permuted_layout_in_logical_order(monkeypatch, kind, layout, host_engine):
     """Records kept as permute/transpose views are read a group at a time in row-major order (no
     flattened copy): the same Stats as their contiguous copies give, worst element included, with
     chunk and group boundaries falling inside rows of every dimension."""
     monkeypatch.setattr(M, "CHUNK_HOST", 7)
     monkeypatch.setattr(M, "GROUP_ROWS", 3)
+    monkeypatch.setattr(M, "NATIVE_SPAN", 100)  # native: spans and gathered pieces end inside rows too
+    monkeypatch.setattr(M, "GATHER", 7)
     shape = (5, 3, 4, 6)
     r, c = _pair(kind, math.prod(shape), torch.float32, torch.float32, seed=len(layout))
     r, c = r.view(6, 4, 5, 3).permute(2, 3, 1, 0), c.view(6, 4, 5, 3).permute(2, 3, 1, 0)
@@ -93,9 +108,10 @@ def test_host_path_reads_a_permuted_layout_in_logical_order(monkeypatch, kind, l
     assert not r.is_contiguous()
     got = M.measure_many([(r, c, 1e-4, 1e-3)])[0].result()
     want = M.measure(r.contiguous(), c.contiguous(), 1e-4, 1e-3)
-    for f in ("numel", "max_abs", "mean_abs", "max_rel", "mismatches", "cosine", "ref_nan", "ref_inf", "cand_nan",
-              "cand_inf"):
+    for f in ("numel", "max_abs", "max_rel", "mismatches", "ref_nan", "ref_inf", "cand_nan", "cand_inf"):
         assert getattr(got, f) == getattr(want, f), f
+    for f in ("mean_abs", "cosine"):  # sums: added in another grouping when gathered (native)
+        assert getattr(got, f) == pytest.approx(getattr(want, f), rel=1e-12), f
     assert got.worst.index == want.worst.index and got.worst.abs_err == want.worst.abs_err
     _assert_agrees_with_exact(r, c, 1e-4, 1e-3)
 
@@ -134,13 +150,48 @@ def test_triton_batch_measures_many_small_pairs_in_one_launch():
         assert st.max_abs == pytest.approx(want.max_abs, rel=1e-6)
 
 
-def test_host_path_outside_float32_squares_range_matches_the_exact_path():
+def test_host_path_outside_float32_squares_range_matches_the_exact_path(host_engine):
     """Squares that overflow (or underflow) float32 send that chunk down the exact float64 path."""
     for r, c in ((torch.tensor([1.0, 2.0]), torch.tensor([-1e25, 2.0])),
                  (torch.tensor([3e19, 1e19]), torch.tensor([3e19 + 1e18, 1e19])),
                  (torch.tensor([1e-23, 2e-23]), torch.tensor([3e-23, 2e-23]))):
         st = _assert_agrees_with_exact(r, c, 1e-4, 1e-4)
         assert math.isfinite(st.cosine)
+
+
+def test_native_kernel_is_built_where_a_c_compiler_is():
+    """With a C compiler on PATH the one-pass CPU kernel must build and load (else every CPU diff would
+    silently take the slower torch passes)."""
+    import shutil
+
+    if not (shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")):
+        pytest.skip("no C compiler here")
+    assert host_kernel.available(), host_kernel.why()
+
+
+def test_native_kernel_keeps_the_first_of_equal_maxima_across_spans_and_blocks(monkeypatch):
+    """Equal largest errors in several blocks and spans: the worst element is the first (as argmax)."""
+    if not host_kernel.available():
+        pytest.skip(f"no native kernel here: {host_kernel.why()}")
+    monkeypatch.setattr(M, "NATIVE_SPAN", 1000)
+    r = torch.zeros(5000, dtype=torch.float64)
+    for first in (700, 10):  # a block of its own / the first block
+        c = r.clone()
+        c[[first, 1030, 1031, 3999]] = 0.5
+        st = M.measure(r, c, 1e-4, 1e-4)
+        assert st.worst.index == (first,) and st.mismatches == 4 and st.max_abs == 0.5
+        c[2500] = math.nan  # a NaN disagreement is worse than anything out of tolerance
+        assert M.measure(r, c, 1e-4, 1e-4).worst.index == (2500,)
+
+
+def test_without_a_compiler_the_torch_passes_measure(monkeypatch, tmp_path):
+    """No C compiler: `available()` says why, and measuring gives the exact path's answer all the same."""
+    monkeypatch.setattr(host_kernel, "_state", {})
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("DIFFKIT_CACHE", str(tmp_path / "cache"))
+    assert not host_kernel.available() and "no-such-cc" in host_kernel.why()
+    r, c = _pair("specials", 3000, torch.float32, torch.float32, seed=3)
+    _assert_agrees_with_exact(r, c, 1e-4, 1e-3)
 
 
 def test_triton_kernels_under_the_interpreter_agree_with_the_exact_path(monkeypatch):

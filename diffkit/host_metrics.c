@@ -1,0 +1,244 @@
+/* One pass over a reference and a candidate range on the CPU: every statistic diffkit's Stats needs.
+ *
+ * Built by diffkit/host_kernel.py with the system C compiler and called through ctypes (which
+ * releases the GIL, so worker threads measure side by side).  No Python or torch headers.
+ *
+ * dk_partials(r, r_is_double, c, c_is_double, lo, hi, atol, rtol, out) fills out[0..15] with the
+ * slots of diffkit.measure._Part for elements lo..hi-1 of the flat arrays r and c (float32 or
+ * float64 each), with the same per-element rules as `_partials` (torch.allclose's, in float64):
+ *   diff     |c - r| where both are finite, else 0
+ *   bound    atol + rtol |r|
+ *   bad      diff > bound where both are finite; a NaN on either side, or unequal infinities
+ *   excess   diff - bound, NaN taken as -inf and +-inf as the largest finite value (torch.nan_to_num)
+ *   rel      diff / |r| where both are finite and r != 0, else 0
+ * The sums of r*c, r*r and c*c count a non-finite value as 0.  Maxima keep the first index holding
+ * them.  Blocks of finite values run eight lanes at a time (GCC/Clang vector extensions); a block
+ * holding a NaN or an infinity is done element by element by the rules above.
+ */
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+enum {
+    MISMATCHES, MAX_ABS, MAX_ABS_AT, SUM_ABS, MAX_REL, DOT, REF_SQ, CAND_SQ,
+    REF_NAN, REF_INF, CAND_NAN, CAND_INF, MAX_EXCESS, MAX_EXCESS_AT, FIRST_DISAGREE_AT, DIFF_SQ, NSLOTS
+};
+
+typedef double v8d __attribute__((vector_size(64)));
+typedef long long v8l __attribute__((vector_size(64)));
+typedef float v8f __attribute__((vector_size(32)));
+
+#define LANES 8
+#define BLOCK 512 /* elements per block: a multiple of LANES */
+
+#ifdef __cplusplus /* built as C++ where it can be: vector ?: selects with a blend (AVX-512: a mask register) */
+static inline v8d sel(v8l m, v8d x, v8d y) { return m ? x : y; }
+#define EXPORT extern "C"
+#else
+static inline v8d sel(v8l m, v8d x, v8d y) { return (v8d)(((v8l)x & m) | ((v8l)y & ~m)); }
+#define EXPORT
+#endif
+static inline v8d vabs(v8d x) { return (v8d)((v8l)x & (v8l){0} + 0x7fffffffffffffffLL); }
+static inline double hsum(v8d x) {
+    double s = 0.0;
+    for (int i = 0; i < LANES; i++) s += x[i];
+    return s;
+}
+static inline double hmax(v8d x) {
+    double m = x[0];
+    for (int i = 1; i < LANES; i++) m = x[i] > m ? x[i] : m;
+    return m;
+}
+
+static inline v8d load(const void *p, int is_double, int64_t i) {
+    if (is_double) {
+        v8d v;
+        memcpy(&v, (const double *)p + i, sizeof v);
+        return v;
+    }
+    v8f f;
+    memcpy(&f, (const float *)p + i, sizeof f);
+    return __builtin_convertvector(f, v8d);
+}
+
+static inline double at(const void *p, int is_double, int64_t i) {
+    return is_double ? ((const double *)p)[i] : (double)((const float *)p)[i];
+}
+
+static inline double excess_of(double d, double bound) {
+    double e = d - bound;
+    if (e != e) return -INFINITY;
+    if (e == INFINITY) return DBL_MAX;
+    if (e == -INFINITY) return -DBL_MAX;
+    return e;
+}
+
+/* One element by the full rules (NaN and infinities included). */
+static inline void element(double a, double b, int64_t i, double atol, double rtol, double *o) {
+    int an = isnan(a) != 0, bn = isnan(b) != 0, ai = isinf(a) != 0, bi = isinf(b) != 0;
+    int special = an | bn | ai | bi;
+    int disagree = special && !(ai && bi && a == b);
+    double ra = fabs(a);
+    double d = special ? 0.0 : fabs(b - a);
+    double bound = atol + rtol * ra;
+    o[MISMATCHES] += ((!special && d > bound) || disagree) ? 1.0 : 0.0;
+    o[REF_NAN] += an;
+    o[REF_INF] += ai;
+    o[CAND_NAN] += bn;
+    o[CAND_INF] += bi;
+    double fa = (an | ai) ? 0.0 : a, fb = (bn | bi) ? 0.0 : b;
+    o[DOT] += fa * fb;
+    o[REF_SQ] += fa * fa;
+    o[CAND_SQ] += fb * fb;
+    o[SUM_ABS] += d;
+    o[DIFF_SQ] += d * d;
+    if (!special && ra > 0.0) {
+        double rel = d / ra;
+        if (rel > o[MAX_REL]) o[MAX_REL] = rel;
+    }
+    if (d > o[MAX_ABS]) {
+        o[MAX_ABS] = d;
+        o[MAX_ABS_AT] = (double)i;
+    }
+    double e = excess_of(d, bound);
+    if (e > o[MAX_EXCESS]) {
+        o[MAX_EXCESS] = e;
+        o[MAX_EXCESS_AT] = (double)i;
+    }
+    if (disagree && i < o[FIRST_DISAGREE_AT]) o[FIRST_DISAGREE_AT] = (double)i;
+}
+
+/* The first index of the largest |c - r| (which = 0) or excess (which = 1) in a finite block. */
+static void block_arg(const void *r, int rd, const void *c, int cd, int64_t lo, int64_t hi, double atol, double rtol,
+                      int which, double *best, int64_t *where) {
+    double m = -INFINITY;
+    int64_t w = lo;
+    for (int64_t i = lo; i < hi; i++) {
+        double a = at(r, rd, i), b = at(c, cd, i);
+        double d = fabs(b - a);
+        double v = which ? d - (atol + rtol * fabs(a)) : d;
+        if (v > m) {
+            m = v;
+            w = i;
+        }
+    }
+    *best = m;
+    *where = w;
+}
+
+/* The running per-lane statistics of finite values; UNROLL of them side by side in a block, so no one
+ * chain of dependent operations limits the loop. */
+typedef struct {
+    v8d m_abs, m_ex;      /* largest d and excess */
+    v8d rel_d, rel_r;     /* the largest d / |r| as the pair it came from (compared by cross-multiplying) */
+    v8d s_abs, s_dsq, s_rsq, s_csq, s_dot;
+    v8l bad;
+} lanes_t;
+#define UNROLL 4
+
+static inline void lanes_init(lanes_t *x) {
+    const v8d zero = {0};
+    x->m_abs = zero - 1.0;
+    x->m_ex = zero - INFINITY;
+    x->rel_d = zero;
+    x->rel_r = zero + 1.0;
+    x->s_abs = x->s_dsq = x->s_rsq = x->s_csq = x->s_dot = zero;
+    x->bad = (v8l){0};
+}
+
+static inline void lanes_step(lanes_t *x, v8d a, v8d b, v8d vatol, v8d vrtol) {
+    const v8d zero = {0};
+    v8d d = vabs(b - a), ra = vabs(a);
+    v8d bound = vatol + vrtol * ra;
+    v8d e = d - bound;
+    x->bad -= (v8l)(d > bound);
+    x->s_abs += d;
+    x->s_dsq += d * d;
+    x->s_rsq += a * a;
+    x->s_csq += b * b;
+    x->s_dot += a * b;
+    v8l up = (ra > zero) & (d * x->rel_r > x->rel_d * ra);
+    x->rel_d = sel(up, d, x->rel_d);
+    x->rel_r = sel(up, ra, x->rel_r);
+    x->m_abs = sel(d > x->m_abs, d, x->m_abs);
+    x->m_ex = sel(e > x->m_ex, e, x->m_ex);
+}
+
+static inline void lanes_merge(lanes_t *x, const lanes_t *y) {
+    x->bad += y->bad;
+    x->s_abs += y->s_abs;
+    x->s_dsq += y->s_dsq;
+    x->s_rsq += y->s_rsq;
+    x->s_csq += y->s_csq;
+    x->s_dot += y->s_dot;
+    v8l up = y->rel_d * x->rel_r > x->rel_d * y->rel_r;
+    x->rel_d = sel(up, y->rel_d, x->rel_d);
+    x->rel_r = sel(up, y->rel_r, x->rel_r);
+    x->m_abs = sel(y->m_abs > x->m_abs, y->m_abs, x->m_abs);
+    x->m_ex = sel(y->m_ex > x->m_ex, y->m_ex, x->m_ex);
+}
+
+EXPORT void dk_partials(const void *r, int rd, const void *c, int cd, int64_t lo, int64_t hi, double atol, double rtol,
+                 double *o) {
+    for (int k = 0; k < NSLOTS; k++) o[k] = 0.0;
+    o[MAX_ABS] = -1.0; /* every |c - r| is >= 0: the first element sets it */
+    o[MAX_ABS_AT] = (double)lo;
+    o[MAX_EXCESS] = -INFINITY;
+    o[MAX_EXCESS_AT] = (double)lo;
+    o[FIRST_DISAGREE_AT] = INFINITY;
+    const v8d zero = {0}, vatol = zero + atol, vrtol = zero + rtol;
+    v8d s_abs = zero, s_dsq = zero, s_rsq = zero, s_csq = zero, s_dot = zero;
+    v8l bad = {0};
+    int64_t i = lo;
+    for (; i + BLOCK <= hi; i += BLOCK) {
+        lanes_t acc[UNROLL];
+        for (int u = 0; u < UNROLL; u++) lanes_init(&acc[u]);
+        for (int64_t j = i; j < i + BLOCK; j += LANES * UNROLL)
+            for (int u = 0; u < UNROLL; u++)
+                lanes_step(&acc[u], load(r, rd, j + u * LANES), load(c, cd, j + u * LANES), vatol, vrtol);
+        for (int u = 1; u < UNROLL; u++) lanes_merge(&acc[0], &acc[u]);
+        lanes_t *x = &acc[0];
+        /* a NaN or an infinity on either side (or a square past float64's range) makes its sum of squares
+         * non-finite: that block by the full rules */
+        if (!isfinite(hsum(x->s_rsq)) || !isfinite(hsum(x->s_csq))) {
+            for (int64_t j = i; j < i + BLOCK; j++) element(at(r, rd, j), at(c, cd, j), j, atol, rtol, o);
+            continue;
+        }
+        s_abs += x->s_abs;
+        s_dsq += x->s_dsq;
+        s_rsq += x->s_rsq;
+        s_csq += x->s_csq;
+        s_dot += x->s_dot;
+        bad += x->bad;
+        for (int k = 0; k < LANES; k++)
+            if (x->rel_d[k] / x->rel_r[k] > o[MAX_REL]) o[MAX_REL] = x->rel_d[k] / x->rel_r[k];
+        v8d m_abs = x->m_abs, m_ex = x->m_ex;
+        double best;
+        int64_t where;
+        if (hmax(m_abs) > o[MAX_ABS]) { /* a new maximum in this block: find its first index */
+            block_arg(r, rd, c, cd, i, i + BLOCK, atol, rtol, 0, &best, &where);
+            if (best > o[MAX_ABS]) {
+                o[MAX_ABS] = best;
+                o[MAX_ABS_AT] = (double)where;
+            }
+        }
+        if (hmax(m_ex) > o[MAX_EXCESS]) {
+            block_arg(r, rd, c, cd, i, i + BLOCK, atol, rtol, 1, &best, &where);
+            best = excess_of(best, 0.0);
+            if (best > o[MAX_EXCESS]) {
+                o[MAX_EXCESS] = best;
+                o[MAX_EXCESS_AT] = (double)where;
+            }
+        }
+    }
+    for (; i < hi; i++) element(at(r, rd, i), at(c, cd, i), i, atol, rtol, o);
+    o[SUM_ABS] += hsum(s_abs);
+    o[DIFF_SQ] += hsum(s_dsq);
+    o[REF_SQ] += hsum(s_rsq);
+    o[CAND_SQ] += hsum(s_csq);
+    o[DOT] += hsum(s_dot);
+    long long nbad = 0;
+    for (int k = 0; k < LANES; k++) nbad += bad[k];
+    o[MISMATCHES] += (double)nbad;
+}
