@@ -4,7 +4,10 @@
     python bench/speed.py --preset h200        # CUDA: the 24-block transformer (B4 S2048 D1024), metric kernel
     python bench/speed.py --json out.json      # every raw time as JSON as well
 
-Each mode runs in its own process (memory figures are per process); times are medians of --repeat.
+Each mode runs in its own process (memory figures are per process); times are medians of --repeat,
+after one untimed run of the same mode (as the plain forwards get one): its time is kept as
+`first_seconds` (the first diff in a process also pays for first touching the memory its captured
+values take).
   plain      two plain forwards (reference, candidate), no_grad
   compare    diffkit.compare in memory, one diffed forward per side (health check and rerun off)
   default    diffkit.compare with its defaults (reference health, candidate rerun when they can matter)
@@ -122,13 +125,20 @@ def child(model, mode, dev, repeat, max_memory):
     with torch.no_grad():
         ref(*ri), cand(*ci)  # warm up
     _sync(dev)
-    if dev == "cuda" and mode in ("compare", "stream"):
-        # one untimed diff first: it compiles the Triton metric kernels (once per process), kept apart
+    if mode != "plain":
+        # one untimed run first, as the plain forwards had theirs: it compiles the metric kernels (Triton on
+        # CUDA; the native CPU kernel, if this machine has not built it before), and it is the run that first
+        # touches the memory the captured values take (the plain forwards reuse theirs); kept apart
         kw0 = dict(health=False, rerun=False)
         if mode == "stream":
             kw0.update(streaming=True, max_memory=parse_size(max_memory or "40G"))
+        if mode == "compare_nofold":
+            kw0["fold"] = False
         t0 = time.perf_counter()
-        diffkit.compare(ref, cand, ri, cand_inputs=ci, **kw0)
+        if mode == "naive":
+            naive(ref, cand, ri, ci)
+        else:
+            diffkit.compare(ref, cand, ri, cand_inputs=ci, **({} if mode == "default" else kw0))
         _sync(dev)
         out["first_seconds"] = time.perf_counter() - t0
     if dev == "cuda":
@@ -219,6 +229,9 @@ def main():
         naive_s = next((x["seconds"] for x in rows if x["model"] == r["model"] and x["mode"] == "naive"), None)
         if r["mode"] == "compare" and naive_s:
             notes.append(f"{r['seconds'] / naive_s:.2f}x the by-hand baseline")
+        if r.get("first_seconds") is not None and r["mode"] != "metrics":
+            notes.append(f"first run {r['first_seconds']:.2f} s" + (
+                f" = {r['first_seconds'] / plain[r['model']]:.2f}x" if r["model"] in plain else ""))
         if "naive_mismatching_modules" in r:
             notes.append(f"{r['naive_mismatching_modules']} modules mismatching")
         print(f"{r['model']:8s} {r['mode']:9s} {r['seconds']:9.3f} {('%.2f' % ratio) if ratio else '-':>8s} "

@@ -69,13 +69,19 @@ def capture_reference(ref_path: str, out_dir: str, options: Options | None = Non
     reinit = reinit_zero_parameters(built.model) if options.reinit_zero else []
     info = {**built.info(), "input_seed": seeds[0], "kernelbench_seed": options.seed, "reinit_zero": reinit,
             "trials": [{"trial": 1, "seed": seeds[0]}]}
-    writer = capture_writer(out_dir, built.model, info)
+    # written through: this process keeps no captured value (the forward reuses its memory); the few that
+    # are needed here are read back from the directory (mapped: not copied)
+    writer = capture_writer(out_dir, built.model, info, write_through=True)
     before = snapshot_state(built.model)
     seed_all(seeds[0])
     trace = run_captured(built.model, clone_inputs(list(built.inputs)), sink=writer, only=name_filter(options.only),
                          no_grad=options.no_grad)
     if trace.error is None:
+        from .store import CaptureFile
+
+        written = CaptureFile.open(out_dir)
         if built.class_name == "ModelNew":
+            written.fill(trace, lambda r: True)
             # a second forward on the same inputs, from the same state: records that change between runs (a
             # race, an uninitialised read) are kept with the capture, as a live diff's second run finds them
             after = snapshot_state(built.model)
@@ -86,8 +92,10 @@ def capture_reference(ref_path: str, out_dir: str, options: Options | None = Non
         elif options.health and not options.only:
             # the second run only where the reference may draw random numbers: whether the candidate
             # diverges (the other reason to run it) is not known in this process
+            random = may_be_random(built.model, trace)
+            written.fill(trace, lambda r: random or r.is_output)  # (all of them when a second run compares them)
             info["health"] = reference_health(built.model, list(built.inputs), trace, options.no_grad, state=before,
-                                              rerun=may_be_random(built.model, trace))
+                                              rerun=random)
         info["trials"] = write_trials(out_dir, built.model, built.inputs_for, seeds, options.no_grad,
                                       only=name_filter(options.only),
                                       info={k: info[k] for k in ("source", "class", "training", "eval", "health")

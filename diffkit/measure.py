@@ -545,10 +545,20 @@ def _measure_host_many(items: list[tuple[torch.Tensor, torch.Tensor, float, floa
         else:
             from concurrent.futures import ThreadPoolExecutor
 
+            # small spans travel in batches: a task per span would cost more than measuring it
+            batches, cur, size = [], [], 0
+            for job in spans:
+                cur.append(job)
+                size += job[2] - job[1]
+                if size >= NATIVE_SPAN // 4 or len(cur) >= 256:
+                    batches.append(cur)
+                    cur, size = [], 0
+            if cur:
+                batches.append(cur)
             with ThreadPoolExecutor(workers, thread_name_prefix="diffkit-measure",
                                     initializer=torch.set_num_threads, initargs=(1,)) as pool:
                 later = pool.map(one, others)
-                parts = list(pool.map(span, spans))
+                parts = [p for got in pool.map(lambda b: [span(job) for job in b], batches) for p in got]
                 done = list(later)
     for i, pending in zip(others, done):
         out[i] = pending
@@ -559,6 +569,24 @@ def _measure_host_many(items: list[tuple[torch.Tensor, torch.Tensor, float, floa
         r, c, atol, rtol = items[i]
         out[i] = _from_parts(ps, r, c, atol, rtol)
     return out  # type: ignore[return-value]
+
+
+def native_rel_l2(c: torch.Tensor, r: torch.Tensor) -> float | None:
+    """||c - r|| / ||r|| (float64 sums) by one call of the native kernel, for equal element counts in
+    row-major order; None where it does not apply (another dtype or device, another layout, or a NaN or
+    an infinity on either side, whose rule `align._rel_err` owns)."""
+    if c.numel() != r.numel() or c.numel() == 0 or not (c.is_contiguous() and r.is_contiguous()) \
+            or not _native(r, c):
+        return None
+    from . import host_kernel
+
+    p = host_kernel.partials(r.detach(), c.detach(), 0, r.numel(), 0.0, 0.0)
+    if any(p[s] for s in _COUNTS):
+        return None
+    d, s = math.sqrt(p[_Part.DIFF_SQ]), math.sqrt(p[_Part.REF_SQ])
+    if not (math.isfinite(d) and math.isfinite(s)):  # squares past float64's range: the torch way
+        return None
+    return d / s if s > 0 else (0.0 if d == 0 else math.inf)
 
 
 def _from_parts(parts: list[list[float]], r: torch.Tensor, c: torch.Tensor, atol: float, rtol: float) -> PendingStats:

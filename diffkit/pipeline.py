@@ -154,13 +154,15 @@ def run_captured(model: torch.nn.Module, inputs: Sequence[Any], *, no_grad: bool
     return cap.state.trace
 
 
-def capture_writer(path: str, model: torch.nn.Module, info: dict | None = None, values: bool = True):
+def capture_writer(path: str, model: torch.nn.Module, info: dict | None = None, values: bool = True,
+                   write_through: bool = False):
     """A capture directory that streams each record as it is made (crash insurance), holding the
     model's parameters and `info` (how the side was built: source, init inputs, inputs …);
-    `values=False`: the records' names and shapes only, no values and no parameters."""
+    `values=False`: the records' names and shapes only, no values and no parameters;
+    `write_through`: the trace keeps no values, the directory does (`CaptureFile.fill` reads them back)."""
     from .store import CaptureWriter
 
-    writer = CaptureWriter(path, shard_bytes=0, values=values)
+    writer = CaptureWriter(path, shard_bytes=0, values=values, write_through=write_through)
     if info is not None:
         writer.set_info(info)
     if values:
@@ -800,7 +802,7 @@ def reference_health(model: torch.nn.Module, inputs: list, trace: Trace, no_grad
                          f"({stochastic_reason(model)}); its output depends on the random draw, so no candidate "
                          f"can match it reliably (KernelBench never calls eval()); --eval turns dropout off")
     # weights (not norm biases, which start at zero by design) that are all zero
-    zero = [n for n, p in model.named_parameters() if p.dim() >= 2 and bool((p == 0).all())]
+    zero = [n for n, p in model.named_parameters() if p.dim() >= 2 and not bool(p.detach().any())]  # (one pass, no mask)
     if zero:
         notes.append(f"parameters initialised to zero hide the paths through them: {', '.join(zero[:5])}"
                      + (" …" if len(zero) > 5 else "") + " (--reinit-zero gives them random values for the diff)")
@@ -859,7 +861,7 @@ def reinit_zero_parameters(ref: torch.nn.Module, cand: torch.nn.Module | None = 
     cparams = dict(cand.named_parameters()) if cand is not None else {}
     with torch.no_grad():
         for n, p in ref.named_parameters():
-            if p.dim() >= 2 and bool((p == 0).all()):
+            if p.dim() >= 2 and not bool(p.detach().any()):
                 p.copy_((torch.randn(p.shape, generator=g) * 0.1).to(p))
                 if n in cparams and cparams[n].shape == p.shape:
                     cparams[n].copy_(p)

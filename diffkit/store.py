@@ -380,8 +380,9 @@ def _st_tensor(fd: int, size: int, start: int, key: str, entry: Any, mapped: Any
     return torch.frombuffer(bytearray(data), dtype=dtype).reshape(shape)
 
 
-def _st_write(fh, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Write `tensors` (name, tensor) as a safetensors file, one contiguous CPU copy at a time."""
+def _st_write(fh, tensors: Iterable[tuple[str, torch.Tensor]], scratch: list | None = None) -> None:
+    """Write `tensors` (name, tensor) as a safetensors file, one contiguous CPU copy at a time (a CPU tensor
+    laid out otherwise is copied into a buffer kept in `scratch[0]` for the next call, not a fresh one)."""
     items = list(tensors)
     if not _LITTLE:
         from safetensors.torch import save
@@ -396,10 +397,20 @@ def _st_write(fh, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
     raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
     raw += b" " * (-len(raw) % 8)
     fh.write(struct.pack("<Q", len(raw)) + raw)
+    scratch = scratch if scratch is not None else [None]
     for _, t in items:
-        if t.numel():
-            c = t.detach().to("cpu").contiguous()
-            fh.write(memoryview(c.reshape(-1).view(torch.uint8).numpy()))
+        if not t.numel():
+            continue
+        t = t.detach()
+        if t.device.type == "cpu" and not t.is_contiguous():
+            nb = t.numel() * t.element_size()
+            if scratch[0] is None or scratch[0].numel() < nb:
+                scratch[0] = torch.empty(nb, dtype=torch.uint8)
+            c = scratch[0][:nb].view(t.dtype).view(t.shape)
+            c.copy_(t)
+        else:
+            c = t.to("cpu").contiguous()
+        fh.write(memoryview(c.reshape(-1).view(torch.uint8).numpy()))
 
 
 # ---------------------------------------------------------------- writing
@@ -426,9 +437,14 @@ class CaptureWriter:
     """Append records; `flush()` writes a shard; `close()` marks the capture complete."""
 
     def __init__(self, path: str, side: str = "", source: str = "", shard_bytes: int = 64 << 20,
-                 values: bool = True):
+                 values: bool = True, write_through: bool = False):
         self.path = path
         self.values = values  # False: metadata only (a streaming diff's crash insurance)
+        # write_through (with values, shard_bytes=0): the capture hands each value over as it is recorded and
+        # keeps none itself (`owns_values`, as a streaming sink): it is written at once, the forward's memory
+        # is free to be reused, and the values are read back from the files where they are needed
+        self.owns_values = bool(write_through and values and shard_bytes == 0)
+        self._scratch: list = [None]  # the buffer non-contiguous values are written through (see _st_write)
         self.side, self.source = side, source
         self.shard_bytes = shard_bytes
         os.makedirs(path, exist_ok=True)
@@ -481,16 +497,20 @@ class CaptureWriter:
         self.params_file = PARAMS_FILE
         self._write_index()
 
-    def add(self, rec: Record) -> None:
+    def add(self, rec: Record, tensor: torch.Tensor | None = None) -> None:
+        """Add a record (its value: `tensor` for a write-through writer, else `rec.value`)."""
         meta = _meta(rec)
-        if rec.value is not None and self.values:
+        value = tensor if self.owns_values else rec.value
+        if value is not None and self.values:
             key = f"r{rec.index:06d}"
-            v = rec.value.detach()
-            host = v.to("cpu").contiguous()
-            if host.data_ptr() == v.data_ptr() and self.shard_bytes > 0:
-                # the record may hold live memory (capture copies on write) and the shard is written later;
-                # with shard_bytes=0 the value is written before add returns, so no copy is needed
-                host = host.clone()
+            v = value.detach()
+            if self.shard_bytes > 0:
+                host = v.to("cpu").contiguous()
+                if host.data_ptr() == v.data_ptr():
+                    # the record may hold live memory (capture copies on write) and the shard is written later
+                    host = host.clone()
+            else:  # written before add returns: no copy (one laid out otherwise goes through _st_write's buffer)
+                host = v.to("cpu")
             self.pending[key] = host
             meta["key"] = key
             self.pending_bytes += v.numel() * v.element_size()
@@ -498,8 +518,9 @@ class CaptureWriter:
         if self.pending_bytes >= self.shard_bytes:
             self.flush()
 
-    def update(self, rec: Record) -> None:
-        """A record already written got another name (aliases, renames): keep the index in step."""
+    def update(self, rec: Record, tensor: torch.Tensor | None = None) -> None:
+        """A record already written got another name (aliases, renames): keep the index in step (its value,
+        written already, stays as it was)."""
         for m in reversed(self.pending_meta):
             if m["index"] == rec.index:
                 m.update(self._renamed(rec))
@@ -521,7 +542,7 @@ class CaptureWriter:
         shard = f"shard-{self.shards:05d}.safetensors"
         if self.pending:
             pending = list(self.pending.items())
-            self._root.write_atomic(shard, lambda fh: _st_write(fh, pending))
+            self._root.write_atomic(shard, lambda fh: _st_write(fh, pending, self._scratch))
             self.shards += 1
         for m in self.pending_meta:
             if "key" in m:
@@ -996,6 +1017,15 @@ class CaptureFile:
             if values if isinstance(values, bool) else values(m):
                 rec.value = self._value(m)
             yield rec
+
+    def fill(self, trace: Trace, which: Callable[[Record], bool]) -> None:
+        """Give the records of `trace` (the trace this capture was written from) that `which` picks their
+        values as written here (mapped where they can be: nothing copied)."""
+        want = {r.index: r for r in trace.records if r.value is None and which(r)}
+        for m in self.index["records"]:
+            rec = want.get(m.get("index"))
+            if rec is not None and rec.name == m.get("name"):
+                rec.value = self._value(m)
 
     def load(self, values: bool = True) -> Trace:
         trace = Trace(records=list(self.records(values)))

@@ -184,6 +184,49 @@ def test_native_kernel_keeps_the_first_of_equal_maxima_across_spans_and_blocks(m
         assert M.measure(r, c, 1e-4, 1e-4).worst.index == (2500,)
 
 
+def test_many_pairs_on_worker_threads_each_get_their_own_answer(monkeypatch, host_engine):
+    """Hundreds of pairs of mixed sizes and layouts measured together on two worker threads (small spans
+    batched, a large pair split into spans): each pair's Stats are its own exact ones."""
+    monkeypatch.setattr(M, "NATIVE_SPAN", 1 << 14)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        pairs = []
+        for i in range(300):
+            n = 40_000 if i == 7 else 1 + (i * 37) % 900
+            r, c = _pair(("close", "bad", "specials")[i % 3], n, torch.float32,
+                         torch.float64 if i % 5 == 0 else torch.float32, seed=i)
+            if i % 4 == 0 and n % 3 == 0:
+                r, c = r.view(3, -1).t(), c.view(3, -1).t()  # read through the gather
+            pairs.append((r, c))
+        got = M.measure_many([(r, c, 1e-4, 1e-3) for r, c in pairs])
+    finally:
+        torch.set_num_threads(threads)
+    for (r, c), pending in zip(pairs, got):
+        st, want = pending.result(), _exact(r.contiguous(), c.contiguous(), 1e-4, 1e-3)[0]
+        assert (st.mismatches, st.worst.index, st.cand_nan, st.ref_inf) == \
+            (want.mismatches, want.worst.index, want.cand_nan, want.ref_inf)
+        assert st.max_abs == pytest.approx(want.max_abs, rel=1e-6)
+
+
+def test_native_relative_error_agrees_with_the_torch_rule_and_leaves_specials_to_it(monkeypatch):
+    from diffkit.align import _rel_err
+
+    if not host_kernel.available():
+        pytest.skip(f"no native kernel here: {host_kernel.why()}")
+    g = torch.Generator().manual_seed(5)
+    r = torch.randn(4, 300, generator=g)
+    c = r + 0.01 * torch.randn(4, 300, generator=g)
+    fast = M.native_rel_l2(c, r)
+    monkeypatch.setattr(M, "_native", lambda r, c: False)
+    assert fast == pytest.approx(_rel_err(c, r), rel=1e-5) and fast > 0
+    monkeypatch.undo()
+    c[1, 7] = math.nan
+    assert M.native_rel_l2(c, r) is None  # NaN/Inf: the torch rule (finite elements on both sides)
+    assert M.native_rel_l2(c.t(), r.t()) is None  # not row-major
+    assert M.native_rel_l2(r, r) == 0.0 and M.native_rel_l2(r, torch.zeros_like(r)) == math.inf
+
+
 def test_without_a_compiler_the_torch_passes_measure(monkeypatch, tmp_path):
     """No C compiler: `available()` says why, and measuring gives the exact path's answer all the same."""
     monkeypatch.setattr(host_kernel, "_state", {})
