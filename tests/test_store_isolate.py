@@ -322,3 +322,38 @@ def test_a_reference_process_dying_after_its_capture_is_complete_still_gives_one
     data = json.loads((tmp_path / "r.json").read_text())
     assert data["verdict"] == "match" and data.get("error") is None
     assert out.stdout.count("diffkit: MATCH") == 1, out.stdout
+
+
+@pytest.mark.parametrize("kind", ["zeros", "random", "inplace"])
+def test_a_reference_capture_is_written_through_and_keeps_its_health_checks(tmp_path, kind):
+    """The reference's process keeps no captured value (each is written as it is recorded): the file holds
+    every value as it was when recorded (an in-place change after it does not leak in), and the health checks
+    that read values (an all-zero output; a random reference found by a second run) still work."""
+    from diffkit.compare import capture_reference
+
+    body = {"zeros": "return self.lin(x) * 0",
+            "random": "return torch.nn.functional.dropout(self.lin(x), 0.5)",
+            "inplace": "y = self.lin(x)\n        z = torch.relu(y)\n        y.mul_(3)\n        return z + y"}[kind]
+    src = tmp_path / "ref.py"
+    src.write_text("import torch, torch.nn as nn\n"
+                   "class Model(nn.Module):\n"
+                   "    def __init__(self):\n        super().__init__(); self.lin = nn.Linear(16, 16)\n"
+                   f"    def forward(self, x):\n        {body}\n"
+                   "def get_inputs():\n    return [torch.randn(8, 16)]\n"
+                   "def get_init_inputs():\n    return []\n")
+    out = str(tmp_path / "ref.dkt")
+    trace = capture_reference(str(src), out, diffkit.Options(trials=1))
+    if kind != "random":  # (a second run compares every record: then they are read back, mapped)
+        assert all(r.value is None for r in trace.records if not r.is_output)  # nothing held in the process
+    f = CaptureFile.open(out)
+    health = f.info.get("health") or []
+    back = f.load()
+    if kind == "zeros":
+        assert any("all zeros" in h for h in health), health
+    elif kind == "random":
+        assert any("reference is random" in h for h in health), health
+    else:
+        lin = next(r for r in back.records if r.name == "lin")
+        relu = next(r for r in back.records if r.value is not None and r.op and "relu" in r.op)
+        assert torch.equal(torch.relu(lin.value), relu.value)  # lin as recorded, before the in-place * 3
+        assert torch.allclose(back.output.value, relu.value + 3 * lin.value)
