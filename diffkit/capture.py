@@ -263,13 +263,35 @@ def _tensors(obj: Any) -> list[tuple[tuple, torch.Tensor]]:
         return [((), obj)]
     if obj is None or isinstance(obj, (int, float, bool, str)):
         return []
-    if (type(obj) is tuple or type(obj) is list) and all(type(o) is torch.Tensor for o in obj):
+    t = type(obj)
+    if (t is tuple or t is list) and all(type(o) is torch.Tensor for o in obj):
         return [((i,), o) for i, o in enumerate(obj)]  # chunk, split, unbind …: no tree walk
+    if t is tuple or t is list or t is dict:  # a call's arguments, (x, [sizes], dim): walked directly
+        out: list[tuple[tuple, torch.Tensor]] = []
+        if _plain_tensors(obj, (), out):
+            return out
     flat, _ = pytree.tree_flatten_with_path(obj)
     return [(tuple(path_key(k) for k in path), v) for path, v in flat if isinstance(v, torch.Tensor)]
 
 
-_ATOMS = (int, float, bool, str, torch.dtype, torch.device, slice, type(None), type(Ellipsis))
+def _plain_tensors(obj: Any, path: tuple, out: list) -> bool:
+    """`_tensors` of plain tuples, lists and dicts of tensors and atoms (the positions pytree would give);
+    False, with `out` unfinished, at any other container (named tuples, registered nodes: pytree's)."""
+    t = type(obj)
+    items = obj.items() if t is dict else enumerate(obj) if (t is tuple or t is list) else None
+    if items is None:
+        return False
+    for k, o in items:
+        if isinstance(o, torch.Tensor):
+            out.append(((*path, k), o))
+        elif type(o) in _ATOMS:
+            continue
+        elif not _plain_tensors(o, (*path, k), out):
+            return False
+    return True
+
+
+_ATOMS = (int, float, bool, str, torch.dtype, torch.device, torch.Size, slice, type(None), type(Ellipsis))
 
 
 def _map_tensors(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:

@@ -234,3 +234,24 @@ def test_triton_launch_recorded_once_per_launch(monkeypatch):
     assert torch.equal(w.value, x * 2)
     assert not any(r.op.endswith("empty_like") for r in trace.records)  # an allocation is not a stage
     assert "__getitem__" in vars(KernelInterface) and not hasattr(KernelInterface.__getitem__, "__wrapped__")
+
+
+def test_tensors_in_a_calls_arguments_are_found_at_the_positions_pytree_gives():
+    """The direct walk over plain tuples, lists and dicts (every op's arguments) gives what pytree's
+    key paths give, and hands named tuples and other containers to pytree."""
+    import collections
+
+    import torch.utils._pytree as pytree
+
+    from diffkit.capture import _tensors, path_key
+
+    def by_pytree(obj):
+        flat, _ = pytree.tree_flatten_with_path(obj)
+        return [(tuple(path_key(k) for k in path), id(v)) for path, v in flat if isinstance(v, torch.Tensor)]
+
+    x, y = torch.ones(2), torch.zeros(3)
+    pair = collections.namedtuple("pair", "a b")
+    for obj in [(x, [2, 3], 1), {"b": x, "a": [y, 1.0, None]}, [x, (y, (x,))], (x, pair(x, y)),
+                (x, slice(1, 2), Ellipsis, torch.float32, torch.Size([2, 3])), ({"z": y, "a": x},), (), [[], {}],
+                (x, torch.nn.Parameter(torch.ones(1)))]:
+        assert [(p, id(v)) for p, v in _tensors(obj)] == by_pytree(obj), obj
