@@ -823,12 +823,20 @@ class _State:
         ins: list[frozenset] = []
         prm: list[frozenset] = [frozenset(extra)] if extra else []
         add = self._lineage_of_tensor
+        lineage = self.lineage
         todo = [obj]
         while todo:
             o = todo.pop()
             t = type(o)
             if t is torch.Tensor or t is torch.nn.Parameter:
-                add(o, ins, prm)
+                hit = lineage.get(id(o))
+                if hit is not None and hit[0]() is o:  # a folded tensor (the common case, inline)
+                    if hit[1]:
+                        ins.append(hit[1])
+                    if hit[2]:
+                        prm.append(hit[2])
+                else:
+                    add(o, ins, prm)
             elif t is tuple or t is list:
                 todo.extend(o)
             elif t is dict:
