@@ -18,7 +18,9 @@ values take).
              values handed over through shared memory (wall time including process start)
   isolated_warm  the same command run in a process that has imported torch and diffkit already (the
              interpreter start and torch's import left out; the children are forked all the same)
-  metrics    CUDA: the metric kernel alone over 1 GiB float32 pairs, as bytes read per second
+  metrics    the metric kernel alone through measure_many, as bytes read per second: CUDA, a 1 GiB float32
+             pair (Triton); CPU, a 256 MiB pair (the native kernel on the worker threads, and the torch
+             passes it replaces)
 Ratios are against `plain` of the same model measured in the same run.
 """
 import argparse
@@ -52,7 +54,7 @@ MODELS = {
     "h200": dict(ref="references/deep_transformer.py", cand="kernels/deep_transformer_fused.py",
                  env=dict(DIFFKIT_DEPTH=24, DIFFKIT_BATCH=4, DIFFKIT_SEQ=2048, DIFFKIT_DIM=1024, DIFFKIT_HEADS=16)),
 }
-PRESETS = {"cpu": [("stack12", ["plain", "compare", "default", "naive", "isolated", "isolated_warm"]),
+PRESETS = {"cpu": [("stack12", ["plain", "compare", "default", "naive", "isolated", "isolated_warm", "metrics"]),
                    ("gru", ["plain", "compare", "default", "compare_nofold"]),
                    ("gru_slab", ["plain", "compare"]), ("gru_readback", ["plain", "compare"])],
            "h200": [("h200", ["plain", "compare", "stream", "naive", "metrics"])]}
@@ -74,18 +76,27 @@ def child(model, mode, dev, repeat, max_memory):
         from diffkit import metrics_kernel
         from diffkit.measure import measure_many
 
-        n = (1 << 30) // 4
+        from diffkit import host_kernel, measure as M
+
+        n = (1 << 30) // 4 if dev == "cuda" else (256 << 20) // 4
         r = torch.randn(n, device=dev)
         c = r + 1e-6 * torch.randn(n, device=dev)
-        measure_many([(r, c, 1e-4, 1e-4)])[0].result()  # compile
-        times = []
-        for _ in range(repeat):
-            _sync(dev)
-            t0 = time.perf_counter()
-            measure_many([(r, c, 1e-4, 1e-4)])[0].result()
-            times.append(time.perf_counter() - t0)
-        out.update(seconds=statistics.median(times), bytes=2 * 4 * n, triton=metrics_kernel.available(),
-                   copy_bandwidth=_copy_bandwidth(dev))
+
+        def timed():
+            measure_many([(r, c, 1e-4, 1e-4)])[0].result()  # compile / first touch
+            times = []
+            for _ in range(repeat):
+                _sync(dev)
+                t0 = time.perf_counter()
+                measure_many([(r, c, 1e-4, 1e-4)])[0].result()
+                times.append(time.perf_counter() - t0)
+            return statistics.median(times)
+
+        out.update(seconds=timed(), bytes=2 * 4 * n, triton=metrics_kernel.available(),
+                   native=host_kernel.available(), copy_bandwidth=_copy_bandwidth(dev))
+        if dev == "cpu" and host_kernel.available():  # the torch passes it replaces, for comparison
+            M._native = lambda r, c: False
+            out["torch_passes_bytes_per_s"] = out["bytes"] / timed()
         out["bytes_per_s"] = out["bytes"] / out["seconds"]
         print("RESULT " + json.dumps(out))
         return
@@ -224,6 +235,8 @@ def main():
         if "bytes_per_s" in r:
             notes.append(f"{r['bytes_per_s'] / 1e9:.0f} GB/s read = {100 * r['bytes_per_s'] / r['copy_bandwidth']:.0f}% "
                          f"of copy bandwidth ({r['copy_bandwidth'] / 1e9:.0f} GB/s)")
+        if "torch_passes_bytes_per_s" in r:
+            notes.append(f"torch passes {r['torch_passes_bytes_per_s'] / 1e9:.1f} GB/s")
         if "compare_bytes_per_s" in r and "copy_bandwidth" in r:
             notes.append(f"whole diff {100 * r['compare_bytes_per_s'] / r['copy_bandwidth']:.1f}% of copy bandwidth")
         naive_s = next((x["seconds"] for x in rows if x["model"] == r["model"] and x["mode"] == "naive"), None)
