@@ -80,6 +80,7 @@ def capture_reference(ref_path: str, out_dir: str, options: Options | None = Non
         from .store import CaptureFile
 
         written = CaptureFile.open(out_dir)
+        written.mapped = True  # (values read back are views of the files, not copies)
         if built.class_name == "ModelNew":
             written.fill(trace, lambda r: True)
             # a second forward on the same inputs, from the same state: records that change between runs (a

@@ -4,17 +4,21 @@ called through ctypes.
 One pass over both tensors gives every sufficient statistic of a range (the slots of
 `measure._Part`), where the torch path makes about ten passes.  The library is built the first time
 a process asks for it (about a second) into a cache directory keyed by the source, the compiler and
-the CPU (it is built for the CPU it runs on), and loaded from there afterwards.  Without a C
-compiler, or when the build fails, `library()` is None and diffkit measures with torch ops instead;
-DIFFKIT_NATIVE=0 asks for that always.
+the CPU (on Linux it is built for the CPU it runs on), checked on a pair with known answers, and
+loaded from there afterwards.  Without a C compiler, or when the build or the check fails,
+`library()` is None (`why()` says why) and diffkit measures with torch ops instead; DIFFKIT_NATIVE=0
+asks for that always.  `$CC` (a command, arguments allowed: "ccache gcc") picks the compiler.
 """
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import math
 import os
 import platform
+import shlex
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -24,7 +28,6 @@ import torch
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "host_metrics.c")
 FLAGS = ["-O3", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno"]
-NATIVE_ARCH = ["-march=native"]  # dropped when the compiler does not know it
 SLOTS = 16  # len(measure._Part)
 # the dtypes the kernel reads (as the `is_double` flag it is given)
 DTYPES = {torch.float32: 0, torch.float64: 1}
@@ -34,50 +37,110 @@ _state: dict = {}
 
 
 def _cache_dir() -> str:
-    base = os.environ.get("DIFFKIT_CACHE") or os.path.join(
+    return os.environ.get("DIFFKIT_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "diffkit")
-    return base
 
 
-def _cpu_key() -> str:
-    """What the built code depends on beyond the source: the machine and its instruction-set flags."""
-    flags = ""
+def _cpu_flags() -> str | None:
+    """The CPU's instruction-set flags (Linux), None where they cannot be read: then the library is
+    built for the architecture in general, not for this CPU (a cache shared between machines is safe)."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
             for line in fh:
                 if line.startswith(("flags", "Features")):
-                    flags = line
-                    break
+                    return line.strip()
     except OSError:
-        flags = platform.processor()
-    return f"{platform.machine()}|{flags}"
+        pass
+    return None
 
 
-def _compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+def _compiler() -> list[str] | None:
+    """The compiler command: `$CC` split as a shell would (its first word looked up on PATH), else cc,
+    gcc or clang."""
+    words = shlex.split(os.environ.get("CC", "")) if os.environ.get("CC", "").strip() else []
+    if words:
+        exe = shutil.which(words[0])
+        return [exe, *words[1:]] if exe else None
+    for name in ("cc", "gcc", "clang"):
+        exe = shutil.which(name)
+        if exe:
+            return [exe]
+    return None
 
 
-def _build(cc: str, target: str) -> str | None:
-    """Compile SOURCE into `target` (atomically: a concurrent build elsewhere is harmless).  Returns why
-    it failed, or None."""
-    os.makedirs(os.path.dirname(target), exist_ok=True)
+def _private_dir(path: str) -> bool:
+    """Create `path` (mode 0700) if needed; whether it is a real directory owned by this user that no one
+    else can write into (a library found there is loaded and run: it must be this user's)."""
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        st = os.lstat(path)
+    except OSError:
+        return False
+    if not stat.S_ISDIR(st.st_mode):
+        return False
+    if hasattr(os, "getuid") and (st.st_uid != os.getuid() or st.st_mode & 0o022):
+        return False
+    return os.access(path, os.W_OK | os.X_OK)
+
+
+def _self_test(lib: ctypes.CDLL) -> str | None:
+    """Run the kernel on a small pair with known answers (a fast block, a block holding a NaN and an
+    infinity, a tail): None when it gives them, else what went wrong."""
+    try:
+        fn = lib.dk_partials
+    except AttributeError:
+        return "the library has no dk_partials"
+    _signature(fn)
+    n = 1100
+    r = torch.arange(n, dtype=torch.float64) / 64 - 4
+    c = r.clone()
+    c[7] += 0.5  # the largest error, in the first (fast) block
+    c[600] = math.nan  # the second block by the full rules
+    r[601] = c[601] = math.inf
+    c[1099] += 0.25  # the tail
+    c32 = c.to(torch.float32)  # (held while the kernel reads it)
+    out = (ctypes.c_double * SLOTS)()
+    fn(r.data_ptr(), 1, c32.data_ptr(), 0, 0, n, 1e-3, 1e-3, out)
+    got = list(out)
+    want = {0: 3.0, 1: 0.5, 2: 7.0, 3: 0.75, 8: 0.0, 9: 1.0, 10: 1.0, 11: 1.0, 13: 7.0, 14: 600.0}
+    bad = {k: (got[k], v) for k, v in want.items() if got[k] != v}
+    return f"wrong answers on the self-test (slot: got, want): {bad}" if bad else None
+
+
+def _signature(fn) -> None:
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
+                   ctypes.c_double, ctypes.c_double, ctypes.POINTER(ctypes.c_double)]
+
+
+def _build(cc: list[str], target: str, native: bool) -> str | None:
+    """Compile SOURCE into `target`: as C++ (vector selects become blends), else as C; for this CPU first
+    (`native`), else for any.  A variant is kept only when it loads and passes `_self_test`; it is moved
+    into place atomically (a concurrent build elsewhere is harmless).  Returns why no variant did, or None."""
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(target))
     os.close(fd)
+    why = []
     try:
-        why = "?"
-        # as C++ first (vector selects become blends), else as C; for this CPU first, else for any
-        for lang, arch in ((["-x", "c++"], NATIVE_ARCH), ([], NATIVE_ARCH), ([], [])):
+        variants = [(["-x", "c++"], ["-march=native"]), ([], ["-march=native"])] if native else []
+        variants += [(["-x", "c++"], []), ([], [])]
+        for lang, arch in variants:
             try:
-                p = subprocess.run([cc, *lang, *FLAGS, *arch, SOURCE, "-o", tmp], capture_output=True, text=True,
+                p = subprocess.run([*cc, *lang, *FLAGS, *arch, SOURCE, "-o", tmp], capture_output=True, text=True,
                                    timeout=120)
             except (OSError, subprocess.SubprocessError) as e:
-                return f"{cc}: {e}"
-            if p.returncode == 0:
+                return f"{' '.join(cc)}: {e}"
+            if p.returncode != 0:
+                why.append(((p.stderr or p.stdout).strip().splitlines() or [f"exit {p.returncode}"])[-1])
+                continue
+            try:
+                failed = _self_test(ctypes.CDLL(tmp))
+            except OSError as e:
+                failed = str(e)
+            if failed is None:
                 os.replace(tmp, target)
                 return None
-            why = (p.stderr or p.stdout).strip().splitlines()[-1:] or [f"exit {p.returncode}"]
-            why = why[0]
-        return f"{cc}: {why}"
+            why.append(failed)
+        return f"{' '.join(cc)}: " + "; ".join(why[-2:])
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
@@ -89,37 +152,49 @@ def _load() -> ctypes.CDLL | None:
         return None
     cc = _compiler()
     if cc is None:
-        _state["why"] = "no C compiler (cc, gcc or clang) on PATH"
+        _state["why"] = f"no C compiler ({'$CC=' + os.environ['CC'] if os.environ.get('CC') else 'cc, gcc or clang'} " \
+                        f"not found on PATH)"
         return None
     try:
         with open(SOURCE, "rb") as fh:
             src = fh.read()
-        st = os.stat(cc)
+        mtime = os.stat(cc[0]).st_mtime_ns
     except OSError as e:
         _state["why"] = str(e)
         return None
-    key = hashlib.sha256(b"|".join([src, cc.encode(), str(st.st_mtime_ns).encode(), " ".join(FLAGS).encode(),
-                                    _cpu_key().encode(), sys.platform.encode()])).hexdigest()[:16]
-    for base in (_cache_dir(), os.path.join(tempfile.gettempdir(), f"diffkit-{os.getuid()}" if hasattr(os, "getuid")
-                                            else "diffkit")):
-        target = os.path.join(base, f"host_metrics-{key}.so")
-        try:
-            if not os.path.exists(target):
-                why = _build(cc, target)
-                if why is not None:
-                    _state["why"] = f"building {SOURCE} failed: {why}"
-                    return None
-            lib = ctypes.CDLL(target)
-        except OSError as e:  # an unwritable cache directory: the next place
-            _state["why"] = str(e)
+    flags = _cpu_flags()
+    key = hashlib.sha256(b"|".join([src, " ".join(cc).encode(), str(mtime).encode(), " ".join(FLAGS).encode(),
+                                    platform.machine().encode(), (flags or "").encode(), sys.platform.encode()]))
+    name = f"host_metrics-{key.hexdigest()[:16]}.so"
+    uid = os.getuid() if hasattr(os, "getuid") else 0
+    for base in (_cache_dir(), os.path.join(tempfile.gettempdir(), f"diffkit-{uid}")):
+        if not _private_dir(base):
+            _state["why"] = f"{base} is not a private, writable directory"
             continue
-        fn = lib.dk_partials
-        fn.restype = None
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
-                       ctypes.c_double, ctypes.c_double, ctypes.POINTER(ctypes.c_double)]
-        _state["path"] = target
-        return lib
+        target = os.path.join(base, name)
+        try:
+            if os.path.exists(target):
+                try:
+                    lib = ctypes.CDLL(target)
+                    if _self_test(lib) is None:
+                        return _ready(lib, target)
+                except OSError:
+                    pass
+                os.remove(target)  # a broken library (a build cut short, a full disk): built again
+            why = _build(cc, target, native=flags is not None)
+            if why is not None:
+                _state["why"] = f"building {SOURCE} failed: {why}"
+                return None
+            return _ready(ctypes.CDLL(target), target)
+        except (OSError, AttributeError) as e:
+            _state["why"] = f"{target}: {e}"
     return None
+
+
+def _ready(lib: ctypes.CDLL, path: str) -> ctypes.CDLL:
+    _signature(lib.dk_partials)
+    _state["path"] = path
+    return lib
 
 
 def library() -> ctypes.CDLL | None:
@@ -127,7 +202,12 @@ def library() -> ctypes.CDLL | None:
     if "lib" not in _state:
         with _lock:
             if "lib" not in _state:
-                _state["lib"] = _load()
+                try:
+                    lib = _load()
+                except Exception as e:  # never let the fast path break a measurement
+                    _state["why"] = f"{type(e).__name__}: {e}"
+                    lib = None
+                _state["lib"] = lib
     return _state["lib"]
 
 
@@ -141,9 +221,11 @@ def why() -> str | None:
 
 
 def supports(t: torch.Tensor) -> bool:
-    """Whether the kernel reads `t`'s dtype (float32 or float64, on the CPU).  It reads memory in row-major
-    order: a tensor laid out otherwise is gathered into one first (see `measure._Flat`)."""
-    return t.device.type == "cpu" and t.dtype in DTYPES and not t.is_neg()
+    """Whether the kernel can read `t`'s memory: a plain float32 or float64 CPU tensor with storage of its
+    own (not a wrapper subclass, a zero tensor or a negated view).  It reads memory in row-major order: a
+    tensor laid out otherwise is gathered into one first (see `measure._Flat`)."""
+    return (type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu" and t.dtype in DTYPES
+            and t.layout == torch.strided and not t.is_neg() and not t._is_zerotensor() and t.data_ptr() != 0)
 
 
 def partials(r: torch.Tensor, c: torch.Tensor, lo: int, hi: int, atol: float, rtol: float) -> list[float]:

@@ -1,10 +1,11 @@
 """Measure one aligned pair: how far the candidate tensor is from the reference tensor.
 
-All arithmetic is done in float64 (complex128 for complex values) on the tensors' device so the
+Statistics are reduced in float64 (complex128 for complex values) on the tensors' device so the
 metric adds no error of its own; integer and bool tensors compare exactly.  A pair passes as
 ``torch.allclose(c, r, atol, rtol, equal_nan=False)`` would pass it (KernelBench's rule): every
 element satisfies ``|c - r| <= atol + rtol * |r|``, a NaN on either side is a mismatch, and
-infinities agree only when equal.
+infinities agree only when equal.  On the CPU paths a float32 pair is judged by that rule in float32,
+as torch.isclose computes it (so the count out of tolerance is KernelBench's to the element).
 """
 from __future__ import annotations
 
@@ -393,7 +394,8 @@ def _partials(r: torch.Tensor, c: torch.Tensor, atol: float, rtol: float, exact:
         fr = torch.where(torch.isfinite(rd), rd, torch.zeros((), dtype=rd.dtype, device=rd.device))
         fc = torch.where(torch.isfinite(cd), cd, torch.zeros((), dtype=cd.dtype, device=cd.device))
     rabs = rd.abs()
-    rel = torch.where((rabs > 0) & torch.isfinite(rd) & torch.isfinite(cd), diff / rabs.clamp_min(1e-300), zero)
+    rel = torch.where((rabs > 0) & torch.isfinite(rd) & torch.isfinite(cd),
+                      diff / torch.where(rabs > 0, rabs, torch.ones((), dtype=rabs.dtype, device=rabs.device)), zero)
     # an agreeing value can never be the worst: NaN excess (inf - inf) counts as none at all
     excess = torch.nan_to_num(diff - bound, nan=float("-inf"))
     i_ex, i_d = torch.argmax(excess), torch.argmax(diff)
@@ -589,6 +591,15 @@ def native_rel_l2(c: torch.Tensor, r: torch.Tensor) -> float | None:
     return d / s if s > 0 else (0.0 if d == 0 else math.inf)
 
 
+def _cosine(dot: float, nr: float, nc: float) -> float:
+    """dot / (nr nc), kept within [-1, 1] against rounding; NaN where the sums overflowed (as the exact path
+    gives), and 1 or 0 where a norm is zero (both zero: the same vector)."""
+    if not nr * nc > 0:
+        return float(nr == nc)
+    cos = dot / (nr * nc)
+    return max(-1.0, min(1.0, cos)) if cos == cos else cos
+
+
 def _from_parts(parts: list[list[float]], r: torch.Tensor, c: torch.Tensor, atol: float, rtol: float) -> PendingStats:
     """One pair's Stats from the `_Part` vectors of its consecutive spans (in index order, as host lists):
     sums added, maxima kept with the first index holding them, the worst element chosen as
@@ -615,7 +626,7 @@ def _from_parts(parts: list[list[float]], r: torch.Tensor, c: torch.Tensor, atol
             max_exc, at_exc = p[_Part.MAX_EXCESS], int(p[_Part.MAX_EXCESS_AT])
     flat = int(first_nb) if first_nb < n else (at_exc if mism > 0 else at_abs)
     nr, nc = math.sqrt(ref_sq), math.sqrt(cand_sq)
-    cosine = max(-1.0, min(1.0, dot / (nr * nc))) if nr * nc > 0 else float(nr == nc)
+    cosine = _cosine(dot, nr, nc)
     wr, wc = float(_Flat(r).item(flat)), float(_Flat(c).item(flat))
     abs_err = abs(wc - wr)
     if abs_err != abs_err:
@@ -737,6 +748,9 @@ def _measure_host_1(r: torch.Tensor, c: torch.Tensor, atol: float, rtol: float, 
     r_buf = None if fr.flat is not None else torch.empty(size, dtype=work)
     c_buf = None if fc.flat is not None else torch.empty(size, dtype=work)
     norm = torch.linalg.vector_norm
+    # rows whose largest error is within atol (as the working precision rounds it: the bound is computed
+    # there) hold no element out of tolerance
+    gate = min(atol, float(torch.tensor(atol, dtype=work)))
     for g, rows, length in groups:
         a, b = fr.part(g, g + rows * length, r_buf), fc.part(g, g + rows * length, c_buf)
         if a.dtype != work:
@@ -752,9 +766,11 @@ def _measure_host_1(r: torch.Tensor, c: torch.Tensor, atol: float, rtol: float, 
         per_row = torch.stack([d.amax(dim=1), q.amin(dim=1), q.amax(dim=1), d.sum(dim=1), norm(d, dim=1),
                                norm(a, dim=1), norm(b, dim=1)]).tolist()
         excess = None
-        if any(x > atol for x in per_row[0]):  # (False for NaN) some row out of atol: the excess is needed
-            e = torch.add(d, a.abs(), alpha=-rtol)  # |c - r| - rtol |r|: out of tolerance where > atol
-            excess = torch.stack([e.amax(dim=1), (e > atol).sum(dim=1).to(work)]).tolist()
+        if any(x > gate for x in per_row[0]):  # (False for NaN) some row out of atol: the excess is needed
+            e = torch.add(d, a.abs(), alpha=-rtol)  # |c - r| - rtol |r|: how far past the bound, less atol
+            # out of tolerance by torch.isclose's own rule in the working precision: |c - r| > atol + |rtol r|
+            bound = a.abs().mul_(rtol).add_(atol)
+            excess = torch.stack([e.amax(dim=1), (d > bound).sum(dim=1).to(work)]).tolist()
         for i, (dmax, lo, hi, sa, nd, na, nb) in enumerate(zip(*per_row)):
             start = g + i * length
             if not math.isfinite(dmax):
@@ -762,7 +778,7 @@ def _measure_host_1(r: torch.Tensor, c: torch.Tensor, atol: float, rtol: float, 
                 continue
             if dmax > atol and excess is not None:
                 emax = excess[0][i] - atol
-                row_mism = int(excess[1][i]) if emax > 0 else 0
+                row_mism = int(excess[1][i])
             else:
                 emax, row_mism = dmax - atol, 0  # every element within atol: a bound on the excess, at most 0
             if math.isfinite(lo) and math.isfinite(hi):
@@ -818,7 +834,7 @@ def _measure_host_1(r: torch.Tensor, c: torch.Tensor, atol: float, rtol: float, 
     else:
         flat = by_abs if max_abs_chunk in exact_starts else locate(max_abs_chunk, False)
     nr, nc = math.sqrt(ref_sq), math.sqrt(cand_sq)
-    cosine = max(-1.0, min(1.0, dot / (nr * nc))) if nr * nc > 0 else float(nr == nc)
+    cosine = _cosine(dot, nr, nc)
     wr, wc = float(_real(fr.item(flat))), float(_real(fc.item(flat)))
     abs_err = abs(wc - wr)
     if abs_err != abs_err:

@@ -1,6 +1,7 @@
 """The fast metric paths (CPU host path; the Triton kernel on CUDA) give the exact path's answer."""
 import itertools
 import math
+import os
 
 import pytest
 import torch
@@ -225,6 +226,64 @@ def test_native_relative_error_agrees_with_the_torch_rule_and_leaves_specials_to
     assert M.native_rel_l2(c, r) is None  # NaN/Inf: the torch rule (finite elements on both sides)
     assert M.native_rel_l2(c.t(), r.t()) is None  # not row-major
     assert M.native_rel_l2(r, r) == 0.0 and M.native_rel_l2(r, torch.zeros_like(r)) == math.inf
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_out_of_tolerance_is_counted_exactly_as_torch_isclose_counts_it(dtype, host_engine):
+    """Errors placed right at the tolerance edge (and a few between float32's atol and the real one, where
+    the reference is 0): the count is torch.isclose's to the element, in the pair's own precision (what
+    KernelBench's torch.allclose decides)."""
+    g = torch.Generator().manual_seed(11)
+    n = 200_003
+    r = (torch.randn(n, generator=g, dtype=torch.float64) * torch.logspace(-3, 3, n, dtype=torch.float64)).to(dtype)
+    atol = rtol = 1e-4
+    edge = atol + rtol * r.double().abs()
+    jitter = 1 + 1e-6 * torch.randn(n, generator=g, dtype=torch.float64)
+    c = (r.double() + edge * jitter * torch.randn(n, generator=g, dtype=torch.float64).sign()).to(dtype)
+    r[:50] = 0
+    c[:50] = torch.linspace(float(torch.tensor(atol, dtype=torch.float32)) * 0.999999, atol * 1.000001, 50)
+    want = int((~torch.isclose(c, r, rtol=rtol, atol=atol)).sum())
+    assert 0 < want < n
+    assert M.measure(r, c, atol, rtol).mismatches == want
+
+
+def test_tensors_without_memory_of_their_own_are_measured_by_the_torch_passes():
+    """A zero tensor (no storage) and a wrapper subclass hold no data the kernel could read: measured all the
+    same (they used to reach the kernel as null pointers)."""
+    z = torch._efficientzerotensor(600)
+    assert not host_kernel.supports(z)
+    st = M.measure(z, torch.ones(600), 1e-4, 1e-4)
+    assert st.mismatches == 600 and st.max_abs == 1.0
+
+
+def test_relative_error_of_tiny_values_is_not_lost(host_engine):
+    """float64 values near 1e-200 (products of two of them underflow): the largest |c - r| / |r| is still found."""
+    r = torch.full((2048,), 1e-200, dtype=torch.float64)
+    c = 2 * r
+    c[100] = 4e-200
+    assert M.measure(r, c, 1e-4, 1e-4).max_rel == pytest.approx(3.0)
+
+
+def test_a_compiler_given_with_arguments_and_a_broken_cached_library(monkeypatch, tmp_path):
+    """`$CC` as a command with arguments is used; a cached library that fails the self-test is built again."""
+    import shutil
+
+    cc = shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        pytest.skip("no C compiler here")
+    monkeypatch.setenv("DIFFKIT_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", f"{os.path.basename(cc)} -O1")
+    monkeypatch.setattr(host_kernel, "_state", {})
+    assert host_kernel.available(), host_kernel.why()
+    path = host_kernel._state["path"]
+    with open(path + ".new", "wb") as fh:  # a library cut short (a build killed half-way, a full disk)
+        fh.write(b"\x7fELF broken")
+    os.replace(path + ".new", path)  # (a new file: the loaded one stays mapped as it was)
+    monkeypatch.setattr(host_kernel, "_state", {})
+    assert host_kernel.available(), host_kernel.why()
+    assert host_kernel._state["path"] == path  # rebuilt where it was
+    r = torch.randn(3000)
+    assert M.measure(r, r + 1, 1e-4, 1e-4).mismatches == 3000
 
 
 def test_without_a_compiler_the_torch_passes_measure(monkeypatch, tmp_path):
