@@ -43,7 +43,7 @@ static inline v8d sel(v8l m, v8d x, v8d y) { return m ? x : y; }
 static inline v8d sel(v8l m, v8d x, v8d y) { return (v8d)(((v8l)x & m) | ((v8l)y & ~m)); }
 #define EXPORT
 #endif
-static inline v8d vabs(v8d x) { return (v8d)((v8l)x & (v8l){0} + 0x7fffffffffffffffLL); }
+static inline v8d vabs(v8d x) { return (v8d)((v8l)x & ((v8l){0} + 0x7fffffffffffffffLL)); }
 static inline double hsum(v8d x) {
     double s = 0.0;
     for (int i = 0; i < LANES; i++) s += x[i];
@@ -146,6 +146,7 @@ typedef struct {
     v8d m_rel;            /* largest d / |r| where r != 0 */
     v8d s_abs, s_dsq, s_rsq, s_csq, s_dot;
     v8l bad;
+    v8i bad32;            /* the count of a float32 pair (at most BLOCK / LANES a lane) */
 } lanes_t;
 #define UNROLL 4
 
@@ -156,22 +157,13 @@ static inline void lanes_init(lanes_t *x) {
     x->m_rel = zero;
     x->s_abs = x->s_dsq = x->s_rsq = x->s_csq = x->s_dot = zero;
     x->bad = (v8l){0};
+    x->bad32 = (v8i){0};
 }
 
-static inline void lanes_step(lanes_t *x, v8d a, v8d b, v8d vatol, v8d vrtol, int f32, float at32, float rt32) {
+/* the statistics in float64, the out-of-tolerance count aside */
+static inline void lanes_common(lanes_t *x, v8d a, v8d b, v8d d, v8d ra, v8d vatol, v8d vrtol) {
     const v8d zero = {0};
-    v8d d = vabs(b - a), ra = vabs(a);
-    v8d bound = vatol + vrtol * ra;
-    v8d e = d - bound;
-    if (f32) { /* float32 pairs: torch.isclose's rule in float32 (finite values here: c == r gives 0 <= allowed) */
-        const v8f fzero = {0};
-        v8f a32 = __builtin_convertvector(a, v8f), b32 = __builtin_convertvector(b, v8f);
-        v8f diff32 = b32 - a32, scaled = (fzero + rt32) * a32;
-        v8f actual = (v8f)((v8i)diff32 & 0x7fffffff), allowed = (fzero + at32) + (v8f)((v8i)scaled & 0x7fffffff);
-        x->bad -= __builtin_convertvector((v8i)(actual > allowed), v8l);
-    } else {
-        x->bad -= (v8l)(d > bound);
-    }
+    v8d e = d - (vatol + vrtol * ra);
     x->s_abs += d;
     x->s_dsq += d * d;
     x->s_rsq += a * a;
@@ -183,8 +175,24 @@ static inline void lanes_step(lanes_t *x, v8d a, v8d b, v8d vatol, v8d vrtol, in
     x->m_ex = sel(e > x->m_ex, e, x->m_ex);
 }
 
+/* a pair with a float64 side: the rule in float64 */
+static inline void lanes_step(lanes_t *x, v8d a, v8d b, v8d vatol, v8d vrtol) {
+    v8d d = vabs(b - a), ra = vabs(a);
+    x->bad -= (v8l)(d > vatol + vrtol * ra);
+    lanes_common(x, a, b, d, ra, vatol, vrtol);
+}
+
+/* a float32 pair: torch.isclose's rule in float32 (finite values here: c == r gives 0 <= allowed) */
+static inline void lanes_step32(lanes_t *x, v8f a32, v8f b32, v8d vatol, v8d vrtol, v8f at32, v8f rt32) {
+    v8f actual = (v8f)((v8i)(b32 - a32) & 0x7fffffff), allowed = at32 + (v8f)((v8i)(rt32 * a32) & 0x7fffffff);
+    x->bad32 -= (v8i)(actual > allowed);
+    v8d a = __builtin_convertvector(a32, v8d), b = __builtin_convertvector(b32, v8d);
+    lanes_common(x, a, b, vabs(b - a), vabs(a), vatol, vrtol);
+}
+
 static inline void lanes_merge(lanes_t *x, const lanes_t *y) {
     x->bad += y->bad;
+    x->bad32 += y->bad32;
     x->s_abs += y->s_abs;
     x->s_dsq += y->s_dsq;
     x->s_rsq += y->s_rsq;
@@ -205,19 +213,29 @@ EXPORT void dk_partials(const void *r, int rd, const void *c, int cd, int64_t lo
     o[FIRST_DISAGREE_AT] = INFINITY;
     const v8d zero = {0}, vatol = zero + atol, vrtol = zero + rtol;
     const int f32 = !rd && !cd;
-    const float at32 = (float)atol, rt32 = (float)rtol;
+    const v8f vat32 = (v8f){0} + (float)atol, vrt32 = (v8f){0} + (float)rtol;
     v8d s_abs = zero, s_dsq = zero, s_rsq = zero, s_csq = zero, s_dot = zero;
     v8l bad = {0};
     int64_t i = lo;
     for (; i + BLOCK <= hi; i += BLOCK) {
         lanes_t acc[UNROLL];
         for (int u = 0; u < UNROLL; u++) lanes_init(&acc[u]);
-        for (int64_t j = i; j < i + BLOCK; j += LANES * UNROLL)
-            for (int u = 0; u < UNROLL; u++)
-                lanes_step(&acc[u], load(r, rd, j + u * LANES), load(c, cd, j + u * LANES), vatol, vrtol, f32, at32,
-                           rt32);
+        if (f32) {
+            for (int64_t j = i; j < i + BLOCK; j += LANES * UNROLL)
+                for (int u = 0; u < UNROLL; u++) {
+                    v8f a32, b32;
+                    memcpy(&a32, (const float *)r + j + u * LANES, sizeof a32);
+                    memcpy(&b32, (const float *)c + j + u * LANES, sizeof b32);
+                    lanes_step32(&acc[u], a32, b32, vatol, vrtol, vat32, vrt32);
+                }
+        } else {
+            for (int64_t j = i; j < i + BLOCK; j += LANES * UNROLL)
+                for (int u = 0; u < UNROLL; u++)
+                    lanes_step(&acc[u], load(r, rd, j + u * LANES), load(c, cd, j + u * LANES), vatol, vrtol);
+        }
         for (int u = 1; u < UNROLL; u++) lanes_merge(&acc[0], &acc[u]);
         lanes_t *x = &acc[0];
+        x->bad += __builtin_convertvector(x->bad32, v8l);
         /* a NaN or an infinity on either side (or a square past float64's range) makes its sum of squares
          * non-finite: that block by the full rules */
         if (!isfinite(hsum(x->s_rsq)) || !isfinite(hsum(x->s_csq))) {
