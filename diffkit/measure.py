@@ -600,26 +600,35 @@ def _cosine(dot: float, nr: float, nc: float) -> float:
     return max(-1.0, min(1.0, cos)) if cos == cos else cos
 
 
+# the slots of `_Part` that add up over chunks
+_SUMMED = (_Part.MISMATCHES, _Part.SUM_ABS, _Part.DOT, _Part.REF_SQ, _Part.CAND_SQ, _Part.DIFF_SQ, *_COUNTS)
+
+
+def _combined(parts: list[list[float]]) -> tuple[dict, float, float]:
+    """Chunks' `_Part` vectors (host lists) combined: the summed slots, the largest relative error and the
+    first NaN/Inf disagreement (the maxima with their indices are the caller's: ties are broken its way)."""
+    tot = {slot: 0.0 for slot in _SUMMED}
+    max_rel, first_nb = 0.0, math.inf
+    for p in parts:
+        for slot in _SUMMED:
+            tot[slot] += p[slot]
+        max_rel = max(max_rel, p[_Part.MAX_REL])
+        first_nb = min(first_nb, p[_Part.FIRST_DISAGREE_AT])
+    return tot, max_rel, first_nb
+
+
 def _from_parts(parts: list[list[float]], r: torch.Tensor, c: torch.Tensor, atol: float, rtol: float) -> PendingStats:
     """One pair's Stats from the `_Part` vectors of its consecutive spans (in index order, as host lists):
     sums added, maxima kept with the first index holding them, the worst element chosen as
     `_packed_exact` chooses it, and its values read from the tensors."""
     n, shape = r.numel(), tuple(r.shape)
-    mism = sum_abs = dot = ref_sq = cand_sq = diff_sq = 0.0
-    max_rel, first_nb = 0.0, math.inf
-    counts = [0.0] * len(_COUNTS)
+    tot, max_rel, first_nb = _combined(parts)
+    mism, sum_abs, dot, diff_sq = tot[_Part.MISMATCHES], tot[_Part.SUM_ABS], tot[_Part.DOT], tot[_Part.DIFF_SQ]
+    ref_sq, cand_sq = tot[_Part.REF_SQ], tot[_Part.CAND_SQ]
+    counts = [tot[s] for s in _COUNTS]
     max_abs, at_abs = -math.inf, 0
     max_exc, at_exc = -math.inf, int(parts[0][_Part.MAX_EXCESS_AT])  # (all -inf: the first element, as argmax)
     for p in parts:
-        mism += p[_Part.MISMATCHES]
-        sum_abs += p[_Part.SUM_ABS]
-        dot += p[_Part.DOT]
-        ref_sq += p[_Part.REF_SQ]
-        cand_sq += p[_Part.CAND_SQ]
-        diff_sq += p[_Part.DIFF_SQ]
-        max_rel = max(max_rel, p[_Part.MAX_REL])
-        first_nb = min(first_nb, p[_Part.FIRST_DISAGREE_AT])
-        counts = [x + p[s] for x, s in zip(counts, _COUNTS)]
         if p[_Part.MAX_ABS] > max_abs:  # (strictly: an earlier span keeps an equal maximum)
             max_abs, at_abs = p[_Part.MAX_ABS], int(p[_Part.MAX_ABS_AT])
         if p[_Part.MAX_EXCESS] > max_exc:
@@ -799,19 +808,14 @@ def _measure_host_1(r: torch.Tensor, c: torch.Tensor, atol: float, rtol: float, 
                 max_abs, max_abs_chunk = dmax, start
             if max_exc_chunk is None or emax > max_exc:
                 max_exc, max_exc_chunk = emax, start
-    counts = [0, 0, 0, 0]
-    first_nb = math.inf
+    tot, rel, first_nb = _combined([p for _, p in exact_parts])
+    mism += int(tot[_Part.MISMATCHES])
+    sum_abs, diff_sq, dot = sum_abs + tot[_Part.SUM_ABS], diff_sq + tot[_Part.DIFF_SQ], dot + tot[_Part.DOT]
+    ref_sq, cand_sq = ref_sq + tot[_Part.REF_SQ], cand_sq + tot[_Part.CAND_SQ]
+    max_rel = max(max_rel, rel)
+    counts = [int(tot[s]) for s in _COUNTS]
     by_abs = by_exc = None  # (value, flat index) found in the exact chunks
     for start, p in exact_parts:
-        mism += int(p[_Part.MISMATCHES])
-        sum_abs += p[_Part.SUM_ABS]
-        diff_sq += p[_Part.DIFF_SQ]
-        ref_sq += p[_Part.REF_SQ]
-        cand_sq += p[_Part.CAND_SQ]
-        dot += p[_Part.DOT]
-        max_rel = max(max_rel, p[_Part.MAX_REL])
-        counts = [x + int(p[s]) for x, s in zip(counts, _COUNTS)]
-        first_nb = min(first_nb, p[_Part.FIRST_DISAGREE_AT])
         if (max_abs_chunk is None or p[_Part.MAX_ABS] > max_abs
                 or (p[_Part.MAX_ABS] == max_abs and start < max_abs_chunk)):
             max_abs, max_abs_chunk, by_abs = p[_Part.MAX_ABS], start, int(p[_Part.MAX_ABS_AT])
