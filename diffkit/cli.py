@@ -423,9 +423,11 @@ class _Forked:
 
 
 def _preload() -> None:
-    """Import what the children run (a forked child inherits it).  Imports only: a parent that has run
-    torch computations before forking could leave its children's thread pool unusable."""
-    from . import compare, pipeline, report, store, trials, whatif  # noqa: F401
+    """Import what the children run (a forked child inherits it), and load the CPU metric kernel.  No torch
+    computation: a parent that has run one before forking could leave its children's thread pool unusable."""
+    from . import compare, host_kernel, pipeline, report, store, trials, whatif  # noqa: F401
+
+    host_kernel.library()  # the CPU metric kernel built (first run on this machine) or loaded once, here
 
 
 def _can_fork(device: str | None = None) -> bool:

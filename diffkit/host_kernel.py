@@ -91,16 +91,18 @@ def _self_test(lib: ctypes.CDLL) -> str | None:
     except AttributeError:
         return "the library has no dk_partials"
     _signature(fn)
+    # plain ctypes arrays, no torch: this runs before `diffkit diff` forks its children (a parent that ran
+    # torch computations could leave their thread pools unusable)
     n = 1100
-    r = torch.arange(n, dtype=torch.float64) / 64 - 4
-    c = r.clone()
+    r = [i / 64 - 4 for i in range(n)]
+    c = list(r)
     c[7] += 0.5  # the largest error, in the first (fast) block
     c[600] = math.nan  # the second block by the full rules
     r[601] = c[601] = math.inf
     c[1099] += 0.25  # the tail
-    c32 = c.to(torch.float32)  # (held while the kernel reads it)
+    rr, cc = (ctypes.c_double * n)(*r), (ctypes.c_float * n)(*c)
     out = (ctypes.c_double * SLOTS)()
-    fn(r.data_ptr(), 1, c32.data_ptr(), 0, 0, n, 1e-3, 1e-3, out)
+    fn(ctypes.addressof(rr), 1, ctypes.addressof(cc), 0, 0, n, 1e-3, 1e-3, out)
     got = list(out)
     want = {0: 3.0, 1: 0.5, 2: 7.0, 3: 0.75, 8: 0.0, 9: 1.0, 10: 1.0, 11: 1.0, 13: 7.0, 14: 600.0}
     bad = {k: (got[k], v) for k, v in want.items() if got[k] != v}
