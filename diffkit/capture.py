@@ -519,6 +519,7 @@ class _State:
         # dataflow through memory: the latest record holding each storage (a view made where capture
         # was quiet still maps to it) and the records that wrote into a storage in place
         self.storage_owner: dict[int, tuple[Any, int]] = {}  # storage pointer -> (weakref, record index)
+        self.allocated: dict[int, Any] = {}  # storage pointer -> weakref of the empty()/new_empty() result there
         self.storage_writes: dict[int, list[int]] = {}  # storage pointer -> record indices, in order
         self.param_ids: dict[int, str] = {}  # id(parameter or buffer) -> qualified name
         self.param_storage: dict[int, list[tuple[int, int, str]]] = {}  # storage pointer -> (start, end, name)
@@ -1153,9 +1154,16 @@ class _State:
     def on_op(self, func, args, kwargs, out) -> None:
         fname = getattr(func, "__name__", "")
         if fname in _ALLOC_FUNCS:
-            if isinstance(out, torch.Tensor) and self.storage_owner:
-                # new memory, maybe under a freed record's address: no record's result lives here now
-                self.storage_owner.pop(_storage_key(out), None)
+            if isinstance(out, torch.Tensor):
+                key = _storage_key(out)
+                if self.storage_owner:
+                    # new memory, maybe under a freed record's address: no record's result lives here now
+                    self.storage_owner.pop(key, None)
+                if key is not None:
+                    try:
+                        self.allocated[key] = weakref.ref(out)  # (an out-parameter a kernel may fill, `on_writes`)
+                    except TypeError:
+                        pass
             return
         if fname in _SKIP_FUNCS:
             return
@@ -1228,6 +1236,11 @@ class _State:
         # returned None: the kernel wrote into one or more of its tensor arguments
         self.on_writes(site, f"ext:{qualname}", args, before, call, refs, params)
 
+    def _allocated(self, t: torch.Tensor) -> bool:
+        """Whether `t`'s memory came from an empty()-style allocation still alive (an output buffer)."""
+        hit = self.allocated.get(_storage_key(t))
+        return hit is not None and hit() is not None
+
     def on_writes(self, site, op: str, args, before: list[tuple[int, torch.Tensor]] | None, call: Any,
                   inputs: tuple[Ref, ...] = (), params: tuple[str, ...] = ()) -> None:
         """A kernel that returns nothing: record the tensor arguments whose contents it changed (by
@@ -1237,7 +1250,12 @@ class _State:
         if before is not None:
             written = [i for i, old in before if not _same(old, args[i])]
         if not written:
-            written = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)][-1:]
+            # nothing visibly changed (the kernel stored what the memory held already: memory reused from an
+            # identical earlier run, say): an argument whose memory came from empty() is the one it filled,
+            # else its last tensor argument
+            tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+            fresh = [i for i in tensors if self._allocated(args[i])]
+            written = (fresh or tensors)[-1:]
         for i in written:
             label = site.args[i] if i < len(site.args) else f"arg{i}"
             self.add(name=self.op_name(self.scope, site.function, label), rebound=label in site.rebound, kind="write",

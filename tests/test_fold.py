@@ -817,3 +817,28 @@ def test_a_store_into_the_returned_tensor_keeps_its_dataflow():
     # the output stands for the filled buffer's record (the store's), computed from the projection, not
     # straight from the model's input (record 0)
     assert out.inputs and 0 not in out.inputs
+
+
+class SameValuesKernel(nn.Module):
+    """A kernel storing into an empty() buffer exactly what that memory holds already (as memory reused
+    from an identical earlier run can): nothing visibly changes, so the write is put on the buffer."""
+
+    def __init__(self, ops):
+        super().__init__()
+        self.ops = ops
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x):
+        h = torch.tanh(self.lin(x))
+        out = torch.empty(x.shape)
+        out.copy_(h)
+        self.ops.scale_into(out, h, 1.0)  # writes h into memory that holds h
+        return out * 2
+
+
+def test_a_kernel_write_that_changes_nothing_is_put_on_its_output_buffer(ops):
+    from diffkit.compare import run_captured
+
+    trace = run_captured(SameValuesKernel(ops), [torch.randn(4, 6)])
+    writes = [r for r in trace.records if r.kind == "write" and r.op.startswith("ext:")]
+    assert len(writes) == 1 and writes[0].label == "out", [(r.name, r.label) for r in writes]
