@@ -421,9 +421,9 @@ def measure_async(ref: torch.Tensor, cand: torch.Tensor, atol: float, rtol: floa
 
     Three ways, one answer: on CUDA, the fused single-pass kernel of `diffkit.metrics_kernel` when
     Triton is there; on the CPU, the one-pass native kernel (`diffkit.host_kernel`) for float32 and
-    float64 in row-major order, else `_measure_host_1` (a handful of torch passes over cache-sized
-    chunks in the tensors' own precision); otherwise, and for integer, complex and non-finite values, the exact
-    float64 reductions of `_partials`."""
+    float64, else `_measure_host_1` (a handful of torch passes over cache-sized chunks in the tensors'
+    own precision); otherwise, and for integer, complex and non-finite values, the exact float64
+    reductions of `_partials`."""
     if tuple(ref.shape) != tuple(cand.shape):
         raise ValueError(f"measure needs equal shapes, got {tuple(ref.shape)} and {tuple(cand.shape)}")
     if cand.device != ref.device:
@@ -495,7 +495,8 @@ GATHER = 1 << 16
 
 
 def _native(r: torch.Tensor, c: torch.Tensor) -> bool:
-    """Whether the pair goes to the native CPU kernel (`host_kernel`): float32/float64 in row-major order."""
+    """Whether the pair goes to the native CPU kernel (`host_kernel`): float32/float64 CPU tensors with memory
+    of their own (read in place when laid out in row-major order, else gathered a piece at a time)."""
     from . import host_kernel
 
     return host_kernel.supports(r) and host_kernel.supports(c) and host_kernel.available()

@@ -802,7 +802,7 @@ def reference_health(model: torch.nn.Module, inputs: list, trace: Trace, no_grad
                          f"({stochastic_reason(model)}); its output depends on the random draw, so no candidate "
                          f"can match it reliably (KernelBench never calls eval()); --eval turns dropout off")
     # weights (not norm biases, which start at zero by design) that are all zero
-    zero = [n for n, p in model.named_parameters() if p.dim() >= 2 and not bool(p.detach().any())]  # (one pass, no mask)
+    zero = [n for n, p in model.named_parameters() if p.dim() >= 2 and not bool(p.detach().any())]
     if zero:
         notes.append(f"parameters initialised to zero hide the paths through them: {', '.join(zero[:5])}"
                      + (" …" if len(zero) > 5 else "") + " (--reinit-zero gives them random values for the diff)")
