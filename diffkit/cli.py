@@ -414,11 +414,25 @@ class _Forked:
 
         end = None if timeout is None else time.monotonic() + timeout
         delay = 0.001
-        while self.poll() is None:
-            if end is not None and time.monotonic() >= end:
-                raise subprocess.TimeoutExpired(["diffkit"], timeout)
-            time.sleep(delay)
-            delay = min(delay * 2, 0.05)
+        fd = None
+        try:  # woken the moment the child exits (Linux), not at the next poll
+            fd = os.pidfd_open(self.pid) if self.poll() is None else None
+        except (AttributeError, OSError):
+            fd = None
+        try:
+            while self.poll() is None:
+                if end is not None and time.monotonic() >= end:
+                    raise subprocess.TimeoutExpired(["diffkit"], timeout)
+                if fd is not None:
+                    import select
+
+                    select.select([fd], [], [], None if end is None else max(0.0, end - time.monotonic()))
+                else:
+                    time.sleep(delay)
+                    delay = min(delay * 2, 0.05)
+        finally:
+            if fd is not None:
+                os.close(fd)
         return self.returncode
 
 
