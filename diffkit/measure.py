@@ -635,16 +635,26 @@ def _from_parts(parts: list[list[float]], r: torch.Tensor, c: torch.Tensor, atol
         if p[_Part.MAX_EXCESS] > max_exc:
             max_exc, at_exc = p[_Part.MAX_EXCESS], int(p[_Part.MAX_EXCESS_AT])
     flat = int(first_nb) if first_nb < n else (at_exc if mism > 0 else at_abs)
+    return _host_stats(_Flat(r), _Flat(c), shape, flat, max_abs=max_abs, sum_abs=sum_abs, max_rel=max_rel,
+                       mism=mism, counts=counts, dot=dot, ref_sq=ref_sq, cand_sq=cand_sq, diff_sq=diff_sq,
+                       atol=atol, rtol=rtol)
+
+
+def _host_stats(fr: "_Flat", fc: "_Flat", shape: tuple, flat: int, *, max_abs: float, sum_abs: float,
+                max_rel: float, mism: float, counts: list, dot: float, ref_sq: float, cand_sq: float,
+                diff_sq: float, atol: float, rtol: float) -> PendingStats:
+    """A host-measured pair's result from its combined sums and maxima, the worst element (flat index
+    `flat`) read from the tensors: Stats, with rel_l2 beside them."""
+    n = math.prod(shape)
     nr, nc = math.sqrt(ref_sq), math.sqrt(cand_sq)
-    cosine = _cosine(dot, nr, nc)
-    wr, wc = float(_Flat(r).item(flat)), float(_Flat(c).item(flat))
+    wr, wc = float(_real(fr.item(flat))), float(_real(fc.item(flat)))
     abs_err = abs(wc - wr)
     if abs_err != abs_err:
         abs_err = math.inf
     stats = Stats(numel=n, max_abs=max_abs, mean_abs=sum_abs / n, max_rel=max_rel, mismatches=int(mism),
-                  cosine=cosine, ref_nan=int(counts[0]), ref_inf=int(counts[1]), cand_nan=int(counts[2]),
-                  cand_inf=int(counts[3]), worst=Worst(index=_unravel(flat, shape), ref=wr, cand=wc, abs_err=abs_err),
-                  atol=atol, rtol=rtol)
+                  cosine=_cosine(dot, nr, nc), ref_nan=int(counts[0]), ref_inf=int(counts[1]),
+                  cand_nan=int(counts[2]), cand_inf=int(counts[3]),
+                  worst=Worst(index=_unravel(flat, shape), ref=wr, cand=wc, abs_err=abs_err), atol=atol, rtol=rtol)
     pending = PendingStats(None, shape, atol, rtol, ready=stats)
     pending.rel_l2 = math.sqrt(diff_sq) / (nr if nr > 0 else 1.0)
     return pending
@@ -838,18 +848,8 @@ def _measure_host_1(r: torch.Tensor, c: torch.Tensor, atol: float, rtol: float, 
         flat = by_exc if max_exc_chunk in exact_starts else locate(max_exc_chunk, True)
     else:
         flat = by_abs if max_abs_chunk in exact_starts else locate(max_abs_chunk, False)
-    nr, nc = math.sqrt(ref_sq), math.sqrt(cand_sq)
-    cosine = _cosine(dot, nr, nc)
-    wr, wc = float(_real(fr.item(flat))), float(_real(fc.item(flat)))
-    abs_err = abs(wc - wr)
-    if abs_err != abs_err:
-        abs_err = math.inf
-    stats = Stats(numel=n, max_abs=max_abs, mean_abs=sum_abs / n, max_rel=max_rel, mismatches=mism, cosine=cosine,
-                  ref_nan=counts[0], ref_inf=counts[1], cand_nan=counts[2], cand_inf=counts[3],
-                  worst=Worst(index=_unravel(flat, shape), ref=wr, cand=wc, abs_err=abs_err), atol=atol, rtol=rtol)
-    pending = PendingStats(None, shape, atol, rtol, ready=stats)
-    pending.rel_l2 = math.sqrt(diff_sq) / (nr if nr > 0 else 1.0)
-    return pending
+    return _host_stats(fr, fc, shape, flat, max_abs=max_abs, sum_abs=sum_abs, max_rel=max_rel, mism=mism,
+                       counts=counts, dot=dot, ref_sq=ref_sq, cand_sq=cand_sq, diff_sq=diff_sq, atol=atol, rtol=rtol)
 
 
 def _ranked(key: torch.Tensor, flat: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
