@@ -136,20 +136,23 @@ def child(model, mode, dev, repeat, max_memory):
     with torch.no_grad():
         ref(*ri), cand(*ci)  # warm up
     _sync(dev)
+    # diffkit.compare's options for this mode ("default": its own defaults)
+    kw = {}
+    if mode in ("compare", "stream", "compare_nofold"):
+        kw = dict(health=False, rerun=False)
+    if mode == "compare_nofold":
+        kw["fold"] = False
+    if mode == "stream":
+        kw.update(streaming=True, max_memory=parse_size(max_memory or "40G"))
     if mode != "plain":
         # one untimed run first, as the plain forwards had theirs: it compiles the metric kernels (Triton on
         # CUDA; the native CPU kernel, if this machine has not built it before), and it is the run that first
         # touches the memory the captured values take (the plain forwards reuse theirs); kept apart
-        kw0 = dict(health=False, rerun=False)
-        if mode == "stream":
-            kw0.update(streaming=True, max_memory=parse_size(max_memory or "40G"))
-        if mode == "compare_nofold":
-            kw0["fold"] = False
         t0 = time.perf_counter()
         if mode == "naive":
             naive(ref, cand, ri, ci)
         else:
-            diffkit.compare(ref, cand, ri, cand_inputs=ci, **({} if mode == "default" else kw0))
+            diffkit.compare(ref, cand, ri, cand_inputs=ci, **kw)
         _sync(dev)
         out["first_seconds"] = time.perf_counter() - t0
     if dev == "cuda":
@@ -165,13 +168,6 @@ def child(model, mode, dev, repeat, max_memory):
         elif mode == "naive":
             out["naive_mismatching_modules"] = naive(ref, cand, ri, ci)
         else:
-            kw = {}
-            if mode in ("compare", "stream", "compare_nofold"):
-                kw = dict(health=False, rerun=False)
-            if mode == "compare_nofold":
-                kw["fold"] = False
-            if mode == "stream":
-                kw.update(streaming=True, max_memory=parse_size(max_memory or "40G"))
             r = diffkit.compare(ref, cand, ri, cand_inputs=ci, **kw)
             fd = r.first_divergence
             out.update(verdict=r.verdict, stages=len(r.stages), cand_records=r.meta.get("cand_records"),
