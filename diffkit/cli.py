@@ -412,6 +412,8 @@ class _Forked:
         import subprocess
         import time
 
+        import select
+
         end = None if timeout is None else time.monotonic() + timeout
         delay = 0.001
         fd = None
@@ -424,8 +426,6 @@ class _Forked:
                 if end is not None and time.monotonic() >= end:
                     raise subprocess.TimeoutExpired(["diffkit"], timeout)
                 if fd is not None:
-                    import select
-
                     select.select([fd], [], [], None if end is None else max(0.0, end - time.monotonic()))
                 else:
                     time.sleep(delay)
