@@ -353,7 +353,7 @@ def _union(sets: list[frozenset]) -> frozenset:
         return sets[0]
     if n == 2:
         a, b = sets
-        if b <= a:
+        if a is b or b <= a:  # (consecutive folded ops share one lineage object)
             return a
         return b if a <= b else a | b
     big = max(sets, key=len)
@@ -525,6 +525,7 @@ class _State:
         self.param_storage: dict[int, list[tuple[int, int, str]]] = {}  # storage pointer -> (start, end, name)
         self.module_params: dict[int, tuple[str, ...]] = {}  # id(module) -> what a call of it reads (cached)
         self.derived: dict[int, tuple[str, ...]] = {}  # record index -> params, for records made from parameters only
+        self.param_sets: dict[str, frozenset] = {}  # a parameter's name as a one-name lineage (`_lineage_of_tensor`)
         if model is not None:
             named = list(model.named_parameters()) + list(model.named_buffers())
             for name, t in named:
@@ -737,6 +738,19 @@ class _State:
         """`sources`, with a folded tensor's lineage taking the place of a record (a view made where
         capture was quiet by its base's; a folded in-place write into its memory added), its
         parameters added to `params`."""
+        found, got = self._folded_lineage(t)
+        if got is None:
+            return found
+        for n in sorted(got[1]):
+            if n not in params:
+                params.append(n)
+        return sorted(set(found) | got[0])
+
+    def _folded_lineage(self, t: torch.Tensor) -> tuple[list[int], tuple[frozenset, frozenset] | None]:
+        """`_folded_sources` in parts: the records `t` comes from directly (`sources`; with a folded
+        lineage of its own, only the recorded writes into its memory since), and the folded lineage,
+        (records, parameters), that adds to them (its own, and that of folded writes into its memory),
+        or None."""
         got = None
         if self.lineage:
             for x in (t, t._base):
@@ -744,18 +758,12 @@ class _State:
                 if hit is not None and hit[0]() is x:
                     got = hit[1:]
                     break
-        # a folded tensor's own lineage, plus what recorded writes put into its memory since
         found = self.sources(t) if got is None else self._later_writes(t, -1)
         if self.lineage_storage:
             hit = self.lineage_storage.get(_storage_key(t))
             if hit is not None and hit[0]() is not None:  # the written tensor still holds that memory
                 got = hit[1:] if got is None else (got[0] | hit[1], got[1] | hit[2])
-        if got is None:
-            return found
-        for n in sorted(got[1]):
-            if n not in params:
-                params.append(n)
-        return sorted(set(found) | got[0])
+        return found, got
 
     # -- folding (module docstring)
     def non_param_tensors(self, args: tuple) -> list[tuple[tuple, torch.Tensor]]:
@@ -825,7 +833,10 @@ class _State:
         prm: list[frozenset] = [frozenset(extra)] if extra else []
         add = self._lineage_of_tensor
         lineage = self.lineage
-        todo = [obj]
+        if type(obj) is tuple and len(obj) == 2 and type(obj[0]) is tuple and type(obj[1]) is dict:
+            todo = [*obj[0], *obj[1].values()]  # a call's (args, kwargs), unwrapped here (the usual case)
+        else:
+            todo = [obj]
         while todo:
             o = todo.pop()
             t = type(o)
@@ -852,19 +863,33 @@ class _State:
 
     def _lineage_of_tensor(self, o: torch.Tensor, ins: list[frozenset], prm: list[frozenset]) -> None:
         """`lineage_of` for one tensor: a folded tensor's own lineage, else the parameter it is, the record
-        holding it, or what it comes from."""
+        holding it, or what it comes from (`_origin`'s answer, as sets)."""
         hit = self.lineage.get(id(o))
         if hit is not None and hit[0]() is o:
             ins.append(hit[1])
             prm.append(hit[2])
             return
-        name, _, found, via = self._origin(o)
+        name = self.param_of(o)
         if name is not None:
-            prm.append(frozenset((name,)))
+            one = self.param_sets.get(name)
+            if one is None:
+                one = self.param_sets[name] = frozenset((name,))
+            prm.append(one)
             return
-        prm.append(frozenset(via))
-        ins.append(frozenset(found))
-        prm.extend(frozenset(self.derived[i]) for i in found if i in self.derived)
+        exact = self.ref_of(o)
+        if exact is not None:
+            records = frozenset((exact.index,))
+        else:
+            found, got = self._folded_lineage(o)
+            if got is None:
+                records = frozenset(found)
+            else:
+                records = got[0].union(found) if found else got[0]
+                prm.append(got[1])
+        ins.append(records)
+        derived = self.derived
+        if derived:
+            prm.extend(frozenset(derived[i]) for i in records if i in derived)
 
     def fold_into(self, tensors: list[tuple[tuple, torch.Tensor]], lineage: tuple[frozenset, frozenset],
                   in_place: bool = False, frame: Any = None, op: str = "", known: bool = True) -> None:
@@ -1151,8 +1176,11 @@ class _State:
         return f"{prefix}:{label}"
 
     # -- torch function mode
-    def on_op(self, func, args, kwargs, out) -> None:
-        fname = getattr(func, "__name__", "")
+    def on_op(self, func, args, kwargs, out, fname: str | None = None, writes: bool | None = None) -> None:
+        """A torch function call returned `out`: record its results, or fold them.  `fname` and `writes`
+        (`_may_write`'s answer), when the mode has found them already."""
+        if fname is None:
+            fname = getattr(func, "__name__", "")
         if fname in _ALLOC_FUNCS:
             if isinstance(out, torch.Tensor):
                 key = _storage_key(out)
@@ -1189,7 +1217,8 @@ class _State:
             return
         if self.fold is not None:
             f = naming.user_frame(sys._getframe(2))
-            writes = _may_write(fname, kwargs, args)
+            if writes is None:
+                writes = _may_write(fname, kwargs, args)
             if writes and f is not None and self.store_part(fname, args, kwargs, f, _func_name(func)):
                 return
             if self.foldable(found, f, write=writes) or (not writes and self.same_view_again(found, f)):
@@ -1278,16 +1307,18 @@ class _Mode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         st = self.state
-        if st.lazy or st.pending:
+        name = writes = None
+        if (st.lazy or st.pending) and not st.busy:
             name = getattr(func, "__name__", "")
-            if not st.busy and _may_write(name, kwargs, args):
+            writes = _may_write(name, kwargs, args)
+            if writes:
                 st.before_write(args, kwargs, name)
         out = func(*args, **kwargs)
         if st.busy or st.opaque:
             return out
         st.busy = True
         try:
-            st.on_op(func, args, kwargs, out)
+            st.on_op(func, args, kwargs, out, name, writes)
         except StopCapture:
             raise
         except Exception as e:  # never break the user's model because naming failed
