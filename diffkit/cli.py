@@ -208,7 +208,9 @@ def _diff(ref_path, cand_path, atol, rtol, seed, device, json_path, csv_path, st
     if after:  # started beside the reference's process: run the candidate's file now, then wait for its capture
         from .load import prepare_candidate
 
-        prepare_candidate(cand_path)
+        # with no GPU in play, the candidate is built now too (on a GPU its constructor could take device
+        # memory the reference's process needs)
+        prepare_candidate(cand_path, reference=ref_path if _host_only(options.device) else None)
         parent = os.getppid()
         while not os.path.exists(after):
             if os.getppid() != parent:  # the diff that started this process is gone
@@ -440,7 +442,9 @@ def _preload() -> None:
     """Import what the children run (a forked child inherits it), and load the CPU metric kernel.  No torch
     computation: a parent that has run one before forking could leave its children's thread pool unusable."""
     from . import compare, host_kernel, pipeline, report, store, trials, whatif  # noqa: F401
+    from .capture import _install_extension_import_hook
 
+    _install_extension_import_hook()  # imports torch.utils.cpp_extension (and setuptools): ~0.08 s a child
     host_kernel.library()  # the CPU metric kernel built (first run on this machine) or loaded once, here
 
 

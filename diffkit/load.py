@@ -462,16 +462,48 @@ def load_reference(path: str, *, seed: int = KERNELBENCH_SEED, device: str | Non
 _PREPARED: dict[str, Any] = {}
 
 
-def prepare_candidate(cand_path: str) -> None:
+def prepare_candidate(cand_path: str, reference: str | None = None) -> None:
     """Run a candidate file now (its extensions built or loaded, its imports done) for a later
     `load_candidate_for_capture` of the same path in this process, which takes the module (or raises
-    the error it raised) instead of running the file again.  An isolated diff's candidate process does
-    this while the reference process is still capturing."""
+    the error it raised) instead of running the file again.  With `reference` (the reference's file),
+    also build the candidate now, from that file's get_init_inputs() (seeded as KernelBench seeds it):
+    the later load takes this model when the capture's init inputs are the same.  An isolated diff's
+    candidate process does this while the reference process is still capturing."""
     key = os.path.abspath(cand_path)
     try:
-        _PREPARED[key] = exec_file(cand_path, "candidate")
+        module = _PREPARED[key] = exec_file(cand_path, "candidate")
     except Exception as e:  # raised where it would have been, by the load that takes it
         _PREPARED[key] = e
+        return
+    if reference is None:
+        return
+    try:
+        init = _init_inputs(exec_file(reference, "reference"), reference, "reference")
+    except Exception:  # the reference's own process reports its errors; the load builds from the capture
+        return
+    try:
+        model: Any = _construct(_candidate_class(module, cand_path), init, "candidate", cand_path, "ModelNew")
+    except Exception as e:  # raised by the load that takes it, if that load would have built from the same
+        model = e
+    _BUILT[key] = (encode_values(init), os.path.abspath(reference), model)
+
+
+# candidates built ahead by `prepare_candidate`: path -> (init inputs encoded, reference file, model or error)
+_BUILT: dict[str, tuple[dict | None, str, Any]] = {}
+
+
+def _built_ahead(cand_path: str, info: dict) -> Any:
+    """The candidate `prepare_candidate` built, when it was built from the init inputs a capture
+    (`info`) says the reference was built from; else None."""
+    got = _BUILT.pop(os.path.abspath(cand_path), None)
+    if got is None:
+        return None
+    enc, reference, model = got
+    if info.get("init_inputs") is not None:
+        same = enc is not None and enc == info["init_inputs"]
+    else:  # (inputs JSON cannot hold) the load would call the same file's get_init_inputs() again
+        same = enc is None and bool(info.get("inputs_source")) and os.path.abspath(info["inputs_source"]) == reference
+    return model if same else None
 
 
 def _candidate_module(cand_path: str) -> types.ModuleType:
@@ -500,7 +532,11 @@ def load_candidate_for_capture(cand_path: str, capture: Any, *, seed: int = KERN
         raise DiffkitError("reference", "read", "the capture does not say how the model was constructed (no init "
                            "inputs, and its source file is not here): capture it again with this diffkit",
                            getattr(capture, "path", ""))
-    model = _construct(cls, init, "candidate", cand_path, "ModelNew")
+    model = _built_ahead(cand_path, info)
+    if isinstance(model, BaseException):
+        raise model
+    if model is None:
+        model = _construct(cls, init, "candidate", cand_path, "ModelNew")
     try:
         inputs = _capture_inputs(capture, info)
     except (KeyError, ValueError, IndexError) as e:

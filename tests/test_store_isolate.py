@@ -268,6 +268,77 @@ def test_a_failing_reference_stops_the_waiting_candidate(tmp_path):
     assert open(log).read().count("cand-file-run") <= 1
 
 
+BUILT_CAND = """
+import time
+_ref = __import__("runpy").run_path({refs!r} + "/transformer_block.py")
+
+
+class ModelNew(_ref["Model"]):
+    def __init__(self, *args):
+        with open({log!r}, "a") as fh:
+            fh.write("cand-built %r\\n" % time.time())
+        if {broken!r}:
+            raise ValueError("this candidate cannot take these dims")
+        super().__init__(*args)
+"""
+
+
+def test_the_candidate_is_built_while_the_reference_is_captured(tmp_path):
+    """With no GPU in play the candidate's process also builds its model beside the reference's (from
+    the reference file's init inputs, seeded as KernelBench seeds them), once: same weights, same diff."""
+    log = str(tmp_path / "log")
+    ref, cand = tmp_path / "ref.py", tmp_path / "cand.py"
+    ref.write_text(SLOW_REF.format(refs=REFS, log=log))
+    cand.write_text(BUILT_CAND.format(refs=REFS, log=log, broken=False))
+    out = _cli("diff", str(ref), str(cand), "--trials", "1", "--no-report", "--json", str(tmp_path / "r.json"))
+    assert out.returncode == 0, out.stdout + out.stderr
+    events = [line.split() for line in open(log).read().splitlines()]
+    built = [float(t) for name, t in events if name == "cand-built"]
+    ref_done = [float(t) for name, t in events if name == "ref-forward-done"]
+    assert len(built) == 1 and built[0] < ref_done[0]
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["verdict"] == "match" and data["weights"]["identical"] and not data["weights"]["differ"]
+
+
+def test_a_candidate_constructor_failing_ahead_is_reported_as_its_init_error(tmp_path):
+    """A constructor that raises while the reference is still being captured: the same answer as when
+    it raised after (the candidate's init error, where it was raised), one answer, exit 2."""
+    log = str(tmp_path / "log")
+    ref, cand = tmp_path / "ref.py", tmp_path / "cand.py"
+    ref.write_text(SLOW_REF.format(refs=REFS, log=log))
+    cand.write_text(BUILT_CAND.format(refs=REFS, log=log, broken=True))
+    out = _cli("diff", str(ref), str(cand), "--trials", "1", "--no-report", "--json", str(tmp_path / "r.json"))
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert out.stdout.count("diffkit: ERROR") == 1, out.stdout
+    err = json.loads((tmp_path / "r.json").read_text())["error"]
+    assert err["side"] == "candidate" and err["phase"] == "init"
+    assert "cannot take these dims" in err["message"] and err["stage"].startswith(str(cand) + ":")
+    assert open(log).read().count("cand-built") == 1
+
+
+def test_a_candidate_built_ahead_from_other_init_inputs_is_built_again(tmp_path):
+    """The model built ahead is taken only when the capture's reference was built from the same init
+    inputs (here the capture was made from a reference file that has since changed)."""
+    from diffkit.compare import capture_reference
+    from diffkit.load import load_candidate_for_capture, prepare_candidate
+
+    ref, cand = tmp_path / "ref.py", tmp_path / "cand.py"
+    body = EXIT_CAND.replace("ModelNew", "Model") + "\n\ndef get_init_inputs():\n    return [{n}]\n\n\n" \
+        "def get_inputs():\n    return [torch.randn(4, {n})]\n"
+    ref.write_text(body.format(n=8))
+    capture_reference(str(ref), str(tmp_path / "ref.dkt"))
+    cap = CaptureFile.open(str(tmp_path / "ref.dkt"))
+    cand.write_text(EXIT_CAND)
+    for n, fresh in ((8, False), (16, True)):
+        ref.write_text(body.format(n=n))
+        prepare_candidate(str(cand), reference=str(ref))
+        ahead = diffkit.load._BUILT[os.path.abspath(cand)][2]
+        side, _ = load_candidate_for_capture(str(cand), cap)
+        assert (side.model is not ahead) == fresh
+        assert side.model.lin.in_features == 8 and side.init_inputs == [8]
+        assert os.path.abspath(cand) not in diffkit.load._BUILT  # taken (or dropped) once
+
+
 EXIT_CRASH = """
 import atexit, os, signal, sys
 import torch
