@@ -480,7 +480,7 @@ class _State:
         self.fold_writes = fold if fold_writes is None else fold_writes
         # buffers of a pairable size filled by folded writes, recorded once, as they are then, when a
         # recorded call reads or writes that memory (`_flush`), so the filled buffer can still pair:
-        # storage -> [(weakref of the buffer, site, scope, op, (code, line), (first, last) element it spans)]
+        # storage -> [(weakref of the buffer, site, scope, op, `site_key`, (first, last) element it spans)]
         self.pending: dict[int, list[tuple]] = {}
         self.flushed: dict[tuple, int] = {}  # flushes per call site: past FOLD_AFTER its buffers stay folded
         # stores into part of a buffer (`out[t] = h`) whose size no write of the other side has, per call
@@ -496,6 +496,8 @@ class _State:
         self.last_view: dict[tuple, tuple] = {}
         self.views_again: dict[tuple, int] = {}
         self.unpairable: dict[tuple, int] = {}
+        # the code objects of the call sites those counts are kept by (`site_key`), held: an id stays theirs
+        self.site_codes: dict[int, Any] = {}
         self.lineage: dict[int, tuple[Any, frozenset, frozenset]] = {}
         self.lineage_storage: dict[int, tuple[Any, frozenset, frozenset]] = {}  # (weakref of the written tensor, …)
         self.folded_writes: dict[int, int] = {}  # storage -> records made before the last folded write into it
@@ -777,7 +779,7 @@ class _State:
         if self.fold is None:
             return False
         f = naming.user_frame(sys._getframe(2))
-        if f is None or self.unpairable.get((f.f_code, f.f_lineno), 0) < FOLD_AFTER:
+        if f is None or self.unpairable.get(self.site_key(f), 0) < FOLD_AFTER:
             return False
         return all(a.numel() not in self.fold_writes for _, a in self.non_param_tensors(args))
 
@@ -791,7 +793,7 @@ class _State:
         for _, t in tensors:
             if t.numel() in sizes:
                 return False
-        key = (frame.f_code, frame.f_lineno)
+        key = self.site_key(frame)
         n = self.unpairable.get(key, 0) + 1
         self.unpairable[key] = n
         return n > FOLD_AFTER
@@ -805,7 +807,7 @@ class _State:
         t = tensors[0][1]
         if t._base is None or t.numel() not in self.fold:
             return False
-        key = (frame.f_code, frame.f_lineno)
+        key = self.site_key(frame)
         sig = (_storage_key(t), t.storage_offset(), tuple(t.shape), t.stride())
         if self.last_view.get(key) == sig:
             self.views_again[key] = self.views_again.get(key, 0) + 1
@@ -813,15 +815,24 @@ class _State:
         self.last_view[key] = sig
         return False
 
+    def site_key(self, frame: Any) -> tuple[int, int]:
+        """A call site as a dictionary key, (id of its code object, line): a code object's own hash is
+        computed from its whole body each time it is asked for, and these keys are made for every op."""
+        code = frame.f_code
+        i = id(code)
+        if i not in self.site_codes:
+            self.site_codes[i] = code
+        return i, frame.f_lineno
+
     def folded_sites(self) -> dict[str, int]:
         """Results folded, by call site "file:line" (`Trace.folded`)."""
         out: dict[str, int] = {}
         for (code, line), n in self.unpairable.items():
             if n > FOLD_AFTER:
-                out[f"{code.co_filename}:{line}"] = n - FOLD_AFTER
+                out[f"{self.site_codes[code].co_filename}:{line}"] = n - FOLD_AFTER
         for counts in (self.views_again, self.part_stores):
             for (code, line), n in counts.items():
-                site = f"{code.co_filename}:{line}"
+                site = f"{self.site_codes[code].co_filename}:{line}"
                 out[site] = out.get(site, 0) + n
         return out
 
@@ -935,7 +946,7 @@ class _State:
             return
         if not known and key in self.storage_owner and all(w in self.filled for w in self.storage_writes.get(key, ())):
             return  # a kernel's input: this memory held records' results (a filled buffer's too), no other write
-        at = (frame.f_code, frame.f_lineno)
+        at = self.site_key(frame)
         if self.flushed.get(at, 0) >= FOLD_AFTER:  # (a loop reading back what it wrote)
             return
         old = self.pending.get(key, ())
@@ -982,7 +993,7 @@ class _State:
         t = self.partial_store(fname, args, kwargs)
         if t is None:
             return False
-        key = (frame.f_code, frame.f_lineno)
+        key = self.site_key(frame)
         self.part_stores[key] = self.part_stores.get(key, 0) + 1
         if self.pending:  # a filled buffer the store reads (not the memory it writes) is read now
             dst = _storage_key(t)
@@ -1009,7 +1020,7 @@ class _State:
         the call is a store its loop folds (its site is past FOLD_AFTER) or a store into part of it
         (`partial_store`: it goes on filling the buffer)."""
         f = naming.user_frame(sys._getframe(1))
-        if f is not None and self.unpairable.get((f.f_code, f.f_lineno), 0) >= FOLD_AFTER:
+        if f is not None and self.unpairable.get(self.site_key(f), 0) >= FOLD_AFTER:
             return
         if self.partial_store(fname, args, kwargs or {}) is not None:
             return

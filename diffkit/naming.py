@@ -184,16 +184,18 @@ def _target_name(t: ast.AST, source: str) -> str:
 
 
 _files: dict[str, _FileIndex] = {}
-_sites: dict[tuple[CodeType, int], Site] = {}
+# (id of a code object, instruction offset) -> (the code object, held so the id stays its own; its Site):
+# a code object's own hash is computed from its whole body each time, and this runs for every recorded op
+_sites: dict[tuple[int, int], tuple[CodeType, Site]] = {}
 
 
 def site_of(frame: FrameType) -> Site:
     """The naming site of the instruction `frame` is executing (cached)."""
     code = frame.f_code
-    key = (code, frame.f_lasti)
+    key = (id(code), frame.f_lasti)
     hit = _sites.get(key)
     if hit is not None:
-        return hit
+        return hit[1]
     filename = code.co_filename
     index = _files.get(filename)
     if index is None:
@@ -216,5 +218,5 @@ def site_of(frame: FrameType) -> Site:
     else:
         labels, text = found
         site = Site(filename, line, code.co_name, labels, text, args, rebound)
-    _sites[key] = site
+    _sites[key] = (code, site)
     return site
