@@ -208,11 +208,15 @@ def _diff(ref_path, cand_path, atol, rtol, seed, device, json_path, csv_path, st
     if after:  # started beside the reference's process: run the candidate's file now, then wait for its capture
         from .load import prepare_candidate
 
-        # with no GPU in play, the candidate is built now too (on a GPU its constructor could take device
-        # memory the reference's process needs)
-        prepare_candidate(cand_path, reference=ref_path if _host_only(options.device) else None)
+        prepare_candidate(cand_path)
+        # with no GPU in play, the candidate is built as soon as the reference's process says what it builds
+        # its model from (on a GPU its constructor could take device memory that process needs)
+        init_file = os.path.join(stream_dir, INIT_FILE) if stream_dir and _host_only(options.device) else None
         parent = os.getppid()
         while not os.path.exists(after):
+            if init_file and os.path.exists(init_file):
+                _build_ahead(cand_path, init_file)
+                init_file = None
             if os.getppid() != parent:  # the diff that started this process is gone
                 sys.exit(2)
             time.sleep(0.01)
@@ -227,7 +231,8 @@ def _diff(ref_path, cand_path, atol, rtol, seed, device, json_path, csv_path, st
         sys.exit(_isolated(argv, ref_path, cand_path, options, timeout, out, sanitize))
     if side_only == "ref":  # an isolated diff's reference process: capture, then leave the rest to the other
         try:
-            capture_reference(ref_path, os.path.join(stream_dir, "ref.dkt"), options)
+            capture_reference(ref_path, os.path.join(stream_dir, "ref.dkt"), options,
+                              on_init=lambda init: _publish_init(stream_dir, init))
         except DiffkitError as e:
             out.write(error_result(e, ref_path, cand_path, options), error=e)
             _done(stream_dir)  # a load error is a finished answer, not a crash
@@ -260,6 +265,39 @@ def _diff(ref_path, cand_path, atol, rtol, seed, device, json_path, csv_path, st
     written = out.write(result)
     _done(stream_dir)
     sys.exit(EXIT[result.verdict] if written else 2)
+
+
+INIT_FILE = "init.json"  # an isolated diff's reference process: the init inputs it builds its model from
+
+
+def _publish_init(stream_dir: str, init: list) -> None:
+    """Tell the candidate's process the init inputs the reference is built from (`INIT_FILE`, written
+    whole or not at all), so it can build its model while the reference is captured."""
+    import json
+
+    from .load import encode_values
+
+    path = os.path.join(stream_dir, INIT_FILE)
+    try:
+        with open(path + ".tmp", "w", encoding="utf-8") as fh:
+            json.dump({"init_inputs": encode_values(init)}, fh)
+        os.replace(path + ".tmp", path)
+    except (OSError, TypeError, ValueError):  # the candidate's process builds its model later, as ever
+        pass
+
+
+def _build_ahead(cand_path: str, init_file: str) -> None:
+    """The candidate's process: build the candidate from the init inputs the reference's process published."""
+    import json
+
+    from .load import build_candidate_ahead
+
+    try:
+        with open(init_file, encoding="utf-8") as fh:
+            enc = json.load(fh).get("init_inputs")
+    except (OSError, ValueError, AttributeError):
+        return
+    build_candidate_ahead(cand_path, enc)
 
 
 class _Outputs:

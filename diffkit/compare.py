@@ -52,12 +52,13 @@ def is_capture(path: str) -> bool:
 
 def capture_reference(ref_path: str, out_dir: str, options: Options | None = None, cand_path: str | None = None, *,
                       class_name: str | None = "Model", inputs_from: str | None = None,
-                      side: str = "reference") -> Trace:
+                      side: str = "reference", on_init=None) -> Trace:
     """Build the reference as a diff would and stream its first trial's forward, parameters and the
     facts a later candidate needs (source, init inputs, inputs, seeds, health) to a capture directory;
     every later trial's inputs and output go beside it (``trial-K.dkt``, see diffkit.trials).
     `class_name`/`inputs_from`/`side` capture another class (``diffkit capture --side cand``): a
-    candidate's capture also keeps which records change when it runs twice (``rerun_differs``)."""
+    candidate's capture also keeps which records change when it runs twice (``rerun_differs``).
+    `on_init` is given the init inputs as soon as get_init_inputs() has returned them."""
     from .load import load_reference
     from .stream import name_filter
     from .trials import seed_all, trial_seeds, write_trials
@@ -65,7 +66,7 @@ def capture_reference(ref_path: str, out_dir: str, options: Options | None = Non
     options = options or Options()
     seeds = trial_seeds(options.trials, options.seed)
     built = load_reference(ref_path, seed=seeds[0], device=options.device, eval_mode=options.eval,
-                           class_name=class_name, inputs_from=inputs_from, side=side)
+                           class_name=class_name, inputs_from=inputs_from, side=side, on_init=on_init)
     reinit = reinit_zero_parameters(built.model) if options.reinit_zero else []
     info = {**built.info(), "input_seed": seeds[0], "kernelbench_seed": options.seed, "reinit_zero": reinit,
             "trials": [{"trial": 1, "seed": seeds[0]}]}

@@ -20,7 +20,7 @@ import tokenize
 import traceback
 import types
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.utils._pytree as pytree
@@ -437,17 +437,19 @@ def _candidate_class(module: types.ModuleType, path: str, name: str = "ModelNew"
 
 def load_reference(path: str, *, seed: int = KERNELBENCH_SEED, device: str | None = None, eval_mode: bool = False,
                    class_name: str | None = "Model", inputs_from: str | None = None,
-                   side: str = "reference") -> ModelSide:
+                   side: str = "reference", on_init: Callable[[list], None] | None = None) -> ModelSide:
     """Build one model from its file as KernelBench does (seed 42 before get_init_inputs() and before
     construction; `seed` before get_inputs(); left as constructed unless `eval_mode`).
     `inputs_from`: take get_inputs()/get_init_inputs() from that file instead (a candidate file
-    captured on its own)."""
+    captured on its own).  `on_init` is given the init inputs before the model is built."""
     module = exec_file(path, side)
     if class_name is None:  # whichever the file defines
         class_name = "ModelNew" if hasattr(module, "ModelNew") else "Model"
     src = exec_file(inputs_from, "reference") if inputs_from else module
     cls = _need(module, class_name, side, path) if class_name != "ModelNew" else _candidate_class(module, path)
     init = _init_inputs(src, inputs_from or path, side)
+    if on_init is not None:
+        on_init(init)
     model = _construct(cls, init, side, path, class_name)
     inputs = _inputs(src, inputs_from or path, seed, side)
     if device:
@@ -462,48 +464,50 @@ def load_reference(path: str, *, seed: int = KERNELBENCH_SEED, device: str | Non
 _PREPARED: dict[str, Any] = {}
 
 
-def prepare_candidate(cand_path: str, reference: str | None = None) -> None:
+def prepare_candidate(cand_path: str) -> None:
     """Run a candidate file now (its extensions built or loaded, its imports done) for a later
     `load_candidate_for_capture` of the same path in this process, which takes the module (or raises
-    the error it raised) instead of running the file again.  With `reference` (the reference's file),
-    also build the candidate now, from that file's get_init_inputs() (seeded as KernelBench seeds it):
-    the later load takes this model when the capture's init inputs are the same.  An isolated diff's
-    candidate process does this while the reference process is still capturing."""
+    the error it raised) instead of running the file again.  An isolated diff's candidate process does
+    this while the reference process is still capturing."""
     key = os.path.abspath(cand_path)
     try:
-        module = _PREPARED[key] = exec_file(cand_path, "candidate")
+        _PREPARED[key] = exec_file(cand_path, "candidate")
     except Exception as e:  # raised where it would have been, by the load that takes it
         _PREPARED[key] = e
-        return
-    if reference is None:
+
+
+# candidates built ahead (`build_candidate_ahead`): absolute path -> (init inputs encoded, model or error)
+_BUILT: dict[str, tuple[dict, Any]] = {}
+
+
+def build_candidate_ahead(cand_path: str, init_inputs: dict | None) -> None:
+    """Build a candidate `prepare_candidate` ran, now, from the init inputs its reference is built from
+    (`encode_values`'s form, as a capture keeps them): a later `load_candidate_for_capture` whose capture
+    says the same takes this model (or raises the error building it raised) instead of building another.
+    An isolated diff's candidate process does this while the reference is captured, told the init
+    inputs by the reference's process."""
+    key = os.path.abspath(cand_path)
+    module = _PREPARED.get(key)
+    if init_inputs is None or module is None or isinstance(module, BaseException):
         return
     try:
-        init = _init_inputs(exec_file(reference, "reference"), reference, "reference")
-    except Exception:  # the reference's own process reports its errors; the load builds from the capture
+        init = decode_values(init_inputs)
+    except Exception:  # the load reads them from the capture, and says what is wrong there
         return
     try:
         model: Any = _construct(_candidate_class(module, cand_path), init, "candidate", cand_path, "ModelNew")
-    except Exception as e:  # raised by the load that takes it, if that load would have built from the same
+    except Exception as e:  # raised by the load that takes it
         model = e
-    _BUILT[key] = (encode_values(init), os.path.abspath(reference), model)
-
-
-# candidates built ahead by `prepare_candidate`: path -> (init inputs encoded, reference file, model or error)
-_BUILT: dict[str, tuple[dict | None, str, Any]] = {}
+    _BUILT[key] = (init_inputs, model)
 
 
 def _built_ahead(cand_path: str, info: dict) -> Any:
-    """The candidate `prepare_candidate` built, when it was built from the init inputs a capture
+    """The candidate `build_candidate_ahead` built, when it was built from the init inputs a capture
     (`info`) says the reference was built from; else None."""
     got = _BUILT.pop(os.path.abspath(cand_path), None)
-    if got is None:
+    if got is None or info.get("init_inputs") is None or got[0] != info["init_inputs"]:
         return None
-    enc, reference, model = got
-    if info.get("init_inputs") is not None:
-        same = enc is not None and enc == info["init_inputs"]
-    else:  # (inputs JSON cannot hold) the load would call the same file's get_init_inputs() again
-        same = enc is None and bool(info.get("inputs_source")) and os.path.abspath(info["inputs_source"]) == reference
-    return model if same else None
+    return got[1]
 
 
 def _candidate_module(cand_path: str) -> types.ModuleType:

@@ -317,26 +317,35 @@ def test_a_candidate_constructor_failing_ahead_is_reported_as_its_init_error(tmp
 
 
 def test_a_candidate_built_ahead_from_other_init_inputs_is_built_again(tmp_path):
-    """The model built ahead is taken only when the capture's reference was built from the same init
-    inputs (here the capture was made from a reference file that has since changed)."""
+    """The model built ahead is taken only when the capture says the reference was built from the same
+    init inputs; it is taken once, and a constructor's error is raised by the load that takes it."""
     from diffkit.compare import capture_reference
-    from diffkit.load import load_candidate_for_capture, prepare_candidate
+    from diffkit.load import build_candidate_ahead, encode_values, load_candidate_for_capture, prepare_candidate
 
     ref, cand = tmp_path / "ref.py", tmp_path / "cand.py"
-    body = EXIT_CAND.replace("ModelNew", "Model") + "\n\ndef get_init_inputs():\n    return [{n}]\n\n\n" \
-        "def get_inputs():\n    return [torch.randn(4, {n})]\n"
-    ref.write_text(body.format(n=8))
-    capture_reference(str(ref), str(tmp_path / "ref.dkt"))
+    ref.write_text(EXIT_CAND.replace("ModelNew", "Model") + "\n\ndef get_init_inputs():\n    return [8]\n\n\n"
+                   "def get_inputs():\n    return [torch.randn(4, 8)]\n")
+    published = []
+    capture_reference(str(ref), str(tmp_path / "ref.dkt"), on_init=published.append)
+    assert published == [[8]]  # told before the reference is built
     cap = CaptureFile.open(str(tmp_path / "ref.dkt"))
     cand.write_text(EXIT_CAND)
+    key = os.path.abspath(cand)
     for n, fresh in ((8, False), (16, True)):
-        ref.write_text(body.format(n=n))
-        prepare_candidate(str(cand), reference=str(ref))
-        ahead = diffkit.load._BUILT[os.path.abspath(cand)][2]
+        prepare_candidate(str(cand))
+        build_candidate_ahead(str(cand), encode_values([n]))
+        ahead = diffkit.load._BUILT[key][1]
+        assert ahead.lin.in_features == n
         side, _ = load_candidate_for_capture(str(cand), cap)
         assert (side.model is not ahead) == fresh
         assert side.model.lin.in_features == 8 and side.init_inputs == [8]
-        assert os.path.abspath(cand) not in diffkit.load._BUILT  # taken (or dropped) once
+        assert key not in diffkit.load._BUILT  # taken (or dropped) once
+    cand.write_text(EXIT_CAND.replace("super().__init__()", "raise ValueError('no such width')"))
+    prepare_candidate(str(cand))
+    build_candidate_ahead(str(cand), encode_values([8]))
+    with pytest.raises(DiffkitError) as e:
+        load_candidate_for_capture(str(cand), cap)
+    assert e.value.side == "candidate" and e.value.phase == "init" and "no such width" in e.value.message
 
 
 EXIT_CRASH = """
