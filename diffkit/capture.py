@@ -496,8 +496,6 @@ class _State:
         self.last_view: dict[tuple, tuple] = {}
         self.views_again: dict[tuple, int] = {}
         self.unpairable: dict[tuple, int] = {}
-        # the code objects of the call sites those counts are kept by (`site_key`), held: an id stays theirs
-        self.site_codes: dict[int, Any] = {}
         self.lineage: dict[int, tuple[Any, frozenset, frozenset]] = {}
         self.lineage_storage: dict[int, tuple[Any, frozenset, frozenset]] = {}  # (weakref of the written tensor, …)
         self.folded_writes: dict[int, int] = {}  # storage -> records made before the last folded write into it
@@ -815,24 +813,25 @@ class _State:
         self.last_view[key] = sig
         return False
 
-    def site_key(self, frame: Any) -> tuple[int, int]:
-        """A call site as a dictionary key, (id of its code object, line): a code object's own hash is
-        computed from its whole body each time it is asked for, and these keys are made for every op."""
+    @staticmethod
+    def site_key(frame: Any) -> tuple[str, int, str, int]:
+        """A call site as a dictionary key: (file, first line and name of its function, line).  Not the
+        code object: its hash is computed from its whole body each time it is asked for (these keys are
+        made for every op), and code compiled again (a step function exec'd each iteration, a helper file
+        run once per layer) is still the same site."""
         code = frame.f_code
-        i = id(code)
-        if i not in self.site_codes:
-            self.site_codes[i] = code
-        return i, frame.f_lineno
+        return code.co_filename, code.co_firstlineno, code.co_name, frame.f_lineno
 
     def folded_sites(self) -> dict[str, int]:
         """Results folded, by call site "file:line" (`Trace.folded`)."""
         out: dict[str, int] = {}
-        for (code, line), n in self.unpairable.items():
+        for (file, _, _, line), n in self.unpairable.items():
             if n > FOLD_AFTER:
-                out[f"{self.site_codes[code].co_filename}:{line}"] = n - FOLD_AFTER
+                site = f"{file}:{line}"
+                out[site] = out.get(site, 0) + n - FOLD_AFTER
         for counts in (self.views_again, self.part_stores):
-            for (code, line), n in counts.items():
-                site = f"{self.site_codes[code].co_filename}:{line}"
+            for (file, _, _, line), n in counts.items():
+                site = f"{file}:{line}"
                 out[site] = out.get(site, 0) + n
         return out
 

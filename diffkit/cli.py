@@ -223,6 +223,17 @@ def _diff(ref_path, cand_path, atol, rtol, seed, device, json_path, csv_path, st
     if sanitize and no_isolate:
         raise click.UsageError("--sanitize runs the candidate in a child process under compute-sanitizer; "
                                "drop --no-isolate")
+    if options.tolerance.mode == "auto" and not (side_only or ref_capture):
+        # (the pipeline's own checks would surface as an internal error from an isolated child)
+        if is_capture(ref_path):
+            raise click.UsageError("--tolerance auto runs the reference model again in float64: give the reference "
+                                   "as its .py file, not a capture")
+        if options.is_streaming:
+            raise click.UsageError("--tolerance auto needs every reference value twice (as run, and in float64): it "
+                                   "does not combine with --stream or --max-memory")
+        if not no_isolate:
+            raise click.UsageError("--tolerance auto runs the reference again in float64 beside the candidate, in "
+                                   "one process: add --no-isolate")
     if not no_isolate and not is_capture(cand_path):
         argv = sys.argv[1:] if sys.argv[1:2] == ["diff"] else ["diff", *sys.argv[1:]]
         if sanitize:

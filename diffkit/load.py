@@ -441,16 +441,17 @@ def load_reference(path: str, *, seed: int = KERNELBENCH_SEED, device: str | Non
     """Build one model from its file as KernelBench does (seed 42 before get_init_inputs() and before
     construction; `seed` before get_inputs(); left as constructed unless `eval_mode`).
     `inputs_from`: take get_inputs()/get_init_inputs() from that file instead (a candidate file
-    captured on its own).  `on_init` is given the init inputs before the model is built."""
+    captured on its own).  `on_init` is given the init inputs once the model is built (as its
+    constructor left them: what `info()` records)."""
     module = exec_file(path, side)
     if class_name is None:  # whichever the file defines
         class_name = "ModelNew" if hasattr(module, "ModelNew") else "Model"
     src = exec_file(inputs_from, "reference") if inputs_from else module
     cls = _need(module, class_name, side, path) if class_name != "ModelNew" else _candidate_class(module, path)
     init = _init_inputs(src, inputs_from or path, side)
+    model = _construct(cls, init, side, path, class_name)
     if on_init is not None:
         on_init(init)
-    model = _construct(cls, init, side, path, class_name)
     inputs = _inputs(src, inputs_from or path, seed, side)
     if device:
         model = model.to(device)
@@ -462,6 +463,13 @@ def load_reference(path: str, *, seed: int = KERNELBENCH_SEED, device: str | Non
 
 # candidate files run ahead of their diff (`prepare_candidate`): absolute path -> module, or the error it raised
 _PREPARED: dict[str, Any] = {}
+_PREPARED_IN: list[str] = []  # the working directory the first of them was run in
+
+
+def _prepared_key(cand_path: str) -> str:
+    """A candidate path as `prepare_candidate` resolved it: against the working directory it ran in (code
+    run since, a constructor built ahead say, may have changed directory)."""
+    return os.path.normpath(os.path.join(_PREPARED_IN[0], cand_path)) if _PREPARED_IN else os.path.abspath(cand_path)
 
 
 def prepare_candidate(cand_path: str) -> None:
@@ -469,7 +477,9 @@ def prepare_candidate(cand_path: str) -> None:
     `load_candidate_for_capture` of the same path in this process, which takes the module (or raises
     the error it raised) instead of running the file again.  An isolated diff's candidate process does
     this while the reference process is still capturing."""
-    key = os.path.abspath(cand_path)
+    if not _PREPARED_IN:
+        _PREPARED_IN.append(os.getcwd())
+    key = _prepared_key(cand_path)
     try:
         _PREPARED[key] = exec_file(cand_path, "candidate")
     except Exception as e:  # raised where it would have been, by the load that takes it
@@ -486,7 +496,7 @@ def build_candidate_ahead(cand_path: str, init_inputs: dict | None) -> None:
     says the same takes this model (or raises the error building it raised) instead of building another.
     An isolated diff's candidate process does this while the reference is captured, told the init
     inputs by the reference's process."""
-    key = os.path.abspath(cand_path)
+    key = _prepared_key(cand_path)
     module = _PREPARED.get(key)
     if init_inputs is None or module is None or isinstance(module, BaseException):
         return
@@ -504,14 +514,19 @@ def build_candidate_ahead(cand_path: str, init_inputs: dict | None) -> None:
 def _built_ahead(cand_path: str, info: dict) -> Any:
     """The candidate `build_candidate_ahead` built, when it was built from the init inputs a capture
     (`info`) says the reference was built from; else None."""
-    got = _BUILT.pop(os.path.abspath(cand_path), None)
-    if got is None or info.get("init_inputs") is None or got[0] != info["init_inputs"]:
+    import json
+
+    got = _BUILT.pop(_prepared_key(cand_path), None)
+    if got is None or info.get("init_inputs") is None:
+        return None
+    # compared as JSON text: 2, 2.0 and True (0.0 and -0.0) are equal to Python, not to a constructor
+    if json.dumps(got[0], sort_keys=True) != json.dumps(info["init_inputs"], sort_keys=True):
         return None
     return got[1]
 
 
 def _candidate_module(cand_path: str) -> types.ModuleType:
-    got = _PREPARED.pop(os.path.abspath(cand_path), None)
+    got = _PREPARED.pop(_prepared_key(cand_path), None)
     if got is None:
         return exec_file(cand_path, "candidate")
     if isinstance(got, BaseException):

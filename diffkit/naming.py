@@ -12,8 +12,10 @@ import ast
 import linecache
 import os
 import sys
+import weakref
 from dataclasses import dataclass
-from types import CodeType, FrameType
+from types import FrameType
+from typing import Any, Callable
 
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__))
 _TORCH_DIR: str | None = None
@@ -184,9 +186,14 @@ def _target_name(t: ast.AST, source: str) -> str:
 
 
 _files: dict[str, _FileIndex] = {}
-# (id of a code object, instruction offset) -> (the code object, held so the id stays its own; its Site):
-# a code object's own hash is computed from its whole body each time, and this runs for every recorded op
-_sites: dict[tuple[int, int], tuple[CodeType, Site]] = {}
+# (id of a code object, instruction offset) -> (a weak reference to the code object, its Site); an entry goes
+# when its code object does.  Not keyed by the code object: its hash is computed from its whole body each
+# time, and this runs for every recorded op
+_sites: dict[tuple[int, int], tuple[Any, Site]] = {}
+
+
+def _forget_code(key: tuple[int, int]) -> Callable[[Any], None]:
+    return lambda _ref: _sites.pop(key, None)
 
 
 def site_of(frame: FrameType) -> Site:
@@ -194,7 +201,7 @@ def site_of(frame: FrameType) -> Site:
     code = frame.f_code
     key = (id(code), frame.f_lasti)
     hit = _sites.get(key)
-    if hit is not None:
+    if hit is not None and hit[0]() is code:
         return hit[1]
     filename = code.co_filename
     index = _files.get(filename)
@@ -218,5 +225,8 @@ def site_of(frame: FrameType) -> Site:
     else:
         labels, text = found
         site = Site(filename, line, code.co_name, labels, text, args, rebound)
-    _sites[key] = (code, site)
+    try:
+        _sites[key] = (weakref.ref(code, _forget_code(key)), site)
+    except TypeError:  # (no weak reference to it here: not cached)
+        pass
     return site

@@ -99,6 +99,52 @@ def test_each_call_site_keeps_its_first_records():
     assert sites[next(s for s in sites if s.endswith(f"test_fold.py:{line}"))] == 2 * 2 * 30 - FOLD_AFTER
 
 
+_STEP = "def advance(pre, h, w, b):\n    return torch.tanh(pre + h @ w.T + b)\n"
+_STEP_NS: dict = {"torch": torch}
+exec(compile(_STEP, "<diffkit-test-step>", "exec"), _STEP_NS)
+
+
+class StepLoop(nn.Module):
+    """ElmanRef's recurrence as a loop calling a step function; `fresh`: the step function is compiled
+    again at every step (a new code object each time, as a wrapper generating its kernel code might)."""
+
+    def __init__(self, fresh: bool):
+        super().__init__()
+        self.rnn = nn.RNN(5, 7, num_layers=2, batch_first=True)
+        self.fresh = fresh
+
+    def forward(self, x):
+        for layer in range(2):
+            w_ih, w_hh = getattr(self.rnn, f"weight_ih_l{layer}"), getattr(self.rnn, f"weight_hh_l{layer}")
+            b_ih, b_hh = getattr(self.rnn, f"bias_ih_l{layer}"), getattr(self.rnn, f"bias_hh_l{layer}")
+            inp = torch.einsum("btk,hk->bth", x, w_ih) + b_ih
+            h, seq = x.new_zeros(x.shape[0], 7), []
+            for t in range(x.shape[1]):
+                if self.fresh:
+                    ns = {"torch": torch}
+                    exec(compile(_STEP, "<diffkit-test-step>", "exec"), ns)
+                    step = ns["advance"]
+                else:
+                    step = _STEP_NS["advance"]
+                h = step(inp[:, t], h, w_hh, b_hh)
+                seq.append(h)
+            x = torch.stack(seq, dim=1)
+        return x
+
+
+def test_code_compiled_again_each_step_folds_as_one_call_site():
+    """A call site is its file, function and line, not its code object: a step function compiled afresh
+    at every step folds exactly as the same function compiled once."""
+    x = torch.randn(3, 30, 5)
+    got = {}
+    for fresh in (False, True):
+        ref, cand = _seeded(ElmanRef, lambda: StepLoop(fresh))
+        r = diffkit.compare(ref, cand, [x])
+        assert r.verdict == "match"
+        got[fresh] = (r.meta["cand_records"], r.meta["cand_folded"]["results"], r.meta["cand_folded"]["sites"])
+    assert got[True] == got[False] and got[False][1] > 0
+
+
 def _capture(model, inputs, fold):
     with torch.no_grad():
         with C.capture(model, inputs=tuple(inputs), fold=fold) as trace:

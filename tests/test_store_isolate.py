@@ -327,7 +327,7 @@ def test_a_candidate_built_ahead_from_other_init_inputs_is_built_again(tmp_path)
                    "def get_inputs():\n    return [torch.randn(4, 8)]\n")
     published = []
     capture_reference(str(ref), str(tmp_path / "ref.dkt"), on_init=published.append)
-    assert published == [[8]]  # told before the reference is built
+    assert published == [[8]]  # told once the reference is built (as its constructor left them)
     cap = CaptureFile.open(str(tmp_path / "ref.dkt"))
     cand.write_text(EXIT_CAND)
     key = os.path.abspath(cand)
@@ -346,6 +346,83 @@ def test_a_candidate_built_ahead_from_other_init_inputs_is_built_again(tmp_path)
     with pytest.raises(DiffkitError) as e:
         load_candidate_for_capture(str(cand), cap)
     assert e.value.side == "candidate" and e.value.phase == "init" and "no such width" in e.value.message
+
+
+NORMALISING_REF = """
+import time
+import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def __init__(self, n, cfg):
+        super().__init__()
+        cfg["scale"] = float(cfg["scale"])  # its constructor normalises the config it is given, in place
+        self.lin = nn.Linear(n, 16)
+        self.scale = nn.Parameter(torch.tensor(cfg["scale"]))
+
+    def forward(self, x):
+        time.sleep(1)
+        return self.lin(x) * self.scale
+
+
+def get_inputs():
+    return [torch.randn(4, 8)]
+
+
+def get_init_inputs():
+    return [8, {"scale": 2}]
+"""
+
+CHDIR_CAND = """
+import os
+import torch
+import torch.nn as nn
+
+
+class ModelNew(nn.Module):
+    def __init__(self, n, cfg):
+        super().__init__()
+        os.chdir(os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets"))  # its tables live there
+        self.lin = nn.Linear(n, 16)
+        self.scale = nn.Parameter(torch.tensor(float(cfg["scale"])))
+
+    def forward(self, x):
+        return self.lin(x) * self.scale
+"""
+
+
+@pytest.mark.parametrize("cand", ["same", "chdir"])
+def test_a_candidate_built_ahead_is_built_as_the_capture_says(tmp_path, cand):
+    """The candidate is built from the init inputs as the reference's constructor left them (it turns an
+    int into a float in place: built from the int, this candidate's constructor would fail), and a
+    constructor that changes directory does not lose a candidate given by a relative path: the answer an
+    isolated diff gives is the in-process one."""
+    (tmp_path / "ref.py").write_text(NORMALISING_REF)
+    text = NORMALISING_REF.replace("class Model(", "class ModelNew(").replace(
+        "        cfg[\"scale\"] = float(cfg[\"scale\"])  # its constructor normalises the config it is given, in place\n",
+        "").replace("        time.sleep(1)\n", "")
+    (tmp_path / "cand.py").write_text(text if cand == "same" else CHDIR_CAND)
+    (tmp_path / "assets").mkdir()
+    got = {}
+    for mode in ("isolated", "--no-isolate"):
+        out = subprocess.run([sys.executable, os.path.join(ROOT, "cli.py"), "diff", "ref.py", "cand.py", "--trials",
+                              "1", "--no-report", "--json", str(tmp_path / f"{mode}.json")]
+                             + ([mode] if mode.startswith("--") else []),
+                             capture_output=True, text=True, cwd=tmp_path, timeout=600)
+        assert out.returncode == 0, out.stdout + out.stderr
+        got[mode] = json.loads((tmp_path / f"{mode}.json").read_text())["verdict"]
+    assert got == {"isolated": "match", "--no-isolate": "match"}
+
+
+def test_auto_tolerance_asks_for_one_process(tmp_path):
+    """--tolerance auto re-runs the reference in float64 beside the candidate: an isolated diff, a captured
+    reference or a streaming diff says so as a usage error (it was an internal error from the child)."""
+    ref, cand = os.path.join(REFS, "transformer_block.py"), os.path.join(KERNELS, "transformer_block_no_scale.py")
+    out = _cli("diff", ref, cand, "--tolerance", "auto", "--no-report")
+    assert out.returncode == 2 and "--no-isolate" in out.stderr and "INTERNAL" not in out.stdout + out.stderr
+    out = _cli("diff", ref, cand, "--tolerance", "auto", "--no-report", "--no-isolate", "--max-memory", "1M")
+    assert out.returncode == 2 and "--max-memory" in out.stderr
 
 
 EXIT_CRASH = """
