@@ -425,6 +425,33 @@ def test_auto_tolerance_asks_for_one_process(tmp_path):
     assert out.returncode == 2 and "--max-memory" in out.stderr
 
 
+LOCKING_CAND = """
+import os, time
+with open({log!r}, "a") as fh:
+    fh.write("locked\\n")
+fd = os.open({lock!r}, os.O_CREAT | os.O_EXCL)  # as torch's extension build takes its lock file
+try:
+    time.sleep(60)  # (building)
+finally:
+    os.close(fd)
+    os.remove({lock!r})
+"""
+
+
+def test_a_candidate_stopped_while_it_builds_releases_its_lock(tmp_path):
+    """The reference fails while the candidate's file is still running (building an extension under a lock
+    file, say): the candidate's process is stopped through Python (SIGTERM raises `Terminated` in the
+    children too), so the lock is released (a lock left behind would hold up every later build of that
+    extension), and the answer does not wait for it."""
+    log, lock = str(tmp_path / "log"), str(tmp_path / "lock")
+    ref, cand = tmp_path / "ref.py", tmp_path / "cand.py"
+    ref.write_text("import time\ntime.sleep(1.5)\nraise RuntimeError('this reference is broken')\n")
+    cand.write_text(LOCKING_CAND.format(log=log, lock=lock))
+    out = _cli("diff", str(ref), str(cand), "--no-report", timeout=50)
+    assert out.returncode == 2 and "this reference is broken" in out.stdout, out.stdout + out.stderr
+    assert open(log).read() == "locked\n" and not os.path.exists(lock)
+
+
 EXIT_CRASH = """
 import atexit, os, signal, sys
 import torch
