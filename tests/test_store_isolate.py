@@ -283,14 +283,20 @@ class ModelNew(_ref["Model"]):
 """
 
 
-def test_the_candidate_is_built_while_the_reference_is_captured(tmp_path):
-    """With no GPU in play the candidate's process also builds its model beside the reference's (from
-    the reference file's init inputs, seeded as KernelBench seeds them), once: same weights, same diff."""
+def _diff_built_ahead(tmp_path, broken: bool):
+    """`diffkit diff` of SLOW_REF and BUILT_CAND: (the process's result, the log file, the candidate's path)."""
     log = str(tmp_path / "log")
     ref, cand = tmp_path / "ref.py", tmp_path / "cand.py"
     ref.write_text(SLOW_REF.format(refs=REFS, log=log))
-    cand.write_text(BUILT_CAND.format(refs=REFS, log=log, broken=False))
-    out = _cli("diff", str(ref), str(cand), "--trials", "1", "--no-report", "--json", str(tmp_path / "r.json"))
+    cand.write_text(BUILT_CAND.format(refs=REFS, log=log, broken=broken))
+    return _cli("diff", str(ref), str(cand), "--trials", "1", "--no-report", "--json", str(tmp_path / "r.json")), log, cand
+
+
+def test_the_candidate_is_built_while_the_reference_is_captured(tmp_path):
+    """With no GPU in play the candidate's process also builds its model beside the reference's (from the
+    init inputs the reference's process publishes, seeded as KernelBench seeds them), once: same weights,
+    same diff."""
+    out, log, _ = _diff_built_ahead(tmp_path, broken=False)
     assert out.returncode == 0, out.stdout + out.stderr
     events = [line.split() for line in open(log).read().splitlines()]
     built = [float(t) for name, t in events if name == "cand-built"]
@@ -303,11 +309,7 @@ def test_the_candidate_is_built_while_the_reference_is_captured(tmp_path):
 def test_a_candidate_constructor_failing_ahead_is_reported_as_its_init_error(tmp_path):
     """A constructor that raises while the reference is still being captured: the same answer as when
     it raised after (the candidate's init error, where it was raised), one answer, exit 2."""
-    log = str(tmp_path / "log")
-    ref, cand = tmp_path / "ref.py", tmp_path / "cand.py"
-    ref.write_text(SLOW_REF.format(refs=REFS, log=log))
-    cand.write_text(BUILT_CAND.format(refs=REFS, log=log, broken=True))
-    out = _cli("diff", str(ref), str(cand), "--trials", "1", "--no-report", "--json", str(tmp_path / "r.json"))
+    out, log, cand = _diff_built_ahead(tmp_path, broken=True)
     assert out.returncode == 2, out.stdout + out.stderr
     assert out.stdout.count("diffkit: ERROR") == 1, out.stdout
     err = json.loads((tmp_path / "r.json").read_text())["error"]
