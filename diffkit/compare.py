@@ -58,7 +58,7 @@ def capture_reference(ref_path: str, out_dir: str, options: Options | None = Non
     every later trial's inputs and output go beside it (``trial-K.dkt``, see diffkit.trials).
     `class_name`/`inputs_from`/`side` capture another class (``diffkit capture --side cand``): a
     candidate's capture also keeps which records change when it runs twice (``rerun_differs``).
-    `on_init` is given the init inputs as soon as get_init_inputs() has returned them."""
+    `on_init` is given the init inputs once the reference is built (as its constructor left them)."""
     from .load import load_reference
     from .stream import name_filter
     from .trials import seed_all, trial_seeds, write_trials
