@@ -850,35 +850,31 @@ class _State:
         while todo:
             o = todo.pop()
             t = type(o)
-            if t is torch.Tensor or t is torch.nn.Parameter:
-                hit = lineage.get(id(o))
-                if hit is not None and hit[0]() is o:  # a folded tensor (the common case, inline)
-                    if hit[1]:
-                        ins.append(hit[1])
-                    if hit[2]:
-                        prm.append(hit[2])
-                else:
-                    add(o, ins, prm)
-            elif t is tuple or t is list:
-                todo.extend(o)
-            elif t is dict:
-                todo.extend(o.values())
-            elif t in _ATOMS:
-                continue
-            elif isinstance(o, torch.Tensor):
-                add(o, ins, prm)
+            if not (t is torch.Tensor or t is torch.nn.Parameter):
+                if t is tuple or t is list:
+                    todo.extend(o)
+                    continue
+                if t is dict:
+                    todo.extend(o.values())
+                    continue
+                if t in _ATOMS:
+                    continue
+                if not isinstance(o, torch.Tensor):
+                    todo.extend(x for x in pytree.tree_leaves(o) if isinstance(x, torch.Tensor))
+                    continue
+            hit = lineage.get(id(o))
+            if hit is not None and hit[0]() is o:  # a folded tensor (the common case, inline)
+                if hit[1]:
+                    ins.append(hit[1])
+                if hit[2]:
+                    prm.append(hit[2])
             else:
-                todo.extend(x for x in pytree.tree_leaves(o) if isinstance(x, torch.Tensor))
+                add(o, ins, prm)
         return _union(ins), _union(prm)
 
     def _lineage_of_tensor(self, o: torch.Tensor, ins: list[frozenset], prm: list[frozenset]) -> None:
-        """`lineage_of` for one tensor: a folded tensor's own lineage, else the parameter it is, the record
-        holding it, or what it comes from (`_origin`'s answer, as sets)."""
-        hit = self.lineage.get(id(o))
-        if hit is not None and hit[0]() is o:
-            ins.append(hit[1])
-            prm.append(hit[2])
-            return
+        """`lineage_of` for one tensor that is not a folded one (`lineage_of` takes those itself): the
+        parameter it is, the record holding it, or what it comes from (`_origin`'s answer, as sets)."""
         name = self.param_of(o)
         if name is not None:
             one = self.param_sets.get(name)
