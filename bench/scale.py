@@ -57,7 +57,8 @@ def _copy_bandwidth(dev) -> float:
 
 
 def naive(ref, cand, ref_in, cand_in):
-    """The hand-written baseline: hooks clone every module output to the CPU, then assert_close."""
+    """The hand-written baseline: hooks clone every module output to the CPU (a copy on the CPU too: a later
+    in-place op must not change what was kept), then assert_close."""
     import torch
 
     outs = []
@@ -66,7 +67,7 @@ def naive(ref, cand, ref_in, cand_in):
         for name, m in model.named_modules():
             def hook(mod, args, out, name=name):
                 if isinstance(out, torch.Tensor):
-                    got[name] = out.detach().cpu()
+                    got[name] = out.detach().to("cpu", copy=True)
             hooks.append(m.register_forward_hook(hook))
         with torch.no_grad():
             model(*inputs)

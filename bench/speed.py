@@ -16,6 +16,8 @@ values take).
   stream     diffkit.compare streaming with --max-memory (CUDA preset: 40G)
   isolated   `diffkit diff REF CAND --trials 1 --no-report` as a user runs it: two child processes,
              values handed over through shared memory (wall time including process start)
+  cli_inproc the same command with --no-isolate (one process, interpreter start included): what isolation
+             adds is `isolated` minus this
   isolated_warm  the same command run in a process that has imported torch and diffkit already (the
              interpreter start and torch's import left out; the children are forked all the same)
   metrics    the metric kernel alone through measure_many, as bytes read per second: CUDA, a 1 GiB float32
@@ -53,11 +55,17 @@ MODELS = {
                                   DIFFKIT_GRU_HIDDEN=32)),
     "h200": dict(ref="references/deep_transformer.py", cand="kernels/deep_transformer_fused.py",
                  env=dict(DIFFKIT_DEPTH=24, DIFFKIT_BATCH=4, DIFFKIT_SEQ=2048, DIFFKIT_DIM=1024, DIFFKIT_HEADS=16)),
+    # the same transformer at half the depth and half the sequence: the isolated diff on a GPU (its reference
+    # values handed over through host memory) and the in-process CLI beside it
+    "gpu_mid": dict(ref="references/deep_transformer.py", cand="kernels/deep_transformer_fused.py",
+                    env=dict(DIFFKIT_DEPTH=12, DIFFKIT_BATCH=4, DIFFKIT_SEQ=1024, DIFFKIT_DIM=1024, DIFFKIT_HEADS=16)),
 }
-PRESETS = {"cpu": [("stack12", ["plain", "compare", "default", "naive", "isolated", "isolated_warm", "metrics"]),
+PRESETS = {"cpu": [("stack12", ["plain", "compare", "default", "naive", "cli_inproc", "isolated", "isolated_warm",
+                                "metrics"]),
                    ("gru", ["plain", "compare", "default", "compare_nofold"]),
                    ("gru_slab", ["plain", "compare"]), ("gru_readback", ["plain", "compare"])],
-           "h200": [("h200", ["plain", "compare", "stream", "naive", "metrics"])]}
+           "h200": [("h200", ["plain", "compare", "stream", "naive", "metrics"]),
+                    ("gpu_mid", ["plain", "compare", "default", "cli_inproc", "isolated"])]}
 TARGETS = {("stack12", "compare"): 2.0, ("stack12", "isolated"): 3.0, ("stack12", "isolated_warm"): 3.0,
            ("gru", "compare"): 5.0, ("gru_slab", "compare"): 5.0, ("gru_readback", "compare"): 5.0,
            ("h200", "compare"): 3.0, ("h200", "stream"): 2.0}
@@ -118,8 +126,10 @@ def child(model, mode, dev, repeat, max_memory):
         out.update(seconds=statistics.median(times), all_seconds=times)
         print("RESULT " + json.dumps(out))
         return
-    if mode == "isolated":
+    if mode in ("isolated", "cli_inproc"):
         cmd = [sys.executable, "-m", "diffkit.cli", "diff", ref_path, cand_path, "--trials", "1", "--no-report"]
+        if mode == "cli_inproc":
+            cmd.append("--no-isolate")
         if dev != "cpu":
             cmd += ["--device", dev]
         times = []
