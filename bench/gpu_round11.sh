@@ -21,3 +21,11 @@ if [ "$PART" = all ] || [ "$PART" = 3 ]; then
   timeout 150 python bench/speed.py --preset h200 --repeat 1 --only gpu_mid:plain,gpu_mid:compare,gpu_mid:cli_inproc,gpu_mid:isolated \
     --json $OUT/gpu_mid_round11.json 2>&1 | tail -6
 fi
+if [ "$PART" = 4 ]; then  # where the isolated diff's children spend their time (cProfile per process)
+  mkdir -p $OUT/prof
+  cd /tmp && env DIFFKIT_DEPTH=12 DIFFKIT_BATCH=4 DIFFKIT_SEQ=1024 DIFFKIT_DIM=1024 DIFFKIT_HEADS=16 \
+    PYTHONPATH=$OLDPWD/bench/prof_site:$OLDPWD DIFFKIT_PROFILE_DIR=$OUT/prof \
+    python -m diffkit.cli diff $OLDPWD/references/deep_transformer.py $OLDPWD/kernels/deep_transformer_fused.py \
+    --trials 1 --no-report --device cuda 2>&1 | tail -2
+  cd $OLDPWD
+fi

@@ -896,7 +896,11 @@ def pass_outputs(state: AlignState) -> None:
         matches = [(by_name[state.cand[ci].name], ci) for ci in cout if state.cand[ci].name in by_name]
     for ri, ci in matches:
         if ci in state.pairs:
-            continue
+            if state.pairs[ci].ref == ri:
+                continue
+            # paired on the way with another record (a streaming diff pairs by name and dataflow as records
+            # are made): the two outputs are each other's counterparts whatever that pair said
+            state.remove(ci)
         if ri in state.paired_ref:  # a record the output aliases was paired by name: the output decides
             state.remove(state.paired_ref[ri])
         state.add(ci, ri, "name", OUTPUT_CONFIDENCE,
@@ -1021,6 +1025,27 @@ def _flattened(c: Record, r: Record) -> bool:
     return bool(a and b) and a[-1] == b[-1] and (_refines(a, b) or _refines(b, a))
 
 
+def _holding_bar(r: Record) -> float:
+    """The relative error within which a candidate record "holds" the values of reference record `r`:
+    DATAFLOW_DEFER_ABOVE, or twice the rounding step of a coarser floating dtype (bfloat16 rounds at 4e-3)."""
+    try:
+        return max(DATAFLOW_DEFER_ABOVE, 2 * torch.finfo(r.dtype).eps)
+    except TypeError:  # not a floating dtype
+        return DATAFLOW_DEFER_ABOVE
+
+
+def _holds_it_alone(state: AlignState, c: Record, r: Record, others: list[int]) -> bool:
+    """`c` holds the values of `r` (`_holding_bar`) and none of the candidate records `others` does: a
+    fused consumer that reads one of them (``(y * clamp(y + 3, 0, 6)) / 6`` for a Hardswish) only
+    finishes a stage `c` began, and `c` is the counterpart of `r`."""
+    bar = _holding_bar(r)
+    mine = _value_err(state, c, r)
+    if mine is None or mine > bar:
+        return False
+    theirs = [_value_err(state, state.cand[x], r) for x in others]
+    return all(e is not None and e > bar for e in theirs)
+
+
 def _choose(state: AlignState, c: Record, contenders: list[int], later: list[int]) -> tuple[int | None, bool]:
     """Among reference records of the same cover, the counterpart of `c`: the closest in value when
     values decide, else by position (a candidate record that is the last of its cover takes the last
@@ -1045,7 +1070,7 @@ def _choose(state: AlignState, c: Record, contenders: list[int], later: list[int
         if len(feeds) == 1:  # (several: no telling which)
             if c.index in feeds:
                 return contenders[0], True  # it is what the consumer's counterpart reads: the same place
-            if any(x in feeds for x in later):
+            if any(x in feeds for x in later) and not _holds_it_alone(state, c, r, [x for x in later if x in feeds]):
                 return None, False  # a later record is (`_feeds_partner`)
         if later or not same_layout(c, r):
             mine = _value_err(state, c, r)
@@ -1302,6 +1327,11 @@ def _continuations(state: AlignState) -> int:
         h, names = state.cand[held], set(r.names())
         if set(h.names()) & names and not reused_name(h, r) and not set(c.names()) & names:
             continue  # the record holding the reference's own (unique) name is the stage's counterpart
+        if not params and _holds_it_alone(state, h, r, [ci]):
+            # the paired record holds the reference's values, this one does not and reads none of the stage's
+            # parameters (as ``proj + b`` would, finishing it): it begins the next stage (``h = fc(x) * 3;
+            # 0.5 * h * …``, a GELU written out)
+            continue
         state.remove(held)
         state.superseded.add(held)  # part of the stage its continuation now stands for: not paired again here
         state.add(ci, ri, "dataflow", DATAFLOW_CONFIDENCE)

@@ -315,3 +315,90 @@ def test_walk_back_follows_the_error_across_records_with_no_counterpart():
     stages = {i: Stage(index=k, ref=RecordInfo.of(trace.records[i]), cand=RecordInfo.of(trace.records[i]), stats=st)
               for k, i in enumerate((0, 2))}
     assert upstream_stages(stages[2], trace, stages) == [stages[0]]
+
+
+class _ShiftSilu(nn.Module):
+    """A projection shifted by a constant, then SiLU, then a head (the activation as a module call)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(10, 20)
+        self.head = nn.Linear(20, 5)
+
+    def forward(self, x):
+        return self.head(F.silu(self.proj(x) + 1.0))
+
+
+class _ShiftSiluByHand(_ShiftSilu):
+    """The same, the SiLU written out element by element (each piece its own record) and `bad` planting a
+    mistake in it (the exponent's sign)."""
+
+    bad = False
+
+    def forward(self, x):
+        h = self.proj(x) + 1.0
+        e = torch.exp(h if self.bad else -h)
+        return self.head(h / (1.0 + e))
+
+
+@pytest.mark.parametrize("bad", [False, True])
+def test_a_stage_written_out_by_hand_does_not_take_over_the_stage_before_it(bad):
+    # `-h`, `exp(-h)`, `1 + …` each consume only `h` (the shifted projection's counterpart) and keep its
+    # element count: none of them finishes the shift's stage, and none holds its values
+    torch.manual_seed(3)
+    ref_m, cand_m = _ShiftSilu(), _ShiftSiluByHand()
+    cand_m.load_state_dict(ref_m.state_dict())
+    cand_m.bad = bad
+    x = torch.randn(6, 10)
+    rt, ct, al = _aligned(ref_m, cand_m, x)
+    shift = next(r.index for r in rt.records if r.op.endswith("add"))
+    partner = {p.ref: p.cand for p in al.pairs}
+    assert shift in partner and ct.records[partner[shift]].name == "forward:h"
+    result = diffkit.compare(ref_m, cand_m, [x])
+    if not bad:
+        assert result.verdict == "match" and not any("out of tolerance" in w for w in result.warnings), result.warnings
+    else:
+        fd = result.first_divergence
+        assert result.verdict == "diverged" and "silu" in fd.ref_name, fd.ref_name
+
+
+class _LinHardswish(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(12, 16)
+        self.act = nn.Hardswish()
+
+    def forward(self, x):
+        return self.act(self.lin(x))
+
+
+class _LinHardswishFused(_LinHardswish):
+    """The linear by matmul, the Hardswish fused into the return: `z * (z + 3).clamp(0, top) / 6`, whose
+    last division reads the product (not the projection). `top` 5 instead of 6 is the planted mistake."""
+
+    top = 6.0
+
+    def forward(self, x):
+        z = x @ self.lin.weight.T + self.lin.bias
+        return z * (z + 3).clamp(0, self.top) / 6
+
+
+@pytest.mark.parametrize("top", [6.0, 5.0])
+def test_the_record_a_fused_output_reads_is_not_taken_for_the_stage_the_output_finishes(top):
+    # the reference's output (the Hardswish) reads `lin`; the candidate's output reads the product: that
+    # product is no counterpart of `lin` when `z` holds lin's values and the product does not
+    torch.manual_seed(4)
+    ref_m, cand_m = _LinHardswish(), _LinHardswishFused()
+    cand_m.load_state_dict(ref_m.state_dict())
+    cand_m.top = top
+    x = torch.randn(7, 12) * 3
+    rt, ct, al = _aligned(ref_m, cand_m, x)
+    lin = next(r.index for r in rt.records if r.name == "lin")
+    partner = {p.ref: p.cand for p in al.pairs}
+    assert lin in partner
+    torch.testing.assert_close(ct.records[partner[lin]].value, rt.records[lin].value)
+    result = diffkit.compare(ref_m, cand_m, [x])
+    if top == 6.0:
+        assert result.verdict == "match" and not any("out of tolerance" in w for w in result.warnings), result.warnings
+    else:
+        assert result.verdict == "diverged" and result.first_divergence.ref_name == "output"
