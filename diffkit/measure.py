@@ -73,6 +73,9 @@ class Stats:
     stat: str = "elementwise"
     stat_error: float | None = None
     stat_bound: float | None = None
+    # a model output's pair: ``torch.allclose(reference, candidate, atol, rtol)`` as KernelBench's evaluator
+    # calls it (`kernelbench_allclose`); it decides `ok` under the elementwise rule (None: not asked)
+    kernelbench: bool | None = None
 
     @property
     def mismatch_fraction(self) -> float:
@@ -80,6 +83,8 @@ class Stats:
 
     @property
     def ok(self) -> bool:
+        if self.stat == "elementwise" and self.kernelbench is not None:
+            return self.kernelbench
         if self.stat == "elementwise" or self.stat_error is None or self.stat_bound is None:
             return self.mismatches == 0
         if self.ref_nan or self.cand_nan or self.ref_inf != self.cand_inf:
@@ -91,6 +96,35 @@ class Stats:
         d["worst"] = self.worst.to_dict() if self.worst else None
         d["mismatch_fraction"] = self.mismatch_fraction
         return d
+
+
+def kernelbench_allclose(ref: torch.Tensor, cand: torch.Tensor, atol: float, rtol: float) -> bool | None:
+    """KernelBench's verdict on one output tensor: ``torch.allclose(reference, candidate, atol, rtol)``, the
+    reference first as its evaluator passes them, so the bound is ``atol + rtol * |candidate|``, computed
+    in the tensors' own dtype (float16 in float16), integers held to the tolerance too, NaN never equal.
+    The elementwise count (`Stats.mismatches`) bounds by |reference| in float32 or wider: the two differ
+    only for elements at the edge of the tolerance.  None where torch.allclose would not compare them
+    (shapes or dtypes differ: judged apart)."""
+    if tuple(ref.shape) != tuple(cand.shape) or ref.dtype != cand.dtype:
+        return None
+    try:
+        return bool(torch.allclose(ref, cand.to(ref.device), atol=atol, rtol=rtol, equal_nan=False))
+    except (RuntimeError, TypeError):
+        return None
+
+
+def kernelbench_note(st: Stats, dtype: torch.dtype) -> str:
+    """Why an output's verdict (KernelBench's `torch.allclose`) differs from its elementwise count, or ''."""
+    if st.kernelbench is None or st.kernelbench == (st.mismatches == 0):
+        return ""
+    how = (f"in {str(dtype).replace('torch.', '')} arithmetic" if dtype in (torch.float16, torch.bfloat16)
+           else "integers held to the tolerance" if not (dtype.is_floating_point or dtype.is_complex) else "")
+    rule = "its bound is atol + rtol·|candidate|" + (f", {how}" if how else "")
+    if st.kernelbench:
+        return (f"passes KernelBench's torch.allclose(reference, candidate) although {st.mismatches} element(s) are "
+                f"out of atol + rtol·|reference| ({rule}): the verdict follows KernelBench")
+    return (f"fails KernelBench's torch.allclose(reference, candidate) although every element is within atol + "
+            f"rtol·|reference| ({rule}): the verdict follows KernelBench")
 
 
 def _unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:

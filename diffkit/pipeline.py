@@ -23,7 +23,7 @@ from .align import Alignment, align, param_map, record_numel, to_ref_layout, tor
 from .capture import FOLD_AFTER, StopCapture, Trace, capture, written_in_place
 from .diagnose import diagnose
 from .locate import build_stages, locate
-from .measure import measure
+from .measure import kernelbench_allclose, measure
 from .options import Options
 from .result import ErrorInfo, Finding, Result, Values
 from .rootcause import analyse
@@ -345,6 +345,14 @@ def _streaming_traces(reference: Source, candidate: ModelSource, options: Option
             known[(p.ref, p.cand, p.transform)] = measure(rv, to_ref_layout(cv, tuple(r.shape), p.transform),
                                                           *options.tolerance.for_dtype(r.dtype),
                                                           options.tolerance.stat)
+    for p in alignment.pairs:  # the outputs: KernelBench's own torch.allclose call decides them (locate._kernelbench)
+        r, c = ref_trace.records[p.ref], cand_trace.records[p.cand]
+        st = known.get((p.ref, p.cand, p.transform))
+        if st is None or p.transform != () or st.stat != "elementwise" or not (r.is_output and c.is_output):
+            continue
+        rv, cv = ref_store.get(p.ref, dev), keep.get(p.cand, dev)
+        if rv is not None and cv is not None:
+            st.kernelbench = kernelbench_allclose(rv, cv, st.atol, st.rtol)
 
     def fetch(result: Result) -> None:
         # values for the stages the report, diagnosis and root cause look at: the window before the
@@ -469,6 +477,9 @@ def _explain(traces: _Traces, reference: Source, candidate: Source, options: Opt
                              no_grad=options.no_grad)
         apply_auto_tolerance(stages, ref, ref64)
         result.tolerance_mode = "auto"
+    result.warnings += [f"{'the output' if s.ref_name == 'output' else 'output ' + str(s.ref_name)}: {part}"
+                        for s in result.output_stages
+                        for part in s.note.split("; ") if part.endswith("the verdict follows KernelBench")]
     result.first_divergence = locate(stages)
     result.output_structure = output_structure(ref, cand)
     out = result.output_stage

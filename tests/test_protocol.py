@@ -350,3 +350,44 @@ def test_race_report_names_the_shared_array(tmp_path):
     assert shared_array_of(rep, [cu.read_text()]).startswith("shared array red")
     rep.source = rep.other_source = ""  # no line info: the kernel's only shared array
     assert shared_array_of(rep, [cu.read_text()]) == "shared array red (the kernel's only one)"
+
+
+class _Echo(torch.nn.Module):
+    def forward(self, x):
+        return x.clone()
+
+
+class _Fixed(torch.nn.Module):
+    """A candidate whose output is a fixed tensor (whatever its input)."""
+
+    def __init__(self, value):
+        super().__init__()
+        self.register_buffer("value", value)
+
+    def forward(self, x):
+        return self.value.clone()
+
+
+@pytest.mark.parametrize("ref_out,cand_out", [
+    # half precision at the tolerance's edge: torch.allclose rounds |c - r| and its bound to float16
+    (torch.tensor([0.000128984, 1.0], dtype=torch.float16), torch.tensor([0.0101318, 1.0], dtype=torch.float16)),
+    (torch.tensor([0.000128984, 1.0], dtype=torch.float16), torch.tensor([0.0103, 1.0], dtype=torch.float16)),
+    # the bound is on |candidate| (KernelBench passes the reference first)
+    (torch.tensor([1.0, 2.0], dtype=torch.float64), torch.tensor([1.0 + 2.0001e-4, 2.0], dtype=torch.float64)),
+    (torch.tensor([1.0, 2.0], dtype=torch.float64), torch.tensor([1.0 - 1.9999e-4, 2.0], dtype=torch.float64)),
+    # integers are held to the tolerance, as torch.allclose holds them
+    (torch.tensor([200000, 7]), torch.tensor([200010, 7])),
+    (torch.tensor([200000, 7]), torch.tensor([200030, 7])),
+    # complex64 in complex64
+    (torch.tensor([1 + 1j], dtype=torch.complex64), torch.tensor([1 + 1j], dtype=torch.complex64) * (1 + 1e-4)),
+])
+def test_the_output_verdict_is_kernelbench_own_allclose_call(ref_out, cand_out):
+    atol = rtol = 1e-2 if ref_out.dtype == torch.float16 else 1e-4
+    expected = torch.allclose(ref_out, cand_out, atol=atol, rtol=rtol)  # as KernelBench's evaluator calls it
+    for streaming in ({}, {"max_memory": 1 << 20}):
+        result = diffkit.compare(_Echo(), _Fixed(cand_out), [ref_out], health=False, **streaming)
+        assert result.verdict == ("match" if expected else "diverged"), (streaming, result.verdict, result.warnings)
+        assert result.trials[0]["allclose"] is expected
+        count_says = result.output.mismatches == 0
+        # where the elementwise count (bound on |reference|, wider arithmetic) says otherwise, a warning says why
+        assert any("the verdict follows KernelBench" in w for w in result.warnings) is (count_says != expected)
