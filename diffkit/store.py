@@ -402,6 +402,8 @@ def _st_write(fh, tensors: Iterable[tuple[str, torch.Tensor]], scratch: list | N
         if not t.numel():
             continue
         t = t.detach()
+        if t.device.type == "cuda" and _write_through_pinned(fh, t, scratch):
+            continue
         if t.device.type == "cpu" and not t.is_contiguous():
             nb = t.numel() * t.element_size()
             if scratch[0] is None or scratch[0].numel() < nb:
@@ -411,6 +413,31 @@ def _st_write(fh, tensors: Iterable[tuple[str, torch.Tensor]], scratch: list | N
         else:
             c = t.to("cpu").contiguous()
         fh.write(memoryview(c.reshape(-1).view(torch.uint8).numpy()))
+
+
+# a device tensor is written through a pinned host buffer of this many bytes, a piece at a time (a
+# pageable copy of each whole value is several times slower and takes a host copy of its size)
+PINNED_STAGE_BYTES = 64 << 20
+
+
+def _write_through_pinned(fh, t: torch.Tensor, scratch: list) -> bool:
+    """Write device tensor `t`'s bytes to `fh` through a pinned buffer kept in `scratch` (its second slot)
+    for the next call.  False (nothing written) where no pinned memory can be had: the caller copies."""
+    if len(scratch) < 2:
+        scratch.append(None)
+    stage = scratch[1]
+    if stage is None:
+        try:
+            stage = scratch[1] = torch.empty(PINNED_STAGE_BYTES, dtype=torch.uint8, pin_memory=True)
+        except RuntimeError:
+            return False
+    flat = t.contiguous().reshape(-1).view(torch.uint8)
+    host = stage.numpy()
+    for i in range(0, flat.numel(), PINNED_STAGE_BYTES):
+        n = min(PINNED_STAGE_BYTES, flat.numel() - i)
+        stage[:n].copy_(flat[i:i + n])  # (synchronous: the buffer is written out next)
+        fh.write(memoryview(host[:n]))
+    return True
 
 
 # ---------------------------------------------------------------- writing
@@ -509,8 +536,9 @@ class CaptureWriter:
                 if host.data_ptr() == v.data_ptr():
                     # the record may hold live memory (capture copies on write) and the shard is written later
                     host = host.clone()
-            else:  # written before add returns: no copy (one laid out otherwise goes through _st_write's buffer)
-                host = v.to("cpu")
+            else:  # written before add returns: no copy (one laid out otherwise, or on a device, goes through
+                # _st_write's buffers)
+                host = v
             self.pending[key] = host
             meta["key"] = key
             self.pending_bytes += v.numel() * v.element_size()

@@ -543,3 +543,31 @@ def test_a_reference_capture_is_written_through_and_keeps_its_health_checks(tmp_
         relu = next(r for r in back.records if r.value is not None and r.op and "relu" in r.op)
         assert torch.equal(torch.relu(lin.value), relu.value)  # lin as recorded, before the in-place * 3
         assert torch.allclose(back.output.value, relu.value + 3 * lin.value)
+
+
+@pytest.mark.cuda
+def test_device_values_written_through_a_pinned_buffer_read_back_exactly(tmp_path, monkeypatch):
+    # an isolated diff's reference process writes each device value as it is recorded, a piece at a time
+    # through one pinned host buffer (here 4 KiB, so most values take several pieces)
+    from diffkit import store
+    from diffkit.capture import Record
+
+    monkeypatch.setattr(store, "PINNED_STAGE_BYTES", 4096)
+    torch.manual_seed(0)
+    values = [torch.randn(37, 53, device="cuda").t(),  # laid out otherwise
+              torch.randn(3, 1000, device="cuda", dtype=torch.float16)[:, ::3],
+              torch.arange(5000, device="cuda"),  # int64, 40 000 bytes
+              torch.randn(64, device="cuda") > 0,  # bool
+              torch.tensor(2.5, device="cuda"),  # 0-d
+              torch.empty(0, 4, device="cuda")]
+    w = store.CaptureWriter(str(tmp_path / "cap"), shard_bytes=0, write_through=True)
+    for i, v in enumerate(values):
+        rec = Record(index=i, name=f"v{i}", kind="op", scope="", label=f"v{i}", function="f", file="", line=0, op="",
+                     shape=tuple(v.shape), dtype=v.dtype, device=str(v.device), value=None)
+        w.add(rec, v)
+    w.close()
+    assert w._scratch[1] is not None and w._scratch[1].is_pinned()
+    back = CaptureFile.open(str(tmp_path / "cap")).load()
+    for v, rec in zip(values, back.records):
+        assert rec.value.dtype == v.dtype and tuple(rec.value.shape) == tuple(v.shape)
+        assert torch.equal(rec.value, v.cpu()), rec.name
