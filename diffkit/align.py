@@ -1025,6 +1025,11 @@ def _flattened(c: Record, r: Record) -> bool:
     return bool(a and b) and a[-1] == b[-1] and (_refines(a, b) or _refines(b, a))
 
 
+def _base_names(rec: Record) -> set[str]:
+    """A record's names without the ``#n`` of a variable's later assignments."""
+    return {n.split("#", 1)[0] for n in rec.names()}
+
+
 def _holding_bar(r: Record) -> float:
     """The relative error within which a candidate record "holds" the values of reference record `r`:
     DATAFLOW_DEFER_ABOVE, or twice the rounding step of a coarser floating dtype (bfloat16 rounds at 4e-3)."""
@@ -1327,10 +1332,10 @@ def _continuations(state: AlignState) -> int:
         h, names = state.cand[held], set(r.names())
         if set(h.names()) & names and not reused_name(h, r) and not set(c.names()) & names:
             continue  # the record holding the reference's own (unique) name is the stage's counterpart
-        if not params and _holds_it_alone(state, h, r, [ci]):
-            # the paired record holds the reference's values, this one does not and reads none of the stage's
-            # parameters (as ``proj + b`` would, finishing it): it begins the next stage (``h = fc(x) * 3;
-            # 0.5 * h * …``, a GELU written out)
+        if not params and not _base_names(c) & (_base_names(h) | _base_names(r)) and _holds_it_alone(state, h, r, [ci]):
+            # the paired record holds the reference's values; this one does not, reads none of the stage's
+            # parameters (as ``proj + b`` would, finishing it) and is no new value of the same variable (``attn =
+            # attn + noise``): it begins the next stage (``h = fc(x) * 3; 0.5 * h * …``, a GELU written out)
             continue
         state.remove(held)
         state.superseded.add(held)  # part of the stage its continuation now stands for: not paired again here

@@ -425,14 +425,14 @@ def _write_through_pinned(fh, t: torch.Tensor, scratch: list) -> bool:
     for the next call.  False (nothing written) where no pinned memory can be had: the caller copies."""
     if len(scratch) < 2:
         scratch.append(None)
-    stage = scratch[1]
-    if stage is None:
-        try:
+    try:  # everything that could refuse, before a byte is written (the caller then copies as before)
+        stage = scratch[1]
+        if stage is None or stage.numel() != PINNED_STAGE_BYTES:
             stage = scratch[1] = torch.empty(PINNED_STAGE_BYTES, dtype=torch.uint8, pin_memory=True)
-        except RuntimeError:
-            return False
-    flat = t.contiguous().reshape(-1).view(torch.uint8)
-    host = stage.numpy()
+        flat = t.contiguous().reshape(-1).view(torch.uint8)
+        host = stage.numpy()
+    except (RuntimeError, TypeError):
+        return False
     for i in range(0, flat.numel(), PINNED_STAGE_BYTES):
         n = min(PINNED_STAGE_BYTES, flat.numel() - i)
         stage[:n].copy_(flat[i:i + n])  # (synchronous: the buffer is written out next)
