@@ -477,9 +477,10 @@ def _explain(traces: _Traces, reference: Source, candidate: Source, options: Opt
                              no_grad=options.no_grad)
         apply_auto_tolerance(stages, ref, ref64)
         result.tolerance_mode = "auto"
-    result.warnings += [f"{'the output' if s.ref_name == 'output' else 'output ' + str(s.ref_name)}: {part}"
-                        for s in result.output_stages
-                        for part in s.note.split("; ") if part.endswith("the verdict follows KernelBench")]
+    if tol.mode == "fixed":  # (under --tolerance auto the float64 rule decides, not KernelBench's call)
+        result.warnings += [f"{'the output' if s.ref_name == 'output' else 'output ' + str(s.ref_name)}: {part}"
+                            for s in result.output_stages
+                            for part in s.note.split("; ") if part.endswith("the verdict follows KernelBench")]
     result.first_divergence = locate(stages)
     result.output_structure = output_structure(ref, cand)
     out = result.output_stage

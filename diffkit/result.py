@@ -46,6 +46,7 @@ def stats_to_dict(s: Stats | None) -> dict | None:
             "cand_nan": s.cand_nan, "cand_inf": s.cand_inf, "atol": s.atol, "rtol": s.rtol,
             "stat": s.stat, "stat_error": _num(s.stat_error) if s.stat_error is not None else None,
             "stat_bound": _num(s.stat_bound) if s.stat_bound is not None else None, "ok": s.ok,
+            "kernelbench": s.kernelbench,
             "worst": None if s.worst is None else {"index": list(s.worst.index), "ref": _num(s.worst.ref),
                                                    "cand": _num(s.worst.cand), "abs_err": _num(s.worst.abs_err)}}
 
@@ -62,7 +63,8 @@ def stats_from_dict(d: dict | None) -> Stats | None:
                  int(d["cand_nan"]), int(d["cand_inf"]), worst, float(d["atol"]), float(d["rtol"]),
                  stat=stat if isinstance(stat, str) else "elementwise",
                  stat_error=None if d.get("stat_error") is None else _unnum(d["stat_error"]),
-                 stat_bound=None if d.get("stat_bound") is None else _unnum(d["stat_bound"]))
+                 stat_bound=None if d.get("stat_bound") is None else _unnum(d["stat_bound"]),
+                 kernelbench=d.get("kernelbench") if isinstance(d.get("kernelbench"), bool) else None)
 
 
 @dataclass

@@ -425,16 +425,27 @@ def _write_through_pinned(fh, t: torch.Tensor, scratch: list) -> bool:
     for the next call.  False (nothing written) where no pinned memory can be had: the caller copies."""
     if len(scratch) < 2:
         scratch.append(None)
-    try:  # everything that could refuse, before a byte is written (the caller then copies as before)
-        stage = scratch[1]
-        if stage is None or stage.numel() != PINNED_STAGE_BYTES:
-            stage = scratch[1] = torch.empty(PINNED_STAGE_BYTES, dtype=torch.uint8, pin_memory=True)
+    if scratch[1] is False:  # no pinned memory here: asked once
+        return False
+    nb = t.numel() * t.element_size()
+    stage = scratch[1]
+    if stage is None or stage.numel() < min(nb, PINNED_STAGE_BYTES):  # grown as the values need, up to the cap
+        old = 0 if stage is None else stage.numel()
+        scratch[1] = None
+        try:
+            stage = scratch[1] = torch.empty(min(max(nb, 2 * old, 1 << 20), PINNED_STAGE_BYTES), dtype=torch.uint8,
+                                             pin_memory=True)
+        except RuntimeError:
+            scratch[1] = False
+            return False
+    try:  # what else could refuse, before a byte is written (the caller then copies as before)
         flat = t.contiguous().reshape(-1).view(torch.uint8)
         host = stage.numpy()
     except (RuntimeError, TypeError):
         return False
-    for i in range(0, flat.numel(), PINNED_STAGE_BYTES):
-        n = min(PINNED_STAGE_BYTES, flat.numel() - i)
+    step = stage.numel()
+    for i in range(0, flat.numel(), step):
+        n = min(step, flat.numel() - i)
         stage[:n].copy_(flat[i:i + n])  # (synchronous: the buffer is written out next)
         fh.write(memoryview(host[:n]))
     return True

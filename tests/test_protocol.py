@@ -391,3 +391,8 @@ def test_the_output_verdict_is_kernelbench_own_allclose_call(ref_out, cand_out):
         count_says = result.output.mismatches == 0
         # where the elementwise count (bound on |reference|, wider arithmetic) says otherwise, a warning says why
         assert any("the verdict follows KernelBench" in w for w in result.warnings) is (count_says != expected)
+        back = diffkit.Result.from_dict(json.loads(json.dumps(result.to_dict())))  # as a suite reads it back
+        assert back.output.ok is expected and back.verdict == result.verdict
+    if ref_out.is_floating_point():  # --tolerance auto: the float64 rule decides, and no such warning is given
+        auto = diffkit.compare(_Echo(), _Fixed(cand_out), [ref_out], health=False, tolerance="auto")
+        assert not any("the verdict follows KernelBench" in w for w in auto.warnings)

@@ -571,3 +571,34 @@ def test_device_values_written_through_a_pinned_buffer_read_back_exactly(tmp_pat
     for v, rec in zip(values, back.records):
         assert rec.value.dtype == v.dtype and tuple(rec.value.shape) == tuple(v.shape)
         assert torch.equal(rec.value, v.cpu()), rec.name
+
+
+def test_pinned_write_through_pieces_and_its_fallback(monkeypatch):
+    # the device path's logic on the CPU (pinned memory faked): bytes written piece by piece equal the tensor's,
+    # the buffer grows as values need it up to the cap, and where pinned memory cannot be had nothing is written
+    import io
+
+    from diffkit import store
+
+    real_empty = torch.empty
+    monkeypatch.setattr(store, "PINNED_STAGE_BYTES", 4096)
+    monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: real_empty(*a, **k))
+    torch.manual_seed(1)
+    scratch = [None]
+    for v in [torch.tensor(2.5), torch.randn(37, 53).t(), torch.randn(3, 1000, dtype=torch.float16)[:, ::3],
+              torch.arange(5000), torch.randn(64) > 0]:
+        buf = io.BytesIO()
+        assert store._write_through_pinned(buf, v, scratch)
+        assert buf.getvalue() == v.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        assert scratch[1].numel() <= 4096
+    assert scratch[1].numel() == 4096  # grown to the cap by the larger values
+
+    def refuse(*a, pin_memory=False, **k):
+        if pin_memory:
+            raise RuntimeError("no pinned memory")
+        return real_empty(*a, **k)
+
+    monkeypatch.setattr(torch, "empty", refuse)
+    scratch, buf = [None], io.BytesIO()
+    assert not store._write_through_pinned(buf, torch.randn(10), scratch) and buf.getvalue() == b""
+    assert scratch[1] is False and not store._write_through_pinned(buf, torch.randn(10), scratch)
