@@ -1075,7 +1075,8 @@ def _choose(state: AlignState, c: Record, contenders: list[int], later: list[int
         if len(feeds) == 1:  # (several: no telling which)
             if c.index in feeds:
                 return contenders[0], True  # it is what the consumer's counterpart reads: the same place
-            if any(x in feeds for x in later) and not _holds_it_alone(state, c, r, [x for x in later if x in feeds]):
+            fed = [x for x in later if x in feeds]
+            if fed and not _holds_it_alone(state, c, r, fed):
                 return None, False  # a later record is (`_feeds_partner`)
         if later or not same_layout(c, r):
             mine = _value_err(state, c, r)

@@ -13,7 +13,7 @@ import torch
 
 from .align import Alignment, to_ref_layout
 from .capture import Record, Trace
-from .measure import apply_stat, kernelbench_allclose, kernelbench_note, measure_async, measure_many
+from .measure import apply_stat, ask_kernelbench, kernelbench_note, measure_async, measure_many
 from .options import Tolerance
 from .result import RecordInfo, Stage
 
@@ -106,7 +106,7 @@ def _kernelbench(stage: Stage, r: torch.Tensor | None, c: torch.Tensor | None, d
             stage.ref.is_output and stage.cand.is_output):
         return
     if r is not None and c is not None:
-        st.kernelbench = kernelbench_allclose(r, c, st.atol, st.rtol)
+        ask_kernelbench(st, r, c)
     note = kernelbench_note(st, dtype)
     if note:
         stage.note = f"{stage.note}; {note}" if stage.note else note

@@ -23,7 +23,7 @@ from .align import Alignment, align, param_map, record_numel, to_ref_layout, tor
 from .capture import FOLD_AFTER, StopCapture, Trace, capture, written_in_place
 from .diagnose import diagnose
 from .locate import build_stages, locate
-from .measure import kernelbench_allclose, measure
+from .measure import ask_kernelbench, kernelbench_note, measure
 from .options import Options
 from .result import ErrorInfo, Finding, Result, Values
 from .rootcause import analyse
@@ -348,11 +348,11 @@ def _streaming_traces(reference: Source, candidate: ModelSource, options: Option
     for p in alignment.pairs:  # the outputs: KernelBench's own torch.allclose call decides them (locate._kernelbench)
         r, c = ref_trace.records[p.ref], cand_trace.records[p.cand]
         st = known.get((p.ref, p.cand, p.transform))
-        if st is None or p.transform != () or st.stat != "elementwise" or not (r.is_output and c.is_output):
+        if st is None or p.transform != () or not (r.is_output and c.is_output):
             continue
         rv, cv = ref_store.get(p.ref, dev), keep.get(p.cand, dev)
         if rv is not None and cv is not None:
-            st.kernelbench = kernelbench_allclose(rv, cv, st.atol, st.rtol)
+            ask_kernelbench(st, rv, cv)
 
     def fetch(result: Result) -> None:
         # values for the stages the report, diagnosis and root cause look at: the window before the
@@ -478,9 +478,11 @@ def _explain(traces: _Traces, reference: Source, candidate: Source, options: Opt
         apply_auto_tolerance(stages, ref, ref64)
         result.tolerance_mode = "auto"
     if tol.mode == "fixed":  # (under --tolerance auto the float64 rule decides, not KernelBench's call)
-        result.warnings += [f"{'the output' if s.ref_name == 'output' else 'output ' + str(s.ref_name)}: {part}"
-                            for s in result.output_stages
-                            for part in s.note.split("; ") if part.endswith("the verdict follows KernelBench")]
+        for s in result.output_stages:
+            note = kernelbench_note(s.stats, getattr(torch, s.ref.dtype)) if s.stats is not None else ""
+            if note:
+                result.warnings.append(f"{'the output' if s.ref_name == 'output' else 'output ' + str(s.ref_name)}: "
+                                       f"{note}")
     result.first_divergence = locate(stages)
     result.output_structure = output_structure(ref, cand)
     out = result.output_stage
