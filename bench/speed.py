@@ -16,6 +16,8 @@ values take).
   stream     diffkit.compare streaming with --max-memory (CUDA preset: 40G)
   isolated   `diffkit diff REF CAND --trials 1 --no-report` as a user runs it: two child processes,
              values handed over through shared memory (wall time including process start)
+  isolated_files  `isolated` with DIFFKIT_NO_HANDOVER=1: on a GPU the reference's values go through files in
+             shared memory, not CUDA IPC handles (what the hand-over saves is this minus `isolated`)
   cli_inproc the same command with --no-isolate (one process, interpreter start included): what isolation
              adds is `isolated` minus this
   isolated_warm  the same command run in a process that has imported torch and diffkit already (the
@@ -65,7 +67,7 @@ PRESETS = {"cpu": [("stack12", ["plain", "compare", "default", "naive", "cli_inp
                    ("gru", ["plain", "compare", "default", "compare_nofold"]),
                    ("gru_slab", ["plain", "compare"]), ("gru_readback", ["plain", "compare"])],
            "h200": [("h200", ["plain", "compare", "stream", "naive", "metrics"]),
-                    ("gpu_mid", ["plain", "compare", "default", "cli_inproc", "isolated"])]}
+                    ("gpu_mid", ["plain", "compare", "default", "cli_inproc", "isolated", "isolated_files"])]}
 TARGETS = {("stack12", "compare"): 2.0, ("stack12", "isolated"): 3.0, ("stack12", "isolated_warm"): 3.0,
            ("gru", "compare"): 5.0, ("gru_slab", "compare"): 5.0, ("gru_readback", "compare"): 5.0,
            ("h200", "compare"): 3.0, ("h200", "stream"): 2.0}
@@ -126,7 +128,7 @@ def child(model, mode, dev, repeat, max_memory):
         out.update(seconds=statistics.median(times), all_seconds=times)
         print("RESULT " + json.dumps(out))
         return
-    if mode in ("isolated", "cli_inproc"):
+    if mode in ("isolated", "cli_inproc", "isolated_files"):
         cmd = [sys.executable, "-m", "diffkit.cli", "diff", ref_path, cand_path, "--trials", "1", "--no-report"]
         if mode == "cli_inproc":
             cmd.append("--no-isolate")
@@ -135,7 +137,8 @@ def child(model, mode, dev, repeat, max_memory):
         times = []
         for _ in range(repeat):
             t0 = time.perf_counter()
-            p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+            p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
+                               env=dict(os.environ, DIFFKIT_NO_HANDOVER="1") if mode == "isolated_files" else None)
             times.append(time.perf_counter() - t0)
         out.update(seconds=statistics.median(times), all_seconds=times, exit=p.returncode,
                    verdict=(p.stdout.strip().splitlines() or ["?"])[-1][:200])

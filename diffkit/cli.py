@@ -23,6 +23,10 @@ INTERNAL = 3  # diffkit's own fault, never the user's
 DEFAULT_TIMEOUT = 1800.0  # seconds per side; a kernel that never returns must not hold a CI job forever
 INSURED_ENV = "DIFFKIT_INSURED"  # how an isolated diff tells its candidate child what its capture file keeps
 AFTER_ENV = "DIFFKIT_AFTER"  # the file an isolated diff's candidate child waits for (its reference's capture)
+HANDOVER_ENV = "DIFFKIT_HANDOVER"  # set for an isolated diff's reference child: on a GPU, keep the values and hand
+# them over (diffkit.handoff); it then writes HELD and stays alive until released
+HELD = "ref-held"
+RELEASE_WAIT_S = 30.0  # how long a released reference process gets to exit before it is stopped
 CAUGHT_UP = "was stopped once it had got as far as the first"
 HUNG = "did not finish within"  # how a child stopped at its time limit is described (`why`)
 AGAIN_MARGIN = 30.0  # seconds a hung candidate's second run gets beyond twice the first run's progress
@@ -241,15 +245,27 @@ def _diff(ref_path, cand_path, atol, rtol, seed, device, json_path, csv_path, st
                     and not a.startswith("--sanitize=")]
         sys.exit(_isolated(argv, ref_path, cand_path, options, timeout, out, sanitize))
     if side_only == "ref":  # an isolated diff's reference process: capture, then leave the rest to the other
+        from .handoff import Holder
+
+        parent = os.getppid()
+        holder = Holder(os.path.join(stream_dir, "ref.dkt")) if os.environ.get(HANDOVER_ENV) else None
         try:
             capture_reference(ref_path, os.path.join(stream_dir, "ref.dkt"), options,
-                              on_init=lambda init: _publish_init(stream_dir, init))
+                              on_init=lambda init: _publish_init(stream_dir, init),
+                              hand_over=holder.hand_over if holder is not None else None)
         except DiffkitError as e:
             out.write(error_result(e, ref_path, cand_path, options), error=e)
             _done(stream_dir)  # a load error is a finished answer, not a crash
             sys.exit(2)
         with open(os.path.join(stream_dir, "ref-done"), "w") as fh:
             fh.write("ok")
+        if holder is not None and holder.holding:  # its values stay on the GPU until the candidate is done
+            with open(os.path.join(stream_dir, HELD), "w") as fh:
+                fh.write(str(os.getpid()))
+            holder.serve(parent)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)  # (no teardown: the driver takes the device memory back; the handles' users are gone)
         sys.exit(0)
     try:
         if ref_capture:  # the capture this diff's own reference child wrote
@@ -587,6 +603,24 @@ def _handoff_dir(options: Options) -> str | None:
     return SHM if free >= need else None
 
 
+def _let_go(holder, capture_dir: str, dump: bool, limit: float | None) -> None:
+    """An isolated diff's reference process that holds its values on the GPU (see diffkit.handoff): release it,
+    or (`dump`: the candidate's process failed, and what follows reads the capture's files) have it write its
+    values into its capture first; stopped if it does not exit in time."""
+    from .handoff import DUMP, HANDOFF_FILE, RELEASE
+
+    with open(os.path.join(capture_dir, DUMP if dump else RELEASE), "w") as fh:
+        fh.write("go")
+    try:
+        holder.wait(timeout=(limit or 600.0) if dump else RELEASE_WAIT_S)
+    except Exception:
+        _stop(holder)
+    try:  # whatever happened, no later reader may take the handles of a process that is gone
+        os.unlink(os.path.join(capture_dir, HANDOFF_FILE))
+    except OSError:
+        pass
+
+
 def _isolated(argv, ref_path, cand_path, options: Options, timeout, out: _Outputs, sanitize=None) -> int:
     """Run each side in its own child process (the reference captured to a file, then the candidate
     diffed against that capture); if a child crashes or hangs, diff what was captured before it."""
@@ -603,7 +637,13 @@ def _isolated(argv, ref_path, cand_path, options: Options, timeout, out: _Output
         base = [sys.executable, "-m", "diffkit.cli", *argv, "--no-isolate", "--stream-dir", tmp]
         given = is_capture(ref_path)
         ref_dkt = ref_path if given else os.path.join(tmp, "ref.dkt")
-        steps = [] if given else [(base + ["--side-only", "ref"], env, "ref-done")]
+        # on a GPU the reference's process keeps its values on the device and hands them over (diffkit.handoff)
+        # while it stays alive; written to files only if the candidate's process fails.  Not when a budget
+        # bounds memory (streaming), nor under a sanitizer; DIFFKIT_NO_HANDOVER=1 hands them over in files
+        hand = (not given and not sanitize and not options.is_streaming and not _host_only(options.device)
+                and not os.environ.get("DIFFKIT_NO_HANDOVER"))
+        ref_env = dict(env, **{HANDOVER_ENV: "1"}) if hand else env
+        steps = [] if given else [(base + ["--side-only", "ref"], ref_env, "ref-done")]
         cand_cmd = base + ["--ref-capture", ref_dkt]
         san_log = os.path.join(tmp, "sanitizer.log")
         cand_env = dict(env)
@@ -644,9 +684,10 @@ def _isolated(argv, ref_path, cand_path, options: Options, timeout, out: _Output
                 return subprocess.Popen(cmd, env=cenv, stderr=err_fh, start_new_session=True,
                                         stdout=subprocess.DEVNULL if quiet else None)
 
-        def finish(proc, cmd, log, limit, enough=None):
+        def finish(proc, cmd, log, limit, enough=None, stop=True):
             """Wait for a child to end (or `limit` seconds, or until `enough()` says it has done what it was
-            run for): its exit code, why it failed (None when it ended by itself), its stderr."""
+            run for, then stopped unless `stop` is False): its exit code, why it failed (None when it ended by
+            itself or was left running), its stderr."""
             try:
                 if enough is None:
                     code = proc.wait(timeout=limit or None)
@@ -657,6 +698,8 @@ def _isolated(argv, ref_path, cand_path, options: Options, timeout, out: _Output
                             raise subprocess.TimeoutExpired(cmd, limit)
                         time.sleep(0.05)
                     if proc.poll() is None:
+                        if not stop:
+                            return 0, None, ""
                         _stop(proc)
                         return -9, CAUGHT_UP, ""
                     code = proc.returncode
@@ -674,11 +717,11 @@ def _isolated(argv, ref_path, cand_path, options: Options, timeout, out: _Output
 
         # the candidate's process starts with the reference's: it runs its file (its extensions built or
         # loaded, its imports done) while the reference is captured, then waits for that capture
-        ahead = None
+        ahead = holder = None
         started = time.monotonic()
         if steps[:-1] and not sanitize:
-            # on a GPU the candidate waits for the reference's process to exit (its device memory free);
-            # with no GPU in play, for the reference's capture to be complete
+            # on a GPU the candidate waits for the reference's process to exit (its device memory free) or to
+            # hold its values for the hand-over; with no GPU in play, for the reference's capture to be complete
             wait_for = "ref-done" if _host_only(options.device) else "ref-exited"
             ahead = launch(cand_cmd, dict(cand_env, **{AFTER_ENV: os.path.join(tmp, wait_for)}), errlog)
         try:
@@ -689,18 +732,29 @@ def _isolated(argv, ref_path, cand_path, options: Options, timeout, out: _Output
                     if ahead is None:
                         started = time.monotonic()
                     log = errlog if marker == "done" else errlog + "-ref"
-                    code, why, err_text = finish(launch(cmd, cenv, log), cmd, log, timeout)
+                    proc = launch(cmd, cenv, log)
+                    held = os.path.join(tmp, HELD)
+                    code, why, err_text = finish(proc, cmd, log, timeout, stop=False,
+                                                 enough=(lambda: os.path.exists(held)) if hand and marker == "ref-done"
+                                                 else None)
+                    if proc.poll() is None:  # it holds the values the candidate reads
+                        holder = proc
                 if marker == "ref-done" and os.path.exists(os.path.join(tmp, marker)):
                     # its capture is complete and closed (a failure after that, at exit, is not the diff's) and
-                    # its process has exited (its device memory is free): go on
+                    # its process has exited (its device memory is free) or holds its values on it: go on
                     code, why = 0, None
                     with open(os.path.join(tmp, "ref-exited"), "w") as fh:
                         fh.write("ok")
                 elif not (code in (0, 1, 2) and os.path.exists(os.path.join(tmp, marker))):
                     break
+            if holder is not None:  # done with its values: let it go, or have it write them out for what follows
+                _let_go(holder, ref_dkt, dump=not (code in (0, 1, 2) and os.path.exists(os.path.join(tmp, "done"))),
+                        limit=timeout)
         finally:
             if ahead is not None and ahead.poll() is None:  # the reference failed: its partner is not needed
                 _stop(ahead)
+            if holder is not None and holder.poll() is None:
+                _stop(holder)
         if sanitize and os.environ.get("DIFFKIT_SANITIZER_COPY") and os.path.exists(san_log):
             import shutil
 

@@ -13,7 +13,7 @@ from .errors import DiffkitError
 from .load import LoadedPair, load_candidate_for_capture, load_pair, sync_weights
 from .options import Options
 from .pipeline import (CaptureSource, ModelSource, TraceSource, apply_auto_tolerance, capture_writer, clone_inputs,
-                       may_be_random, reference_health, reinit_zero_parameters, rerun_differences, run,
+                       may_be_random, named_tensors, reference_health, reinit_zero_parameters, rerun_differences, run,
                        run_captured)
 from .result import Result
 from .trials import (CapturedTrials, LiveCandidate, LiveReference, restore_state, run_trials, snapshot_state,
@@ -52,13 +52,17 @@ def is_capture(path: str) -> bool:
 
 def capture_reference(ref_path: str, out_dir: str, options: Options | None = None, cand_path: str | None = None, *,
                       class_name: str | None = "Model", inputs_from: str | None = None,
-                      side: str = "reference", on_init=None) -> Trace:
+                      side: str = "reference", on_init=None, hand_over=None) -> Trace:
     """Build the reference as a diff would and stream its first trial's forward, parameters and the
     facts a later candidate needs (source, init inputs, inputs, seeds, health) to a capture directory;
     every later trial's inputs and output go beside it (``trial-K.dkt``, see diffkit.trials).
     `class_name`/`inputs_from`/`side` capture another class (``diffkit capture --side cand``): a
     candidate's capture also keeps which records change when it runs twice (``rerun_differs``).
-    `on_init` is given the init inputs once the reference is built (as its constructor left them)."""
+    `on_init` is given the init inputs once the reference is built (as its constructor left them).
+    `hand_over` (an isolated diff's reference process, `handoff.Holder.hand_over`): when the model computes
+    on a GPU, its values are not written to the directory (its records are, as names and shapes) but kept on
+    the device in the returned trace, and ``hand_over(trace, parameters, info)`` is called once the
+    capture's metadata is complete."""
     from .load import load_reference
     from .stream import name_filter
     from .trials import seed_all, trial_seeds, write_trials
@@ -71,8 +75,12 @@ def capture_reference(ref_path: str, out_dir: str, options: Options | None = Non
     info = {**built.info(), "input_seed": seeds[0], "kernelbench_seed": options.seed, "reinit_zero": reinit,
             "trials": [{"trial": 1, "seed": seeds[0]}]}
     # written through: this process keeps no captured value (the forward reuses its memory); the few that
-    # are needed here are read back from the directory (mapped: not copied)
-    writer = capture_writer(out_dir, built.model, info, write_through=True)
+    # are needed here are read back from the directory (mapped: not copied).  Handed over on a GPU: the
+    # trace keeps every value on the device and the directory gets names and shapes
+    from .handoff import on_gpu
+
+    held = hand_over is not None and on_gpu(built.model, built.inputs)
+    writer = capture_writer(out_dir, built.model, info, write_through=not held, values=not held)
     before = snapshot_state(built.model)
     seed_all(seeds[0])
     trace = run_captured(built.model, clone_inputs(list(built.inputs)), sink=writer, only=name_filter(options.only),
@@ -82,8 +90,12 @@ def capture_reference(ref_path: str, out_dir: str, options: Options | None = Non
 
         written = CaptureFile.open(out_dir)
         written.mapped = True  # (values read back are views of the files, not copies)
+
+        def fill(which) -> None:
+            if not held:  # (handed over, the trace holds them all)
+                written.fill(trace, which)
         if built.class_name == "ModelNew":
-            written.fill(trace, lambda r: True)
+            fill(lambda r: True)
             # a second forward on the same inputs, from the same state: records that change between runs (a
             # race, an uninitialised read) are kept with the capture, as a live diff's second run finds them
             after = snapshot_state(built.model)
@@ -95,7 +107,7 @@ def capture_reference(ref_path: str, out_dir: str, options: Options | None = Non
             # the second run only where the reference may draw random numbers: whether the candidate
             # diverges (the other reason to run it) is not known in this process
             random = may_be_random(built.model, trace)
-            written.fill(trace, lambda r: random or r.is_output)  # (all of them when a second run compares them)
+            fill(lambda r: random or r.is_output)  # (all of them when a second run compares them)
             info["health"] = reference_health(built.model, list(built.inputs), trace, options.no_grad, state=before,
                                               rerun=random)
         info["trials"] = write_trials(out_dir, built.model, built.inputs_for, seeds, options.no_grad,
@@ -103,6 +115,8 @@ def capture_reference(ref_path: str, out_dir: str, options: Options | None = Non
                                       info={k: info[k] for k in ("source", "class", "training", "eval", "health")
                                             if k in info})
         writer.set_info(info)
+    if held:
+        hand_over(trace, named_tensors(built.model), writer.info)
     return trace
 
 
@@ -147,9 +161,13 @@ def diff_files(ref_path: str, cand_path: str, *, options: Options | None = None,
                 if chosen:
                     sync_weights(chosen, side.model)
                     reinit = sorted(chosen)
+            if ref_src.file.handed is not None:  # its values are on the reference's GPU: compared where they are
+                ref_src.device = side.device()
             same = _resolved(ref_src.device) == _resolved(side.device())  # ("cuda" is "cuda:0" on device 0)
             reference = CapturedTrials(ref_path, ref_src.file.info, device=side.device(), first=ref_src if same else None)
             result = run_trials(reference, LiveCandidate(side.model, opts), side.inputs, opts, evidence=evidence)
+            if ref_src.file.handed is not None:  # (how the reference's values came: see diffkit.handoff)
+                result.meta["reference_values"] = "handed over on the device"
             if opts.eval and not captured_eval:
                 result.warnings.append("--eval: the captured reference ran as constructed (training mode); capture "
                                        "it again with --eval to compare both in eval mode")

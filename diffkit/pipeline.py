@@ -92,8 +92,14 @@ class CaptureSource:
         if self._file is None:
             from .store import CaptureFile
 
+            handed = None
+            if self.mapped:  # this diff's own handoff: its values may still be on the reference's GPU
+                from .handoff import receive
+
+                handed = receive(self.path)  # (before the index is read: a failure there rewrites it)
             self._file = CaptureFile.open(self.path)
             self._file.mapped = self.mapped
+            self._file.handed = handed
         return self._file
 
     def params(self) -> dict[str, torch.Tensor]:

@@ -858,6 +858,9 @@ class CaptureFile:
     mapped: bool = field(default=False, init=False, compare=False)
     _maps: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _params: dict | None = field(default=None, init=False, repr=False, compare=False)  # parameters(), read once
+    # the values an isolated diff's reference process handed over on its GPU (handoff.Handed): its records
+    # then hold names and shapes only, and values come from here
+    handed: Any = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
     def open(cls, path: str) -> "CaptureFile":
@@ -978,6 +981,14 @@ class CaptureFile:
         return hit
 
     def _value(self, meta: dict) -> torch.Tensor | None:
+        if self.handed is not None and meta.get("index") in self.handed.records:
+            value = self.handed.records[meta["index"]]
+            got = str(value.dtype).replace("torch.", "")
+            if list(value.shape) != list(meta.get("shape", [])) or got != meta.get("dtype"):
+                raise DiffkitError("", "read", f"record {meta.get('index')} ({_show(meta.get('name'))}): the index says "
+                                   f"{meta.get('dtype')} {meta.get('shape')}, the value handed over is {got} "
+                                   f"{list(value.shape)}", self.path)
+            return value
         if "key" not in meta:
             return None
         shard, key, name = meta.get("shard"), meta.get("key"), meta.get("name")
@@ -1010,7 +1021,7 @@ class CaptureFile:
         """The model's parameters and buffers by qualified name (empty when the capture has none).
         Read once per CaptureFile; each call returns its own dict of the same tensors."""
         if self._params is None:
-            self._params = self._read_parameters()
+            self._params = dict(self.handed.parameters) if self.handed is not None else self._read_parameters()
         return dict(self._params)
 
     def _read_parameters(self) -> dict[str, torch.Tensor]:

@@ -124,3 +124,53 @@ def test_triton_launch_per_step_into_the_output_folds(tmp_path, monkeypatch):
     # per layer: the first launches' writes, then the filled output once (the second layer's is the model's output)
     assert 0 < len(writes) <= 2 * 8 + 2, [s["cand_name"] for s in writes]
     assert data["meta"]["cand_records"] < 2 * 2 * 48
+
+
+# ------------------------------------------------------------------ the reference's values handed over on the GPU
+def _diff_env(ref, cand, out_json, env_extra=None, *extra):
+    env = dict(os.environ, **(env_extra or {}))
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "cli.py"), "diff", os.path.join(ROOT, ref),
+                          os.path.join(ROOT, cand), "--device", "cuda", "--json", str(out_json), "--no-report",
+                          "--timeout", "300", *extra], capture_output=True, text=True, cwd=ROOT, timeout=600, env=env)
+    print(out.stdout[-3000:], out.stderr[-2000:])
+    return out, json.loads(out_json.read_text())
+
+
+@pytest.mark.cuda
+def test_values_handed_over_on_the_gpu_give_the_answer_of_one_process(tmp_path):
+    """The isolated diff's reference process hands its device values over as CUDA IPC handles: the same stages
+    and numbers as one process, and as the hand-over through files."""
+    pair = ("references/axial_attention.py", "kernels/axial_attention_cuda_tail.py")
+    _, ipc = _diff_env(*pair, tmp_path / "ipc.json")
+    _, one = _diff_env(*pair, tmp_path / "one.json", None, "--no-isolate")
+    _, files = _diff_env(*pair, tmp_path / "files.json", {"DIFFKIT_NO_HANDOVER": "1"})
+    assert ipc["meta"].get("reference_values") == "handed over on the device"
+    assert "reference_values" not in files["meta"] and "reference_values" not in one["meta"]
+    key = lambda d: [(s["ref_name"], s["cand_name"], s["status"], s["max_abs"]) for s in d["stages"]]
+    assert ipc["verdict"] == "diverged" and key(ipc) == key(one) == key(files)
+
+
+GPU_CRASH = """
+import ctypes, runpy
+_ref = runpy.run_path({ref!r})
+get_inputs, get_init_inputs = _ref["get_inputs"], _ref["get_init_inputs"]
+
+
+class ModelNew(_ref["Model"]):
+    def forward(self, x):
+        normed = self.ln1(x)
+        mixed = self.qkv(normed)
+        ctypes.string_at(0)
+"""
+
+
+@pytest.mark.cuda
+def test_a_crash_after_the_hand_over_compares_what_was_captured(tmp_path):
+    """The candidate's process dies holding handles to the reference's device values: the reference's process
+    writes them into its capture, and the crash report compares the stages before the crash against them."""
+    cand = tmp_path / "cand.py"
+    cand.write_text(GPU_CRASH.format(ref=os.path.join(ROOT, "references", "transformer_block.py")))
+    out, data = _diff_env("references/transformer_block.py", str(cand), tmp_path / "r.json")
+    assert out.returncode == 2 and data["verdict"] == "error" and "SIGSEGV" in data["error"]["message"]
+    ok = {s["ref_name"]: s for s in data["stages"] if s["status"] == "ok" and s["max_abs"] is not None}
+    assert "ln1" in ok and "qkv" in ok, [(s["ref_name"], s["status"]) for s in data["stages"]][:6]

@@ -602,3 +602,97 @@ def test_pinned_write_through_pieces_and_its_fallback(monkeypatch):
     scratch, buf = [None], io.BytesIO()
     assert not store._write_through_pinned(buf, torch.randn(10), scratch) and buf.getvalue() == b""
     assert scratch[1] is False and not store._write_through_pinned(buf, torch.randn(10), scratch)
+
+
+# The GPU hand-over's protocol (diffkit.handoff), run on this machine's CPU: a driver process makes the
+# isolated diff take the GPU path (its children are forked from it, so they inherit the changes) and logs what
+# the reference's process did with its values and what the candidate's process received
+HANDOVER_DRIVER = """
+import os, sys
+from diffkit import cli, handoff
+
+LOG = os.environ["HANDOVER_LOG"]
+def log(line):
+    with open(LOG, "a") as fh:
+        fh.write(line + "\\n")
+
+cli._host_only = lambda device=None: False   # as with a GPU in play
+cli._can_fork = lambda device=None: True      # (forked: the children keep these changes)
+handoff.on_gpu = lambda model, inputs: True  # the reference's values stay in its process
+
+real_serve, real_receive, real_dump = handoff.Holder.serve, handoff.receive, handoff.Holder.dump
+def serve(self, parent=None):
+    log("held %d" % sum(r.value is not None for r in self.trace.records))
+    how = real_serve(self, parent)
+    log(how)
+    return how
+def receive(path, *a, **k):
+    got = real_receive(path, *a, **k)
+    log("received %s" % (len(got.records) if got is not None else "none"))
+    return got
+def dump(self):
+    shards = [f for f in os.listdir(self.capture_dir) if f.startswith("shard")]
+    log("shards before dump %d" % len(shards))
+    real_dump(self)
+handoff.Holder.serve, handoff.receive, handoff.Holder.dump = serve, receive, dump
+if os.environ.get("HANDOVER_REFUSE"):  # the handles cannot be opened in the candidate's process
+    def refuse(item):
+        raise RuntimeError("pidfd_getfd: Operation not permitted")
+    handoff._rebuild = refuse
+sys.argv = ["diffkit", "diff", *sys.argv[1:]]
+cli.main()
+"""
+
+
+def _handover(tmp_path, ref, cand, refuse=False, *extra):
+    driver = tmp_path / "driver.py"
+    driver.write_text(HANDOVER_DRIVER)
+    log = tmp_path / "handover.log"
+    env = dict(os.environ, HANDOVER_LOG=str(log), PYTHONPATH=ROOT, **({"HANDOVER_REFUSE": "1"} if refuse else {}))
+    env.pop("DIFFKIT_NO_FORK", None)
+    out = subprocess.run([sys.executable, str(driver), ref, cand, "--json", str(tmp_path / "r.json"), "--no-report",
+                          "--trials", "2", "--timeout", "120", *extra], capture_output=True, text=True, cwd=ROOT,
+                         env=env, timeout=600)
+    lines = log.read_text().splitlines() if log.exists() else []
+    data = json.loads((tmp_path / "r.json").read_text()) if (tmp_path / "r.json").exists() else {}
+    return out, lines, data
+
+
+def test_handed_over_values_give_the_diff_of_one_process(tmp_path, ops):
+    """The reference's process keeps its values and is released once the candidate has read them: the answer is
+    the one process's answer, and no value was written to its capture."""
+    ref, cand = os.path.join(REFS, "transformer_block.py"), os.path.join(KERNELS, "transformer_block_no_scale.py")
+    out, log, data = _handover(tmp_path, ref, cand)
+    assert out.returncode == 1, out.stdout + out.stderr
+    held = int(next(ln for ln in log if ln.startswith("held")).split()[1])
+    assert held > 10 and f"received {held}" in log and "released" in log and "dumped" not in log, log
+    one = _cli("diff", ref, cand, "--no-isolate", "--trials", "2", "--json", str(tmp_path / "one.json"), "--no-report")
+    expect = json.loads((tmp_path / "one.json").read_text())
+    assert data["first_divergence"]["ref_name"] == expect["first_divergence"]["ref_name"] == "forward:scores"
+    assert [(s["ref_name"], s["status"], s["max_abs"]) for s in data["stages"]] == \
+        [(s["ref_name"], s["status"], s["max_abs"]) for s in expect["stages"]]
+
+
+def test_a_crashing_candidate_has_the_held_values_written_out(tmp_path, ops):
+    """The candidate's process crashes: the holding process is asked to write its values into its capture, and
+    the crash report compares the stages captured before the crash against them."""
+    cand = tmp_path / "cand.py"
+    cand.write_text(CRASH.format(kernels=KERNELS, action="ctypes.string_at(0)"))
+    out, log, data = _handover(tmp_path, os.path.join(REFS, "transformer_block.py"), str(cand))
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "shards before dump 0" in log and "dumped" in log and "released" not in log, log
+    assert data["verdict"] == "error" and "SIGSEGV" in data["error"]["message"]
+    ok = [s for s in data["stages"] if s["status"] == "ok"]
+    assert any(s["ref_name"] == "ln1" and s["max_abs"] is not None for s in ok), data["stages"][:3]
+
+
+def test_handles_that_cannot_be_opened_are_read_from_files_instead(tmp_path, ops):
+    """The candidate's process cannot open the handles (IPC not allowed here): it asks the holding process to
+    write its values out, says so, and diffs against the files: the same answer."""
+    ref, cand = os.path.join(REFS, "transformer_block.py"), os.path.join(KERNELS, "transformer_block_no_scale.py")
+    out, log, data = _handover(tmp_path, ref, cand, refuse=True)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "received none" in log and "dumped" in log, log
+    assert "could not be opened" in out.stderr and "Operation not permitted" in out.stderr
+    assert data["first_divergence"]["ref_name"] == "forward:scores"
+    assert all(s["max_abs"] is not None for s in data["stages"] if s["status"] in ("ok", "diverged"))

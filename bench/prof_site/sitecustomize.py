@@ -21,3 +21,12 @@ if _DIR:
             fh.write(f"{' '.join(sys.argv)}\nstart {_start:.3f}\nend {time.time():.3f}\n")
 
     atexit.register(_dump)
+    _real_exit = os._exit
+
+    def _exit_dumping(code):  # a process that leaves without its atexit handlers (os._exit) is profiled too
+        try:
+            _dump()
+        finally:
+            _real_exit(code)
+
+    os._exit = _exit_dumping

@@ -1,0 +1,183 @@
+"""An isolated diff's reference values handed to the candidate's process on the GPU, not through files.
+
+On a GPU the reference's process keeps its captured values where they were computed and publishes
+CUDA IPC handles to them (torch.multiprocessing's tensor reductions) in ``handoff.pkl`` inside its
+capture directory, whose records it writes as names and shapes only.  It then stays alive, holding the
+values, until it is told what to do with them:
+
+    release          the candidate's process has finished with them: exit
+    dump             write every value (and the parameters) into the capture directory, then exit: the
+                     candidate's process crashed and its parent diffs the files, or the candidate's
+                     process could not open the handles (then it reads the files too)
+
+The candidate's process (`receive`) opens the handles as device tensors in its own process: nothing is
+copied off the device and nothing is written to disk.  `receive` only ever reads a handoff this diff's
+own reference process wrote (a capture opened as trusted), since it unpickles it.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+HANDOFF_FILE = "handoff.pkl"  # the handles (written whole or not at all)
+RELEASE = "handoff-release"  # asked of the holding process: exit
+DUMP = "handoff-dump"  # asked of the holding process: write the values into the capture, then exit
+DUMPED = "handoff-dumped"  # the holding process has written them
+POLL_S = 0.005
+
+
+def on_gpu(model: torch.nn.Module, inputs: Any) -> bool:
+    """Does a forward of `model` on `inputs` compute on a CUDA device (its parameters, buffers or inputs)?"""
+    from torch.utils import _pytree as pytree
+
+    for t in list(model.parameters()) + list(model.buffers()) + pytree.tree_leaves(list(inputs)):
+        if isinstance(t, torch.Tensor):
+            return t.device.type == "cuda"
+    return False
+
+
+def _reduce(t: torch.Tensor) -> tuple[str, Any]:
+    """A value as the handoff carries it: ("ipc", (rebuild, args)) for a plain CUDA tensor, else ("value", a
+    host copy) (a stray host scalar in a GPU model, a sparse tensor: small, carried by value)."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    t = t.detach()
+    if t.device.type == "cuda" and t.layout == torch.strided and not t.is_quantized and type(t) is torch.Tensor:
+        return "ipc", reduce_tensor(t)
+    return "value", t.to("cpu").clone()
+
+
+def _rebuild(item: tuple[str, Any]) -> torch.Tensor:
+    how, what = item
+    if how == "ipc":
+        fn, args = what
+        return fn(*args)
+    return what
+
+
+@dataclass
+class Holder:
+    """The reference process's side: what it keeps on the device, published for the candidate's process
+    (`hand_over`), then kept until it is released or asked to write it out (`serve`)."""
+
+    capture_dir: str
+    trace: Any = None
+    params: dict = field(default_factory=dict)
+    info: dict = field(default_factory=dict)
+
+    @property
+    def holding(self) -> bool:
+        return self.trace is not None
+
+    def hand_over(self, trace, params: dict[str, torch.Tensor], info: dict) -> None:
+        """Publish handles to the values of `trace`'s records and to `params` (the model's parameters and
+        buffers), and keep all three for `serve`."""
+        records = {r.index: _reduce(r.value) for r in trace.records if isinstance(r.value, torch.Tensor)}
+        parameters = {n: _reduce(t) for n, t in params.items() if isinstance(t, torch.Tensor)}
+        if torch.cuda.is_initialized():
+            torch.cuda.synchronize()  # every value computed before another process reads it
+            # what the forwards left cached and nothing holds goes back to the device (the candidate needs it)
+            torch.cuda.empty_cache()
+        data = pickle.dumps({"pid": os.getpid(), "records": records, "parameters": parameters},
+                            protocol=pickle.HIGHEST_PROTOCOL)
+        tmp = os.path.join(self.capture_dir, HANDOFF_FILE + ".tmp")
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+        os.replace(tmp, os.path.join(self.capture_dir, HANDOFF_FILE))
+        self.trace, self.params, self.info = trace, params, info
+
+    def serve(self, parent: int | None = None) -> str:
+        """Hold the values until released ("released"), asked to write them out ("dumped"), or the
+        process that started this one is gone ("orphaned")."""
+        release, dump = os.path.join(self.capture_dir, RELEASE), os.path.join(self.capture_dir, DUMP)
+        while True:
+            if os.path.exists(dump):
+                self.dump()
+                return "dumped"
+            if os.path.exists(release):
+                return "released"
+            if parent is not None and os.getppid() != parent:
+                return "orphaned"
+            time.sleep(POLL_S)
+
+    def dump(self) -> None:
+        """Write every held value and parameter into the capture directory (its records rewritten with
+        them), retire the handles, then say so (`DUMPED`)."""
+        from .store import CaptureWriter
+
+        try:
+            os.unlink(os.path.join(self.capture_dir, HANDOFF_FILE))  # later readers read the files
+        except FileNotFoundError:
+            pass
+        writer = CaptureWriter(self.capture_dir)
+        writer.set_info(self.info)
+        try:
+            writer.add_parameters(self.params)
+        except ValueError:  # a parameter that cannot be saved: the records still are
+            pass
+        for rec in self.trace.records:
+            writer.add(rec)
+        writer.set_error(self.trace.error)
+        writer.close()
+        with open(os.path.join(self.capture_dir, DUMPED), "w") as fh:
+            fh.write("ok")
+
+
+@dataclass
+class Handed:
+    """The candidate's side: the reference's values opened from their handles, by record index, and its
+    parameters by qualified name (device tensors in the reference's process's memory: read, never written)."""
+
+    records: dict[int, torch.Tensor]
+    parameters: dict[str, torch.Tensor]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def receive(capture_dir: str, wait_s: float = 600.0) -> Handed | None:
+    """The values the reference's process handed over for the capture in `capture_dir`; None when it
+    handed none over, or when they cannot be opened here (then the holding process is asked to write
+    them into the capture, and this returns once it has, so the capture's files hold them)."""
+    path = os.path.join(capture_dir, HANDOFF_FILE)
+    try:
+        with open(path, "rb") as fh:
+            data = pickle.load(fh)
+    except FileNotFoundError:
+        return None
+    try:
+        records = {int(i): _rebuild(x) for i, x in data["records"].items()}
+        parameters = {str(n): _rebuild(x) for n, x in data["parameters"].items()}
+        return Handed(records, parameters)
+    except Exception as e:  # (the handles cannot be opened here: IPC not allowed, another device …)
+        sys.stderr.write(f"diffkit: the reference's values could not be opened on the device here ({type(e).__name__}: "
+                         f"{str(e).strip()[:200]}); its process writes them out instead\n")
+        request_dump(capture_dir, data.get("pid"), wait_s)
+        return None
+
+
+def request_dump(capture_dir: str, pid: int | None, wait_s: float) -> bool:
+    """Ask the holding process (`pid`) to write its values into the capture; wait until it has (True),
+    it is gone, or `wait_s` seconds have passed (False)."""
+    with open(os.path.join(capture_dir, DUMP), "w") as fh:
+        fh.write("dump")
+    done = os.path.join(capture_dir, DUMPED)
+    end = time.monotonic() + wait_s
+    while not os.path.exists(done):
+        if (pid is not None and not _alive(pid)) or time.monotonic() > end:
+            return os.path.exists(done)
+        time.sleep(POLL_S * 4)
+    return True
