@@ -252,7 +252,8 @@ def _diff(ref_path, cand_path, atol, rtol, seed, device, json_path, csv_path, st
         try:
             capture_reference(ref_path, os.path.join(stream_dir, "ref.dkt"), options,
                               on_init=lambda init: _publish_init(stream_dir, init),
-                              hand_over=holder.hand_over if holder is not None else None)
+                              hand_over=holder.hand_over if holder is not None else None,
+                              outputs_only_trials=True)  # (the candidate's process reruns a failing trial)
         except DiffkitError as e:
             out.write(error_result(e, ref_path, cand_path, options), error=e)
             _done(stream_dir)  # a load error is a finished answer, not a crash

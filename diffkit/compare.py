@@ -52,7 +52,7 @@ def is_capture(path: str) -> bool:
 
 def capture_reference(ref_path: str, out_dir: str, options: Options | None = None, cand_path: str | None = None, *,
                       class_name: str | None = "Model", inputs_from: str | None = None,
-                      side: str = "reference", on_init=None, hand_over=None) -> Trace:
+                      side: str = "reference", on_init=None, hand_over=None, outputs_only_trials: bool = False) -> Trace:
     """Build the reference as a diff would and stream its first trial's forward, parameters and the
     facts a later candidate needs (source, init inputs, inputs, seeds, health) to a capture directory;
     every later trial's inputs and output go beside it (``trial-K.dkt``, see diffkit.trials).
@@ -62,7 +62,9 @@ def capture_reference(ref_path: str, out_dir: str, options: Options | None = Non
     `hand_over` (an isolated diff's reference process, `handoff.Holder.hand_over`): when the model computes
     on a GPU, its values are not written to the directory (its records are, as names and shapes) but kept on
     the device in the returned trace, and ``hand_over(trace, parameters, info)`` is called once the
-    capture's metadata is complete."""
+    capture's metadata is complete.  `outputs_only_trials`: later trials keep their inputs, output and buffers
+    only (`write_trials`; for a reader that can rebuild the reference, as an isolated diff's candidate
+    process can)."""
     from .load import load_reference
     from .stream import name_filter
     from .trials import seed_all, trial_seeds, write_trials
@@ -113,7 +115,7 @@ def capture_reference(ref_path: str, out_dir: str, options: Options | None = Non
         info["trials"] = write_trials(out_dir, built.model, built.inputs_for, seeds, options.no_grad,
                                       only=name_filter(options.only),
                                       info={k: info[k] for k in ("source", "class", "training", "eval", "health")
-                                            if k in info})
+                                            if k in info}, outputs_only=outputs_only_trials)
         writer.set_info(info)
     if held:
         hand_over(trace, named_tensors(built.model), writer.info)

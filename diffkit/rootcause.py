@@ -49,10 +49,20 @@ def replay(stage: Stage, ref: Trace, cand: Trace, ref_of_cand: dict[int, tuple[i
     if rec.kind == "write":
         raise NotReplayable("the call writes into an argument (it mutates state); not re-run")
     (kind, fn, tmpl), pos = rec.call
-    if isinstance(pos, tuple) and pos and pos[0] == "arg":
+    if isinstance(pos, tuple) and pos and pos[0] == "arg" or _in_place(fn, tmpl):
         raise NotReplayable("the call writes into an argument (it mutates state); not re-run")
     out = _rerun(rec, ref, cand, ref_of_cand, GLUE_DEPTH)
     return to_ref_layout(out, tuple(stage.ref.shape), stage.pair_transform)
+
+
+def _in_place(fn: Any, tmpl: Any) -> bool:
+    """Does the call change a tensor it is given (``x.add_(1)``, ``x += 1``, ``out=``)?  Re-running it would
+    change live state (a buffer of the model), on a value that is no longer the one it was called with."""
+    name = getattr(fn, "__name__", "") or ""
+    if name.startswith("__i") and name.endswith("__") or (name.endswith("_") and not name.endswith("__")):
+        return True
+    kwargs = tmpl[1] if isinstance(tmpl, tuple) and len(tmpl) == 2 and isinstance(tmpl[1], dict) else {}
+    return kwargs.get("out") is not None
 
 
 GLUE_DEPTH = 4  # unpaired layout calls (view, contiguous …) re-run between a stage and its paired inputs

@@ -332,6 +332,7 @@ class CapturedTrials:
     # trial 1's pipeline.CaptureSource when the caller has opened the capture already (its index read once,
     # its values mapped when it is this diff's own handoff)
     first: Any = None
+    notes: list = field(default_factory=list)  # what the result should say about how trials were read
 
     @property
     def entries(self) -> list[dict]:
@@ -403,15 +404,56 @@ class CapturedTrials:
 
         if k == 1 and self.first is not None:
             return self.first
+        if k > 1 and self.entries[k - 1].get("outputs_only"):
+            live = self._rerun(k, inputs)
+            if live is not None:
+                return live
+            self.notes.append(f"trial {k}'s reference could not be rebuilt from its capture here: its stages are "
+                              f"not compared, only its output")
         return CaptureSource(self._where(k), device=self.device)
+
+    def _rerun(self, k: int, inputs: list):
+        """Trial `k` of an outputs-only capture as a live reference: the model rebuilt from the capture
+        (its source, init inputs and trial 1's parameters), its buffers as they were before trial `k`, run
+        on trial `k`'s inputs; None when it cannot be rebuilt, or when it does not give the output trial
+        `k` stored (then only that output is compared)."""
+        from .load import load_reference_for_capture, sync_weights
+        from .pipeline import ModelSource
+        from .store import CaptureFile
+
+        try:
+            root = self.first.file if self.first is not None else CaptureFile.open(self.path)
+            side = load_reference_for_capture(root, device=self.device)
+            if side is None:
+                return None
+            before = CaptureFile.open(self._where(k)).parameters()  # (its buffers)
+            if before:
+                sync_weights(before, side.model)
+            stored = self._load(k)[1]
+        except Exception:  # (a reference that cannot be rebuilt here)
+            return None
+        state = snapshot_state(side.model)
+        seed_all(self.seeds[k - 1])
+        out, err = forward(side.model, inputs)
+        restore_state(side.model, state)
+        again = output_leaves(out) if not err else {}
+        if set(again) != set(stored) or not all(
+                again[n].shape == stored[n].shape and torch.allclose(again[n].to(stored[n].dtype), stored[n],
+                                                                     rtol=1e-5, atol=1e-6, equal_nan=True)
+                for n in stored):
+            return None
+        return ModelSource(side.model, inputs, seed=self.seeds[k - 1])
 
 
 # ----------------------------------------------------------------------------------- writing
 def write_trials(capture_path: str, model: torch.nn.Module, make_inputs: Callable[[int], list], seeds: list[int],
-                 no_grad: bool = True, only=None, info: dict | None = None) -> list[dict]:
+                 no_grad: bool = True, only=None, info: dict | None = None, outputs_only: bool = False) -> list[dict]:
     """Run the model on trials 2… and capture each one in full as ``trial-K.dkt`` inside the capture
     directory (records, parameters, its inputs); returns the entries for the capture's
-    ``info["trials"]``."""
+    ``info["trials"]``.  `outputs_only` (an isolated diff's own capture, read by a process that can
+    rebuild the reference): each trial is a plain forward, and ``trial-K.dkt`` holds its inputs, its
+    output and the model's buffers before it; a trial diffed stage by stage is run again from those
+    (`CapturedTrials.source`)."""
     from .load import encode_values
     from .pipeline import clone_inputs, run_captured
 
@@ -420,14 +462,46 @@ def write_trials(capture_path: str, model: torch.nn.Module, make_inputs: Callabl
         name = f"trial-{k}.dkt"
         inputs = make_inputs(seed)
         sub = {**(info or {}), "trial": k, "seed": seed, "inputs": encode_values(inputs, tensors=True)}
-        seed_all(seed)
-        trace = run_captured(model, clone_inputs(list(inputs)), no_grad=no_grad, only=only,
-                             stream_to=os.path.join(capture_path, name), info=sub)
         entry = {"trial": k, "seed": seed, "capture": name}
-        if trace.error is not None:
-            entry["error"] = f"{trace.error.type}: {trace.error.message}"
+        if outputs_only:
+            err = _write_outputs_only(os.path.join(capture_path, name), model, inputs, seed, no_grad, sub)
+            entry["outputs_only"] = True
+            if err:
+                entry["error"] = err
+        else:
+            seed_all(seed)
+            trace = run_captured(model, clone_inputs(list(inputs)), no_grad=no_grad, only=only,
+                                 stream_to=os.path.join(capture_path, name), info=sub)
+            if trace.error is not None:
+                entry["error"] = f"{trace.error.type}: {trace.error.message}"
         entries.append(entry)
     return entries
+
+
+def _write_outputs_only(path: str, model: torch.nn.Module, inputs: list, seed: int, no_grad: bool, info: dict) -> str:
+    """One later trial as KernelBench runs it (seeded, one plain forward), stored as a capture of its inputs
+    and output only, with the model's buffers before the forward as its parameters; what it raised, or ""."""
+    from .capture import CaptureError, Record, _tensors
+    from .store import CaptureWriter
+
+    writer = CaptureWriter(path, shard_bytes=0)
+    writer.set_info({**info, "outputs_only": True})
+    writer.add_parameters({n: b.detach() for n, b in model.named_buffers() if isinstance(b, torch.Tensor)})
+    seed_all(seed)
+    out, err = forward(model, inputs, no_grad)
+    leaves = [(f"input[{']['.join(map(str, pos))}]", "input", t) for pos, t in _tensors(list(inputs))]
+    if not err:
+        leaves += [(n, "output", t) for n, t in output_leaves(out).items()]
+    for i, (n, kind, t) in enumerate(leaves):
+        t = t.detach()
+        writer.add(Record(index=i, name=n, kind="input" if kind == "input" else "op", scope="", label=n, function="",
+                          file="", line=0, op=kind, shape=tuple(t.shape), dtype=t.dtype, device=str(t.device), value=t,
+                          is_output=kind == "output"))
+    if err:
+        kind, _, message = err.partition(": ")
+        writer.set_error(CaptureError(kind, message, "", "", "", 0, ""))
+    writer.close()
+    return err
 
 
 # ----------------------------------------------------------------------------------- the driver
@@ -488,6 +562,7 @@ def run_trials(reference, candidate, first_inputs: list, options: Options, evide
             # second run after a failure recaptures first)
             full = run(reference.source(k, inputs), candidate.source(k, inputs, trial.seed),
                        options.replace(stream_dir=None))
+            full.warnings += getattr(reference, "notes", [])
             trial.captured = True
             if trial.error and full.error is None:
                 full.error = ErrorInfo("candidate", "forward", f"on trial {k} (seed {trial.seed}) the candidate "

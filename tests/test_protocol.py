@@ -396,3 +396,83 @@ def test_the_output_verdict_is_kernelbench_own_allclose_call(ref_out, cand_out):
     if ref_out.is_floating_point():  # --tolerance auto: the float64 rule decides, and no such warning is given
         auto = diffkit.compare(_Echo(), _Fixed(cand_out), [ref_out], health=False, tolerance="auto")
         assert not any("the verdict follows KernelBench" in w for w in auto.warnings)
+
+
+# a reference whose output depends on a buffer its forward updates: each trial starts where the last one left it
+COUNTING_REF = """
+import torch, torch.nn as nn
+
+
+class Model(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.lin = nn.Linear(width, 2 * width)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls += 1
+        scaled = self.lin(x) * self.calls
+        return torch.tanh(scaled) + 0.1 * scaled
+
+
+def get_inputs():
+    return [torch.randn(6, 12)]
+
+
+def get_init_inputs():
+    return [12]
+"""
+
+# the same computation written otherwise, wrong from its third call on (a counter it keeps as a float buffer)
+COUNTING_CAND = """
+import torch, torch.nn as nn
+from torch.nn import functional as F
+
+
+class ModelNew(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.lin = nn.Linear(width, 2 * width)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, inp):
+        self.calls.add_(1.0)
+        factor = self.calls + 0.05 if self.calls.item() > 2 else self.calls
+        pre = torch.addmm(self.lin.bias, inp, self.lin.weight.t()).mul(factor)
+        return pre.tanh().add(pre, alpha=0.1)
+"""
+
+
+def test_a_later_failing_trial_is_diffed_stage_by_stage_from_the_state_it_ran_in(tmp_path):
+    """Trial 3 is the first to fail, and the reference's output depends on a buffer each forward updates:
+    the trial diffed stage by stage starts from the buffers trial 3 started from (an isolated diff's
+    reference process stores later trials as inputs and outputs only; the candidate's process reruns the
+    reference from its capture), and names the stage the candidate got wrong, as one process does."""
+    ref, cand = tmp_path / "counting_ref.py", tmp_path / "counting_cand.py"
+    ref.write_text(COUNTING_REF)
+    cand.write_text(COUNTING_CAND)
+    # KernelBench's own five trials, by hand: the same two model objects, one forward each per trial
+    ns_ref, ns_cand = _exec(str(ref)), _exec(str(cand))
+    torch.manual_seed(42)
+    ref_model = ns_ref["Model"](*ns_ref["get_init_inputs"]())
+    torch.manual_seed(42)
+    cand_model = ns_cand["ModelNew"](*ns_ref["get_init_inputs"]())
+    expect = []
+    for seed in trial_seeds(5):
+        torch.manual_seed(seed)
+        x = ns_ref["get_inputs"]()
+        with torch.no_grad():
+            expect.append((ref_model(*x) - cand_model(*x)).abs().max().item())
+    answers = []
+    for mode in ([], ["--no-isolate"]):
+        proc, data = _cli(str(ref), str(cand), *mode, tmp_path=tmp_path, name=f"r{len(answers)}.json")
+        assert proc.returncode == 1 and data["verdict"] == "diverged", proc.stdout[-2000:] + proc.stderr[-2000:]
+        assert [t["allclose"] for t in data["trials"]] == [True, True, False, False, False]
+        assert data["meta"]["trials"]["reported"] == 3
+        assert data["first_divergence"]["ref_name"] == "forward:scaled", data["first_divergence"]
+        # (re-running the candidate's `calls.add_(1.0)` for the root cause would count once more)
+        assert data["root_cause"]["ref_name"] == "forward:scaled", data["root_cause"]
+        assert not any("could not be rebuilt" in w for w in data["warnings"]), data["warnings"]
+        assert [t["max_abs"] for t in data["trials"]] == pytest.approx(expect, rel=1e-5, abs=1e-7)
+        answers.append([(s["ref_name"], s["cand_name"], s["status"], s["max_abs"]) for s in data["stages"]])
+    assert answers[0] == answers[1]
