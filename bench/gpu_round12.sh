@@ -16,7 +16,7 @@ if [ "$PART" = all ] || [ "$PART" = 1 ]; then
 fi
 if [ "$PART" = all ] || [ "$PART" = 2 ]; then
   timeout 400 python bench/speed.py --preset h200 --repeat ${REPEAT:-1} \
-    --only gpu_mid:plain,gpu_mid:cli_inproc,gpu_mid:isolated,gpu_mid:isolated_files \
+    --only gpu_mid:plain,gpu_mid:cli_inproc,gpu_mid:isolated,gpu_mid:isolated_files,gpu_mid:default_cli \
     --json $OUT/gpu_mid_round12.json 2>&1 | tail -8
 fi
 if [ "$PART" = all ] || [ "$PART" = 3 ]; then

@@ -16,6 +16,8 @@ values take).
   stream     diffkit.compare streaming with --max-memory (CUDA preset: 40G)
   isolated   `diffkit diff REF CAND --trials 1 --no-report` as a user runs it: two child processes,
              values handed over through shared memory (wall time including process start)
+  default_cli  `diffkit diff REF CAND --no-report` with nothing else: KernelBench's five trials, as a user
+             runs it (its ratio is against two plain forwards, like the others: five trials run ten)
   isolated_files  `isolated` with DIFFKIT_NO_HANDOVER=1: on a GPU the reference's values go through files in
              shared memory, not CUDA IPC handles (what the hand-over saves is this minus `isolated`)
   cli_inproc the same command with --no-isolate (one process, interpreter start included): what isolation
@@ -63,11 +65,11 @@ MODELS = {
                     env=dict(DIFFKIT_DEPTH=12, DIFFKIT_BATCH=4, DIFFKIT_SEQ=1024, DIFFKIT_DIM=1024, DIFFKIT_HEADS=16)),
 }
 PRESETS = {"cpu": [("stack12", ["plain", "compare", "default", "naive", "cli_inproc", "isolated", "isolated_warm",
-                                "metrics"]),
+                                "default_cli", "metrics"]),
                    ("gru", ["plain", "compare", "default", "compare_nofold"]),
                    ("gru_slab", ["plain", "compare"]), ("gru_readback", ["plain", "compare"])],
            "h200": [("h200", ["plain", "compare", "stream", "naive", "metrics"]),
-                    ("gpu_mid", ["plain", "compare", "default", "cli_inproc", "isolated", "isolated_files"])]}
+                    ("gpu_mid", ["plain", "compare", "default", "cli_inproc", "isolated", "isolated_files", "default_cli"])]}
 TARGETS = {("stack12", "compare"): 2.0, ("stack12", "isolated"): 3.0, ("stack12", "isolated_warm"): 3.0,
            ("gru", "compare"): 5.0, ("gru_slab", "compare"): 5.0, ("gru_readback", "compare"): 5.0,
            ("h200", "compare"): 3.0, ("h200", "stream"): 2.0}
@@ -128,8 +130,10 @@ def child(model, mode, dev, repeat, max_memory):
         out.update(seconds=statistics.median(times), all_seconds=times)
         print("RESULT " + json.dumps(out))
         return
-    if mode in ("isolated", "cli_inproc", "isolated_files"):
-        cmd = [sys.executable, "-m", "diffkit.cli", "diff", ref_path, cand_path, "--trials", "1", "--no-report"]
+    if mode in ("isolated", "cli_inproc", "isolated_files", "default_cli"):
+        cmd = [sys.executable, "-m", "diffkit.cli", "diff", ref_path, cand_path, "--no-report"]
+        if mode != "default_cli":
+            cmd[-1:-1] = ["--trials", "1"]
         if mode == "cli_inproc":
             cmd.append("--no-isolate")
         if dev != "cpu":

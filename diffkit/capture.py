@@ -149,6 +149,9 @@ class Trace:
     stopped: str = ""  # why the forward was ended early on purpose (StopCapture), if it was
     # results folded into lineage instead of recorded (see the module docstring), by call site "file:line"
     folded: dict = field(default_factory=dict)
+    # what the forward returned at the top: "tensor", or its container's type ("tuple", "list", "dict" …);
+    # "" when not known (a forward that raised, a capture written before this was kept)
+    output_form: str = ""
 
     def __len__(self) -> int:
         return len(self.records)
@@ -1387,6 +1390,8 @@ def _post_hook(module, args, *rest):
     st.busy = True
     try:
         is_root = module is st.model
+        if is_root:
+            st.trace.output_form = "tensor" if isinstance(output, torch.Tensor) else type(output).__name__
         n = st.calls.get(top_path, 0) + 1
         st.calls[top_path] = n
         base = "output" if is_root else (top_path if n == 1 else f"{top_path}#{n}")
@@ -1728,6 +1733,8 @@ class capture:
                                                      self.state.failing_call)
         if self.state.sink is not None:
             self.state.sink.set_error(self.state.trace.error)
+            if hasattr(self.state.sink, "output_form"):  # (a capture file keeps it)
+                self.state.sink.output_form = self.state.trace.output_form
             self.state.sink.close()
         return False
 

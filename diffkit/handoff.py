@@ -124,6 +124,7 @@ class Holder:
         for rec in self.trace.records:
             writer.add(rec)
         writer.set_error(self.trace.error)
+        writer.output_form = self.trace.output_form
         writer.close()
         with open(os.path.join(self.capture_dir, DUMPED), "w") as fh:
             fh.write("ok")

@@ -505,6 +505,14 @@ def _explain(traces: _Traces, reference: Source, candidate: Source, options: Opt
 
     if result.output_structure is not None:
         result.findings.append(Finding("structure", output_structure_words(result.output_structure), 1.0))
+        if bare_against_held(ref, cand):
+            held = "candidate" if ref.output_form == "tensor" else "reference"
+            result.warnings.append(f"the {held} returns a {(cand if held == 'candidate' else ref).output_form}, not a "
+                                   f"tensor: KernelBench's evaluator reads `output.shape` and fails it whatever its "
+                                   f"values (a trailing comma in `return y,`?)")
+    elif ref.output_form and ref.output_form != "tensor" and cand.output_form:
+        result.warnings.append(f"the reference returns a {ref.output_form}: KernelBench's evaluator reads "
+                               f"`output.shape` and fails any candidate of it; diffkit compares it tensor by tensor")
     for st in shapes:
         st.diagnosis.append(Finding("shape", output_shape_words((st.ref.shape, st.cand.shape)), 1.0))
     for mismatch in differing:
@@ -684,14 +692,31 @@ def _describe_leaves(leaves: dict[str, Any]) -> str:
         + (" …" if len(leaves) > 6 else "")
 
 
+def bare_against_held(ref: Trace, cand: Trace) -> bool:
+    """One side returned a bare tensor, the other its tensor(s) inside a container (known for both)."""
+    rf, cf = ref.output_form, cand.output_form
+    return bool(rf and cf) and (rf == "tensor") != (cf == "tensor")
+
+
 def output_structure(ref: Trace, cand: Trace) -> tuple[str, str] | None:
     """(reference, candidate) in words when the two outputs nest differently (a tensor against a
     tuple, another number of tensors, other keys); None when their structures agree or a side
-    returned nothing (that is an error, not a divergence)."""
+    returned nothing (that is an error, not a divergence).  A bare tensor against one inside a
+    container differs too: KernelBench's evaluator reads ``output.shape``, which a tuple has not."""
     r, c = _leaves(ref), _leaves(cand)
-    if not r or not c or set(r) == set(c):
+    if not r or not c:
         return None
-    return _describe_leaves(r), _describe_leaves(c)
+    rf, cf = ref.output_form, cand.output_form
+    bare_vs_held = bare_against_held(ref, cand)
+    if set(r) == set(c) and not bare_vs_held:
+        return None
+
+    def words(leaves: dict, form: str) -> str:
+        text = _describe_leaves(leaves)
+        if bare_vs_held and form != "tensor":
+            return f"a {form} holding " + (text if len(leaves) > 1 else text.replace("a tensor", "one tensor", 1))
+        return text
+    return words(r, rf), words(c, cf)
 
 
 def _output_failed(stages) -> bool:

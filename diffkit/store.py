@@ -493,6 +493,7 @@ class CaptureWriter:
         self.pending_bytes = 0
         self.shards = 0
         self.error: dict | None = None
+        self.output_form = ""  # what the forward returned at the top (Trace.output_form)
         self.info: dict = {}
         self.params_file: str | None = None
         self.complete = False
@@ -618,7 +619,8 @@ class CaptureWriter:
     def _write_index(self) -> None:
         self._last_index = time.monotonic()
         data = {"format": FORMAT, "version": VERSION, "side": self.side, "source": self.source,
-                "complete": self.complete, "error": self.error, "info": self.info, "parameters": self.params_file,
+                "complete": self.complete, "error": self.error, "output_form": self.output_form, "info": self.info,
+                "parameters": self.params_file,
                 "records": self.entries}
         text = json.dumps(data).encode("utf-8")
         self._root.write_atomic("index.json", lambda fh: fh.write(text))
@@ -629,6 +631,7 @@ def save_trace(trace: Trace, path: str, side: str = "", source: str = "", shard_
     for rec in trace.records:
         w.add(rec)
     w.set_error(trace.error)
+    w.output_form = trace.output_form
     w.close()
     return path
 
@@ -903,6 +906,7 @@ class CaptureFile:
                     raise _Bad("complete", f"must be true or false, not {_show(complete)}")
                 clean["complete"] = complete
                 clean["error"] = _check_error(index.get("error"))
+                clean["output_form"] = _str_field(index, "output_form", required=False, limit=64)
                 clean["info"] = _check_info(index.get("info"))
                 pf = index.get("parameters")
                 if pf is not None and (not _plain_name(pf) or not pf.endswith(".safetensors")):
@@ -1083,6 +1087,7 @@ class CaptureFile:
         err = self.index.get("error")
         if err:
             trace.error = CaptureError(**err)
+        trace.output_form = self.index.get("output_form") or ""
         return trace
 
 

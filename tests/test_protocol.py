@@ -476,3 +476,67 @@ def test_a_later_failing_trial_is_diffed_stage_by_stage_from_the_state_it_ran_in
         assert [t["max_abs"] for t in data["trials"]] == pytest.approx(expect, rel=1e-5, abs=1e-7)
         answers.append([(s["ref_name"], s["cand_name"], s["status"], s["max_abs"]) for s in data["stages"]])
     assert answers[0] == answers[1]
+
+
+# ----------------------------------------------------------------------------- the output's own form
+FORM_MODEL = """
+import torch, torch.nn as nn
+
+
+class {cls}(nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.proj = nn.Linear(n, n)
+
+    def forward(self, x):
+        h = torch.relu(self.proj(x))
+        return {ret}
+
+
+def get_inputs():
+    return [torch.randn(3, 10)]
+
+
+def get_init_inputs():
+    return [10]
+"""
+
+
+@pytest.mark.parametrize("ref_ret,cand_ret,held", [
+    ("h", "h,", "candidate"), ("h", "[h]", "candidate"), ("h", "{'y': h}", "candidate"), ("(h,)", "h", "reference")])
+@pytest.mark.parametrize("mode", [[], ["--no-isolate"], ["--max-memory", "1M"]])
+def test_a_bare_tensor_against_one_in_a_container_fails_as_kernelbench_fails_it(tmp_path, ref_ret, cand_ret, held,
+                                                                               mode):
+    """KernelBench's evaluator reads `output.shape`: the same values returned inside a tuple, list or dict fail
+    there, so they diverge here, in every mode, with the side named."""
+    ref, cand = tmp_path / "ref.py", tmp_path / "cand.py"
+    ref.write_text(FORM_MODEL.format(cls="Model", ret=ref_ret))
+    cand.write_text(FORM_MODEL.format(cls="ModelNew", ret=cand_ret))
+    proc, data = _cli(str(ref), str(cand), *mode, tmp_path=tmp_path)
+    assert proc.returncode == 1 and data["verdict"] == "diverged", proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "Output structure mismatch" in proc.stdout and "holding one tensor [3, 10]" in proc.stdout
+    assert any(w.startswith(f"the {held} returns a ") and "output.shape" in w for w in data["warnings"])
+    assert not data["trials"][0]["allclose"]
+
+
+def test_both_returning_the_same_container_are_compared_tensor_by_tensor(tmp_path):
+    ref, cand = tmp_path / "ref.py", tmp_path / "cand.py"
+    ref.write_text(FORM_MODEL.format(cls="Model", ret="h, h.sum()"))
+    cand.write_text(FORM_MODEL.format(cls="ModelNew", ret="(h, h.sum(0).sum())"))
+    proc, data = _cli(str(ref), str(cand), tmp_path=tmp_path)
+    assert proc.returncode == 0 and data["verdict"] == "match", proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert any("reference returns a tuple" in w and "KernelBench" in w for w in data["warnings"])
+
+
+def test_the_output_form_survives_two_captures(tmp_path):
+    from diffkit.compare import capture_reference
+
+    ref, cand = tmp_path / "ref.py", tmp_path / "cand.py"
+    ref.write_text(FORM_MODEL.format(cls="Model", ret="h"))
+    cand.write_text(FORM_MODEL.format(cls="ModelNew", ret="[h]"))
+    capture_reference(str(ref), str(tmp_path / "ref.dkt"))
+    capture_reference(str(cand), str(tmp_path / "cand.dkt"), class_name="ModelNew", inputs_from=str(ref),
+                      side="candidate")
+    result = diffkit.diff_files(str(tmp_path / "ref.dkt"), str(tmp_path / "cand.dkt"))
+    assert result.verdict == "diverged" and result.output_structure is not None
+    assert "a list holding" in result.output_structure[1]
