@@ -10,6 +10,19 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp}
 PART=${PART:-all}
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+if [ "$PART" = combo ]; then  # one call: the hand-over's own tests, the benchmark, then the other CUDA tests
+  T0=$(date +%s)
+  timeout 200 python -m pytest -q -m cuda -p no:cacheprovider tests/test_gpu.py tests/test_store_isolate.py \
+    -k "handed_over or crash_after_the_hand_over or pinned" 2>&1 | tee $OUT/cuda_handover.log | tail -6
+  timeout 240 python bench/speed.py --preset h200 --repeat 1 \
+    --only gpu_mid:plain,gpu_mid:cli_inproc,gpu_mid:isolated,gpu_mid:isolated_files,gpu_mid:default_cli \
+    --json $OUT/gpu_mid_round12.json 2>&1 | tail -8
+  LEFT=$(( ${BUDGET:-570} - ($(date +%s) - T0) ))
+  echo "cuda tests get ${LEFT} s"
+  timeout $LEFT python -m pytest -q -m cuda -p no:cacheprovider tests/ --ignore=tests/test_suite.py \
+    -k "not handed_over and not crash_after_the_hand_over and not pinned and not sanitize" 2>&1 \
+    | tee $OUT/cuda_tests.log | tail -8
+fi
 if [ "$PART" = all ] || [ "$PART" = 1 ]; then
   timeout ${TEST_LIMIT:-540} python -m pytest -q -m cuda -p no:cacheprovider tests/ --ignore=tests/test_suite.py \
     ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tee $OUT/cuda_tests.log | tail -12
