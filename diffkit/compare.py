@@ -117,8 +117,8 @@ def capture_reference(ref_path: str, out_dir: str, options: Options | None = Non
                                       info={k: info[k] for k in ("source", "class", "training", "eval", "health")
                                             if k in info}, outputs_only=outputs_only_trials)
         writer.set_info(info)
-    if held:
-        hand_over(trace, named_tensors(built.model), writer.info)
+    if held:  # the parameters, and the buffers as they were before the first forward (as a written capture has them)
+        hand_over(trace, {**named_tensors(built.model), **before}, writer.info)
     return trace
 
 
