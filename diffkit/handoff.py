@@ -107,27 +107,48 @@ class Holder:
             time.sleep(POLL_S)
 
     def dump(self) -> None:
-        """Write every held value and parameter into the capture directory (its records rewritten with
-        them), retire the handles, then say so (`DUMPED`)."""
+        """Write every held value and parameter into the capture directory, retire the handles, then say
+        so (`DUMPED`, which holds "ok", or why the values could not be written).  The capture is written
+        beside the directory and put in its place once complete (its later trials moved over): if writing
+        it fails (no room left), the directory stays as it was, complete, with names and shapes."""
+        import shutil
+
         from .store import CaptureWriter
+        from .trials import TRIAL_DIR
 
         try:
             os.unlink(os.path.join(self.capture_dir, HANDOFF_FILE))  # later readers read the files
         except FileNotFoundError:
             pass
-        writer = CaptureWriter(self.capture_dir)
-        writer.set_info(self.info)
+        where = self.capture_dir.rstrip(os.sep)
+        new, old = where + ".values", where + ".names"
+        outcome = "ok"
         try:
-            writer.add_parameters(self.params)
-        except ValueError:  # a parameter that cannot be saved: the records still are
-            pass
-        for rec in self.trace.records:
-            writer.add(rec)
-        writer.set_error(self.trace.error)
-        writer.output_form = self.trace.output_form
-        writer.close()
-        with open(os.path.join(self.capture_dir, DUMPED), "w") as fh:
-            fh.write("ok")
+            shutil.rmtree(new, ignore_errors=True)
+            writer = CaptureWriter(new)
+            writer.set_info(self.info)
+            try:
+                writer.add_parameters(self.params)
+            except ValueError:  # a parameter that cannot be saved: the records still are
+                pass
+            for rec in self.trace.records:
+                writer.add(rec)
+            writer.set_error(self.trace.error)
+            writer.output_form = self.trace.output_form
+            writer.close()
+            os.rename(where, old)
+            os.rename(new, where)
+            for name in os.listdir(old):
+                if TRIAL_DIR.fullmatch(name):
+                    os.rename(os.path.join(old, name), os.path.join(where, name))
+            shutil.rmtree(old, ignore_errors=True)
+        except (OSError, RuntimeError, ValueError) as e:
+            outcome = f"the values could not be written: {e}"
+            shutil.rmtree(new, ignore_errors=True)
+            if not os.path.isdir(where) and os.path.isdir(old):
+                os.rename(old, where)
+        with open(os.path.join(where, DUMPED), "w") as fh:
+            fh.write(outcome)
 
 
 @dataclass
@@ -140,13 +161,18 @@ class Handed:
 
 
 def _alive(pid: int) -> bool:
+    """Is process `pid` running (not gone, and not a zombie its parent has yet to collect)?"""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fh:
+            return fh.read().rpartition(")")[2].split()[:1] != ["Z"]
+    except OSError:  # (no /proc here)
+        return True
 
 
 def receive(capture_dir: str, wait_s: float = 600.0) -> Handed | None:

@@ -532,7 +532,14 @@ def _explain(traces: _Traces, reference: Source, candidate: Source, options: Opt
         traces.fetch(result)
     ref_params = reference.params()
     cand_params = candidate.params()
-    analyse(result, ref, cand, traces.alignment, window=traces.window)
+    # the candidate's buffers its forward changed: (the live tensor, its value before, its value after)
+    changed = {}
+    if "cand" in traces.state:
+        before, after = traces.state["cand"]
+        live = dict(candidate.model.named_buffers()) if isinstance(candidate, ModelSource) else {}
+        changed = {n: (live.get(n), b, after[n]) for n, b in before.items()
+                   if n in after and not torch.equal(b, after[n])}
+    analyse(result, ref, cand, traces.alignment, window=traces.window, changed=changed)
     if traces.window is not None and result.first_divergence is not None and result.first_divergence.local is not None:
         result.meta["root_cause_window"] = traces.window
     for s in {id(x): x for x in (result.first_divergence, result.root_cause) if x is not None}.values():

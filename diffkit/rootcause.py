@@ -8,6 +8,7 @@ reference's magnitude) so that, once propagated, it can take a later stage out o
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -39,8 +40,13 @@ def _pick(out: Any, pos: tuple) -> Any:
     return out
 
 
-def replay(stage: Stage, ref: Trace, cand: Trace, ref_of_cand: dict[int, tuple[int, tuple]]) -> torch.Tensor:
-    """Re-run the candidate call behind `stage` on the reference's inputs; its output, reference layout."""
+def replay(stage: Stage, ref: Trace, cand: Trace, ref_of_cand: dict[int, tuple[int, tuple]],
+           changed: dict | None = None) -> torch.Tensor:
+    """Re-run the candidate call behind `stage` on the reference's inputs; its output, reference layout.
+    A call that read a buffer the forward changed (`changed`: name -> (live tensor, before, after)) cannot
+    be given the value it read; it is re-run with the buffer as before the forward and as after it, and
+    counts only when both give the same output (a training-mode batch norm, whose output does not read
+    its running statistics; not a counter it scales by)."""
     if stage.cand is None:
         raise NotReplayable("no candidate record")
     rec = cand.records[stage.cand.index]
@@ -51,18 +57,57 @@ def replay(stage: Stage, ref: Trace, cand: Trace, ref_of_cand: dict[int, tuple[i
     (kind, fn, tmpl), pos = rec.call
     if isinstance(pos, tuple) and pos and pos[0] == "arg" or _in_place(fn, tmpl):
         raise NotReplayable("the call writes into an argument (it mutates state); not re-run")
-    out = _rerun(rec, ref, cand, ref_of_cand, GLUE_DEPTH)
+    changed = changed or {}
+    stale = [n for n in sorted(set(getattr(rec, "params", ()) or ())) if n in changed]
+    if not stale:
+        out = _rerun(rec, ref, cand, ref_of_cand, GLUE_DEPTH)
+    else:
+        if any(changed[n][0] is None for n in stale):
+            raise NotReplayable(f"it read {stale[0]}, which the forward changed, and the model is not here")
+        outs = []
+        for when in (1, 2):  # (the buffers as before the forward, then as after it)
+            with _state_kept(None, [changed[n][0] for n in stale]), torch.no_grad():
+                for n in stale:
+                    changed[n][0].copy_(changed[n][when])
+                outs.append(_rerun(rec, ref, cand, ref_of_cand, GLUE_DEPTH))
+        if not torch.equal(outs[0], outs[1]):
+            raise NotReplayable(f"it read {stale[0]}, which the forward changed: the value it read is not known")
+        out = outs[1]
     return to_ref_layout(out, tuple(stage.ref.shape), stage.pair_transform)
 
 
+_IN_PLACE_DUNDERS = frozenset(f"__i{op}__" for op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and",
+                                                      "or", "xor", "lshift", "rshift", "matmul")) | {"__setitem__"}
+
+
 def _in_place(fn: Any, tmpl: Any) -> bool:
-    """Does the call change a tensor it is given (``x.add_(1)``, ``x += 1``, ``out=``)?  Re-running it would
-    change live state (a buffer of the model), on a value that is no longer the one it was called with."""
-    name = getattr(fn, "__name__", "") or ""
-    if name.startswith("__i") and name.endswith("__") or (name.endswith("_") and not name.endswith("__")):
+    """Does the call change a tensor it is given (``x.add_(1)``, ``torch.ops.aten.add_.Tensor``, ``x += 1``,
+    ``x[...] = y``, ``out=``)?  Re-running it would change live state (a buffer of the model), on a value that
+    is no longer the one it was called with."""
+    name = str(getattr(fn, "__name__", "") or "")
+    base = name.split(".")[0]  # (an aten overload: "add_.Tensor")
+    if name in _IN_PLACE_DUNDERS or (base.endswith("_") and not base.endswith("__")):
         return True
     kwargs = tmpl[1] if isinstance(tmpl, tuple) and len(tmpl) == 2 and isinstance(tmpl[1], dict) else {}
     return kwargs.get("out") is not None
+
+
+@contextlib.contextmanager
+def _state_kept(fn: Any, tmpl: Any):
+    """Whatever a re-run changes of the live tensors it is given (a training-mode batch norm's running
+    statistics, a kernel writing into a buffer argument) or of a module's buffers is put back afterwards."""
+    live = [v for v in pytree.tree_leaves(tmpl) if isinstance(v, torch.Tensor)]
+    if isinstance(fn, torch.nn.Module):
+        live += [b for b in fn.buffers() if isinstance(b, torch.Tensor)]
+    with torch.no_grad():
+        saved = [(t, t.clone()) for t in live]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for t, copy in saved:
+                if not torch.equal(t, copy):
+                    t.copy_(copy)
 
 
 GLUE_DEPTH = 4  # unpaired layout calls (view, contiguous …) re-run between a stage and its paired inputs
@@ -101,7 +146,7 @@ def _rerun(rec, ref: Trace, cand: Trace, ref_of_cand: dict, depth: int) -> torch
     for r in dict.fromkeys(v for v in pytree.tree_leaves(tmpl) if isinstance(v, Ref)):
         values[r.index] = _input_value(r.index, ref, cand, ref_of_cand, depth)
     args, kwargs = _substitute(tmpl, values)
-    with torch.no_grad():
+    with torch.no_grad(), _state_kept(fn, tmpl):
         try:
             out = fn(*args, **kwargs)
         except Exception as e:
@@ -112,13 +157,16 @@ def _rerun(rec, ref: Trace, cand: Trace, ref_of_cand: dict, depth: int) -> torch
     return out
 
 
-def analyse(result: Result, ref: Trace, cand: Trace, alignment: Alignment, window: int | None = None) -> None:
+def analyse(result: Result, ref: Trace, cand: Trace, alignment: Alignment, window: int | None = None,
+            changed: dict | None = None) -> None:
     """Fill `local`, `inherited_max_abs` and `replay_note` per stage, and `result.root_cause`.
 
     `window` limits the replays to that many measured stages before the first divergence (a
     streaming diff keeps the reference values of those only).  A stage that cannot be re-run (a
     capture file holds no calls) still counts as introducing its error when its own error is above
-    float32 noise while every input it read, by dataflow, matches the reference to that noise."""
+    float32 noise while every input it read, by dataflow, matches the reference to that noise.
+    `changed`: the candidate's buffers its forward changed, by name: (the live tensor, its value before
+    the forward, after it); see `replay`."""
     ref_of_cand = {p.cand: (p.ref, p.transform) for p in alignment.pairs}
     stage_of_cand = {s.cand.index: s for s in result.stages if s.cand is not None}
     fd = result.first_divergence
@@ -136,7 +184,7 @@ def analyse(result: Result, ref: Trace, cand: Trace, alignment: Alignment, windo
         s.inherited_max_abs = max(errs) if errs else 0.0
         ref_value = ref.records[s.ref.index].value
         try:
-            out = replay(s, ref, cand, ref_of_cand)
+            out = replay(s, ref, cand, ref_of_cand, changed or {})
         except NotReplayable as e:
             s.replay_note = f"not re-run: {e}"
             if ref_value is not None and _inputs_clean(s, ins, ref) and _above_noise(s.stats.max_abs, ref_value):

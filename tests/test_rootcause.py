@@ -162,3 +162,79 @@ def test_reference_health_warnings():
     cand = Zero()
     assert reinit_zero_parameters(z, cand) == ["final.weight"]
     assert z.final.weight.abs().sum() > 0 and torch.equal(z.final.weight, cand.final.weight)
+
+
+# ----------------------------------------------------------------- re-runs and the model's own state
+class _CountingRef(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.register_buffer("steps", torch.zeros(()))
+
+    def forward(self, x):
+        self.steps += 1
+        scaled = self.lin(x) * self.steps
+        return torch.tanh(scaled)
+
+
+class _CountingAten(_CountingRef):  # the counter bumped through the aten overload, the output slightly off
+    def forward(self, x):
+        torch.ops.aten.add_.Tensor(self.steps, 1.0)
+        scaled = torch.addmm(self.lin.bias, x, self.lin.weight.t()).mul(self.steps)
+        return torch.tanh(scaled * 1.001)
+
+
+class _CountingSetitem(_CountingRef):  # a new counter value written over the old one, read before and after
+    def forward(self, x):
+        self.steps[...] = self.steps + 1
+        scaled = torch.addmm(self.lin.bias, x, self.lin.weight.t()).mul(self.steps)
+        return torch.tanh(scaled * 1.001)
+
+
+class _NormRef(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.norm = nn.BatchNorm1d(8, momentum=0.5)
+
+    def forward(self, x):
+        return torch.tanh(self.norm(self.fc(x)) + self.norm.running_mean)
+
+
+class _NormCand(_NormRef):  # training-mode batch norm (its running statistics change), its output off
+    def forward(self, x):
+        h = self.norm(self.fc(x)) + self.norm.running_mean
+        return torch.tanh(h * 1.001)
+
+
+@pytest.mark.parametrize("cand_cls", [_CountingAten, _CountingSetitem])
+def test_a_call_that_changes_or_read_changing_state_is_not_re_run_into_a_false_root_cause(cand_cls):
+    """Re-running `steps += 1` (through an aten overload), or `steps + 1` after the forward wrote the counter
+    again, would count once more: the root cause would be the counter.  The error is the output's own."""
+    torch.manual_seed(0)
+    ref, cand = _CountingRef(), cand_cls()
+    cand.load_state_dict(ref.state_dict())
+    result = diffkit.compare(ref, cand, [torch.randn(4, 6)], health=False)
+    assert result.verdict == "diverged" and result.first_divergence.ref_name == "output"
+    assert result.root_cause.ref_name == "output", [(s.ref_name, s.cand_name, s.local and s.local.max_abs)
+                                                    for s in result.stages]
+    assert float(cand.steps) == 1.0  # the diff's own re-runs left the counter as the forward left it
+
+
+def test_a_training_mode_batch_norm_is_re_run_and_its_statistics_kept():
+    """Its output does not read the running statistics it updates: it is re-run (its error is measured as its
+    own), and the statistics are as the forward left them after the diff's re-runs."""
+    torch.manual_seed(0)
+    ref, cand = _NormRef(), _NormCand()
+    cand.load_state_dict(ref.state_dict())
+    x = torch.randn(16, 8)
+    with torch.no_grad():
+        probe = _NormRef()
+        probe.load_state_dict(ref.state_dict())
+        probe(x.clone())
+    result = diffkit.compare(ref, cand, [x], health=False)
+    norm = next(s for s in result.stages if s.ref_name == "norm")
+    assert norm.local is not None and norm.local.max_abs == 0.0, norm.replay_note
+    assert result.root_cause.ref_name == "output"
+    assert torch.equal(cand.norm.running_mean, probe.norm.running_mean)
+    assert int(cand.norm.num_batches_tracked) == 1

@@ -639,16 +639,25 @@ if os.environ.get("HANDOVER_REFUSE"):  # the handles cannot be opened in the can
     def refuse(item):
         raise RuntimeError("pidfd_getfd: Operation not permitted")
     handoff._rebuild = refuse
+if os.environ.get("HANDOVER_DUMP_FAIL"):  # no room left to write the held values out
+    from diffkit import store
+    real_add = store.CaptureWriter.add
+    def add(self, rec, tensor=None):
+        if self.shard_bytes > 0 and rec.value is not None:  # (the dump's writer; the others write through)
+            raise OSError(28, "No space left on device")
+        return real_add(self, rec, tensor)
+    store.CaptureWriter.add = add
 sys.argv = ["diffkit", "diff", *sys.argv[1:]]
 cli.main()
 """
 
 
-def _handover(tmp_path, ref, cand, refuse=False, *extra):
+def _handover(tmp_path, ref, cand, refuse=False, *extra, dump_fails=False):
     driver = tmp_path / "driver.py"
     driver.write_text(HANDOVER_DRIVER)
     log = tmp_path / "handover.log"
-    env = dict(os.environ, HANDOVER_LOG=str(log), PYTHONPATH=ROOT, **({"HANDOVER_REFUSE": "1"} if refuse else {}))
+    env = dict(os.environ, HANDOVER_LOG=str(log), PYTHONPATH=ROOT, **({"HANDOVER_REFUSE": "1"} if refuse else {}),
+               **({"HANDOVER_DUMP_FAIL": "1"} if dump_fails else {}))
     env.pop("DIFFKIT_NO_FORK", None)
     out = subprocess.run([sys.executable, str(driver), ref, cand, "--json", str(tmp_path / "r.json"), "--no-report",
                           "--trials", "2", "--timeout", "120", *extra], capture_output=True, text=True, cwd=ROOT,
@@ -696,3 +705,36 @@ def test_handles_that_cannot_be_opened_are_read_from_files_instead(tmp_path, ops
     assert "could not be opened" in out.stderr and "Operation not permitted" in out.stderr
     assert data["first_divergence"]["ref_name"] == "forward:scores"
     assert all(s["max_abs"] is not None for s in data["stages"] if s["status"] in ("ok", "diverged"))
+
+
+def test_held_values_that_cannot_be_written_out_leave_the_crash_the_candidate_s(tmp_path, ops):
+    """The candidate crashes and the holding process cannot write its values (no room left): its capture stays
+    complete with names and shapes, and the answer is still the candidate's crash, not the reference's."""
+    cand = tmp_path / "cand.py"
+    cand.write_text(CRASH.format(kernels=KERNELS, action="ctypes.string_at(0)"))
+    out, log, data = _handover(tmp_path, os.path.join(REFS, "transformer_block.py"), str(cand), dump_fails=True)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "shards before dump 0" in log, log
+    assert data["verdict"] == "error" and data["error"]["side"] == "candidate", data["error"]
+    assert "SIGSEGV" in data["error"]["message"]
+    assert any(s["ref_name"] == "ln1" for s in data["stages"])  # (named, though its values were lost)
+
+
+def test_a_zombie_holder_counts_as_gone():
+    """A holding process that died is a zombie until the diff collects it: a waiting candidate must not
+    take it for alive (and wait out its whole limit)."""
+    from diffkit.handoff import _alive
+
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    try:
+        import time
+        for _ in range(200):  # (until it has exited; it is not collected)
+            if not _alive(pid):
+                break
+            time.sleep(0.01)
+        assert not _alive(pid)
+        assert _alive(os.getpid())
+    finally:
+        os.waitpid(pid, 0)
