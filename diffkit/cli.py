@@ -779,7 +779,10 @@ def _isolated(argv, ref_path, cand_path, options: Options, timeout, out: _Output
         for side, path in (("ref", ref_dkt), ("cand", os.path.join(tmp, "cand.dkt"))):
             sources[side] = CaptureSource(path) if is_capture(path) else TraceSource(Trace())
         ref_src, cand_src = sources["ref"], sources["cand"]
-        side = "candidate" if isinstance(ref_src, CaptureSource) and ref_src.file.complete else "reference"
+        # the reference's process failed if it never said its capture was done (a later trial it runs after
+        # trial 1's capture is complete can crash it too); else the candidate's did
+        ref_done = given or os.path.exists(os.path.join(tmp, "ref-done"))
+        side = "candidate" if ref_done and isinstance(ref_src, CaptureSource) and ref_src.file.complete else "reference"
         crumb = ""
         if os.path.exists(os.path.join(tmp, "breadcrumb")):
             crumb = open(os.path.join(tmp, "breadcrumb"), encoding="utf-8").read().strip()

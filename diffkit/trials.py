@@ -529,11 +529,11 @@ def run_trials(reference, candidate, first_inputs: list, options: Options, evide
     outcomes = [first_trial(reported)]
     outcomes[0].trial, outcomes[0].seed, outcomes[0].captured = 1, seeds[0], True
     reported_trial = 1
-    if options.trials > n:
+    stop = reported.error is not None or bool(reported.meta.get("stopped")) or outcomes[0].error
+    if options.trials > n and not stop:  # (a trial 1 that raised ends the trials: none were stored after it)
         have = "the captures pair up on" if isinstance(candidate, CapturedTrials) else "the reference capture holds"
         reported.warnings.append(f"{have} {n} trial(s); {options.trials} were asked: capture again with "
                                  f"--trials {options.trials}")
-    stop = reported.error is not None or bool(reported.meta.get("stopped")) or outcomes[0].error
     for k in range(2, n + 1):
         if stop:
             break

@@ -540,3 +540,12 @@ def test_the_output_form_survives_two_captures(tmp_path):
     result = diffkit.diff_files(str(tmp_path / "ref.dkt"), str(tmp_path / "cand.dkt"))
     assert result.verdict == "diverged" and result.output_structure is not None
     assert "a list holding" in result.output_structure[1]
+
+
+def test_a_reference_raising_on_trial_one_is_not_said_to_hold_too_few_trials(tmp_path):
+    ref, cand = tmp_path / "ref.py", tmp_path / "cand.py"
+    ref.write_text(FORM_MODEL.format(cls="Model", ret="h").replace("return h", "raise RuntimeError('no')"))
+    cand.write_text(FORM_MODEL.format(cls="ModelNew", ret="h"))
+    proc, data = _cli(str(ref), str(cand), tmp_path=tmp_path)
+    assert proc.returncode == 2 and data["verdict"] == "error" and data["error"]["side"] == "reference"
+    assert not any("--trials" in w for w in data["warnings"]), data["warnings"]

@@ -738,3 +738,41 @@ def test_a_zombie_holder_counts_as_gone():
         assert _alive(os.getpid())
     finally:
         os.waitpid(pid, 0)
+
+
+LATE_SEGFAULT_REF = """
+import ctypes, torch, torch.nn as nn
+
+
+class Model(nn.Module):
+    def __init__(self, k):
+        super().__init__()
+        self.mix = nn.Linear(k, k)
+        self.seen = 0
+
+    def forward(self, x):
+        self.seen += 1
+        if self.seen == 3:  # the third forward: a later trial
+            ctypes.string_at(0)
+        return self.mix(x).relu()
+
+
+def get_inputs():
+    return [torch.randn(5, 7)]
+
+
+def get_init_inputs():
+    return [7]
+"""
+
+
+def test_a_reference_crashing_on_a_later_trial_is_reported_as_the_reference(tmp_path):
+    """Trial 1's capture is complete when the reference's process dies on a later trial: the crash is the
+    reference's, not blamed on the candidate."""
+    ref, cand = tmp_path / "ref.py", tmp_path / "cand.py"
+    ref.write_text(LATE_SEGFAULT_REF)
+    cand.write_text(LATE_SEGFAULT_REF.replace("class Model", "class ModelNew").replace("if self.seen == 3", "if 0"))
+    out = _cli("diff", str(ref), str(cand), "--json", str(tmp_path / "r.json"), "--no-report", "--timeout", "120")
+    assert out.returncode == 2, out.stdout + out.stderr
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["error"]["side"] == "reference" and "SIGSEGV" in data["error"]["message"], data["error"]
