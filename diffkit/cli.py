@@ -604,6 +604,16 @@ def _handoff_dir(options: Options) -> str | None:
     return SHM if free >= need else None
 
 
+def _own_notes(log: str) -> str:
+    """diffkit's own notes in a child's stderr ("diffkit: …" lines: a hand-over that fell back to files),
+    which a finished diff passes on; the rest of that child's output stays in its log."""
+    try:
+        with open(log, encoding="utf-8", errors="replace") as fh:
+            return "".join(ln for ln in fh if ln.startswith("diffkit: "))
+    except OSError:
+        return ""
+
+
 def _let_go(holder, capture_dir: str, dump: bool, limit: float | None) -> None:
     """An isolated diff's reference process that holds its values on the GPU (see diffkit.handoff): release it,
     or (`dump`: the candidate's process failed, and what follows reads the capture's files) have it write its
@@ -761,7 +771,7 @@ def _isolated(argv, ref_path, cand_path, options: Options, timeout, out: _Output
 
             shutil.copy(san_log, os.environ["DIFFKIT_SANITIZER_COPY"])  # keep the raw log (debugging the parser)
         if code in (0, 1, 2) and os.path.exists(os.path.join(tmp, "done")):
-            sys.stderr.write(err_text)
+            sys.stderr.write(_own_notes(errlog + "-ref") + err_text)
             return code
         if os.path.exists(os.path.join(tmp, "internal")):  # the child hit a bug of diffkit's, not a crash
             sys.stderr.write(err_text)

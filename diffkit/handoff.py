@@ -77,20 +77,28 @@ class Holder:
 
     def hand_over(self, trace, params: dict[str, torch.Tensor], info: dict) -> None:
         """Publish handles to the values of `trace`'s records and to `params` (the model's parameters and
-        buffers), and keep all three for `serve`."""
-        records = {r.index: _reduce(r.value) for r in trace.records if isinstance(r.value, torch.Tensor)}
-        parameters = {n: _reduce(t) for n, t in params.items() if isinstance(t, torch.Tensor)}
-        if torch.cuda.is_initialized():
-            torch.cuda.synchronize()  # every value computed before another process reads it
-            # what the forwards left cached and nothing holds goes back to the device (the candidate needs it)
-            torch.cuda.empty_cache()
-        data = pickle.dumps({"pid": os.getpid(), "records": records, "parameters": parameters},
-                            protocol=pickle.HIGHEST_PROTOCOL)
-        tmp = os.path.join(self.capture_dir, HANDOFF_FILE + ".tmp")
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-        os.replace(tmp, os.path.join(self.capture_dir, HANDOFF_FILE))
+        buffers), and keep all three for `serve`.  Where no handle can be made (IPC not supported here,
+        PyTorch's shared-memory helper missing …) the values are written into the capture at once
+        instead, as without a hand-over, and nothing is held."""
         self.trace, self.params, self.info = trace, params, info
+        try:
+            records = {r.index: _reduce(r.value) for r in trace.records if isinstance(r.value, torch.Tensor)}
+            parameters = {n: _reduce(t) for n, t in params.items() if isinstance(t, torch.Tensor)}
+            if torch.cuda.is_initialized():
+                torch.cuda.synchronize()  # every value computed before another process reads it
+                # what the forwards left cached and nothing holds goes back to the device (the candidate needs it)
+                torch.cuda.empty_cache()
+            data = pickle.dumps({"pid": os.getpid(), "records": records, "parameters": parameters},
+                                protocol=pickle.HIGHEST_PROTOCOL)
+            tmp = os.path.join(self.capture_dir, HANDOFF_FILE + ".tmp")
+            with open(tmp, "wb") as fh:
+                fh.write(data)
+            os.replace(tmp, os.path.join(self.capture_dir, HANDOFF_FILE))
+        except Exception as e:
+            sys.stderr.write(f"diffkit: the reference's values cannot be handed over on the device here "
+                             f"({type(e).__name__}: {str(e).strip()[:200]}); they are written to its capture\n")
+            self.dump()
+            self.trace = None  # (not holding)
 
     def serve(self, parent: int | None = None) -> str:
         """Hold the values until released ("released"), asked to write them out ("dumped"), or the

@@ -639,6 +639,10 @@ if os.environ.get("HANDOVER_REFUSE"):  # the handles cannot be opened in the can
     def refuse(item):
         raise RuntimeError("pidfd_getfd: Operation not permitted")
     handoff._rebuild = refuse
+if os.environ.get("HANDOVER_PUBLISH_FAIL"):  # no handle can be made in the reference's process
+    def no_handle(t):
+        raise RuntimeError("CUDA IPC is not supported here")
+    handoff._reduce = no_handle
 if os.environ.get("HANDOVER_DUMP_FAIL"):  # no room left to write the held values out
     from diffkit import store
     real_add = store.CaptureWriter.add
@@ -652,12 +656,13 @@ cli.main()
 """
 
 
-def _handover(tmp_path, ref, cand, refuse=False, *extra, dump_fails=False):
+def _handover(tmp_path, ref, cand, refuse=False, *extra, dump_fails=False, publish_fails=False):
     driver = tmp_path / "driver.py"
     driver.write_text(HANDOVER_DRIVER)
     log = tmp_path / "handover.log"
     env = dict(os.environ, HANDOVER_LOG=str(log), PYTHONPATH=ROOT, **({"HANDOVER_REFUSE": "1"} if refuse else {}),
-               **({"HANDOVER_DUMP_FAIL": "1"} if dump_fails else {}))
+               **({"HANDOVER_DUMP_FAIL": "1"} if dump_fails else {}),
+               **({"HANDOVER_PUBLISH_FAIL": "1"} if publish_fails else {}))
     env.pop("DIFFKIT_NO_FORK", None)
     out = subprocess.run([sys.executable, str(driver), ref, cand, "--json", str(tmp_path / "r.json"), "--no-report",
                           "--trials", "2", "--timeout", "120", *extra], capture_output=True, text=True, cwd=ROOT,
@@ -776,3 +781,16 @@ def test_a_reference_crashing_on_a_later_trial_is_reported_as_the_reference(tmp_
     assert out.returncode == 2, out.stdout + out.stderr
     data = json.loads((tmp_path / "r.json").read_text())
     assert data["error"]["side"] == "reference" and "SIGSEGV" in data["error"]["message"], data["error"]
+
+
+def test_values_that_cannot_be_handed_over_are_written_to_the_capture(tmp_path, ops):
+    """The reference's process cannot make handles (no IPC here): it writes its values into its capture at once
+    and holds nothing; the answer is the same, and the reason is on stderr."""
+    ref, cand = os.path.join(REFS, "transformer_block.py"), os.path.join(KERNELS, "transformer_block_no_scale.py")
+    out, log, data = _handover(tmp_path, ref, cand, publish_fails=True)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "cannot be handed over" in out.stderr and "CUDA IPC is not supported here" in out.stderr
+    assert "shards before dump 0" in log and not any(ln.startswith("held") for ln in log), log
+    assert "received none" in log  # (no handles published: the files are read)
+    assert data["first_divergence"]["ref_name"] == "forward:scores"
+    assert "reference_values" not in data["meta"]
