@@ -61,6 +61,24 @@ def _rebuild(item: tuple[str, Any]) -> torch.Tensor:
     return what
 
 
+def _room_for_the_candidate(trace, params: dict[str, torch.Tensor]) -> None:
+    """Raise unless the device the values are held on has room left for the candidate's side of the diff:
+    its model and a capture of its own as large as the one held (with the values held there, an isolated
+    diff needs about what a diff in one process needs; through files, the candidate has the device alone)."""
+    held: dict = {}
+    for t in [r.value for r in trace.records if isinstance(r.value, torch.Tensor)] + list(params.values()):
+        if isinstance(t, torch.Tensor) and t.device.type == "cuda":
+            held[t.device] = held.get(t.device, 0) + t.numel() * t.element_size()
+    for dev, need in held.items():
+        free, _ = torch.cuda.mem_get_info(dev)
+        if free < need * ROOM_FACTOR:
+            raise RuntimeError(f"{dev} has {free / 2**30:.1f} GiB free beside the {need / 2**30:.1f} GiB held; the "
+                               f"candidate's side needs about as much again")
+
+
+ROOM_FACTOR = 1.25  # the device memory left free, against what is held, below which values go through files
+
+
 @dataclass
 class Holder:
     """The reference process's side: what it keeps on the device, published for the candidate's process
@@ -88,6 +106,7 @@ class Holder:
                 torch.cuda.synchronize()  # every value computed before another process reads it
                 # what the forwards left cached and nothing holds goes back to the device (the candidate needs it)
                 torch.cuda.empty_cache()
+                _room_for_the_candidate(trace, params)
             data = pickle.dumps({"pid": os.getpid(), "records": records, "parameters": parameters},
                                 protocol=pickle.HIGHEST_PROTOCOL)
             tmp = os.path.join(self.capture_dir, HANDOFF_FILE + ".tmp")
