@@ -174,3 +174,21 @@ def test_a_crash_after_the_hand_over_compares_what_was_captured(tmp_path):
     assert out.returncode == 2 and data["verdict"] == "error" and "SIGSEGV" in data["error"]["message"]
     ok = {s["ref_name"]: s for s in data["stages"] if s["status"] == "ok" and s["max_abs"] is not None}
     assert "ln1" in ok and "qkv" in ok, [(s["ref_name"], s["status"]) for s in data["stages"]][:6]
+
+
+@pytest.mark.cuda
+def test_values_are_not_held_where_the_candidate_would_have_no_room(tmp_path, monkeypatch):
+    """With too little device memory left beside what the reference holds, its values go into its capture
+    at once (as without a hand-over), and nothing is held."""
+    import diffkit
+    from diffkit import handoff
+    from diffkit.compare import capture_reference
+    from diffkit.store import CaptureFile
+
+    monkeypatch.setattr(handoff, "ROOM_FACTOR", 1e9)
+    holder = handoff.Holder(str(tmp_path / "ref.dkt"))
+    capture_reference(os.path.join(ROOT, "references", "transformer_block.py"), str(tmp_path / "ref.dkt"),
+                      diffkit.Options(trials=1, device="cuda"), hand_over=holder.hand_over)
+    assert not holder.holding and not (tmp_path / "ref.dkt" / handoff.HANDOFF_FILE).exists()
+    back = CaptureFile.open(str(tmp_path / "ref.dkt")).load()
+    assert back.output.value is not None and len(CaptureFile.open(str(tmp_path / "ref.dkt")).parameters()) > 0
