@@ -260,6 +260,11 @@ def _looks_like_extension(mod: Any) -> bool:
     return any(isinstance(v, types.BuiltinFunctionType) for v in vars(mod).values())
 
 
+def input_name(pos: tuple) -> str:
+    """The record name of the forward's input tensor at position `pos` of its arguments (`_tensors`)."""
+    return f"input[{']['.join(map(str, pos))}]"
+
+
 def _tensors(obj: Any) -> list[tuple[tuple, torch.Tensor]]:
     """Tensors inside (nested) tuples, lists and dicts, with their positions (indices and keys)."""
     if isinstance(obj, torch.Tensor):  # the common case, without a tree walk
@@ -1669,7 +1674,7 @@ class capture:
         for i, (pos, t) in enumerate(_tensors(list(inputs))):
             # the model's inputs open the trace, so a candidate's copy of an input pairs with it
             self.state.trace.inputs.append(t.detach().clone() if snapshot else t)
-            self.state.add(name=f"input[{']['.join(map(str, pos))}]", kind="input", label=f"input{list(pos)}",
+            self.state.add(name=input_name(pos), kind="input", label=f"input{list(pos)}",
                            function="", file="", line=0, op="input", tensor=t, scope="")
         self._handles: list[Any] = []
         self._mode: _Mode | None = None

@@ -618,10 +618,9 @@ def _let_go(holder, capture_dir: str, dump: bool, limit: float | None) -> None:
     """An isolated diff's reference process that holds its values on the GPU (see diffkit.handoff): release it,
     or (`dump`: the candidate's process failed, and what follows reads the capture's files) have it write its
     values into its capture first; stopped if it does not exit in time."""
-    from .handoff import DUMP, HANDOFF_FILE, RELEASE
+    from .handoff import DUMP, HANDOFF_FILE, RELEASE, ask
 
-    with open(os.path.join(capture_dir, DUMP if dump else RELEASE), "w") as fh:
-        fh.write("go")
+    ask(capture_dir, DUMP if dump else RELEASE)
     try:
         holder.wait(timeout=(limit or 600.0) if dump else RELEASE_WAIT_S)
     except Exception:

@@ -223,11 +223,16 @@ def receive(capture_dir: str, wait_s: float = 600.0) -> Handed | None:
         return None
 
 
+def ask(capture_dir: str, what: str) -> None:
+    """Ask the process holding the values of the capture in `capture_dir` to `RELEASE` them or `DUMP` them."""
+    with open(os.path.join(capture_dir, what), "w") as fh:
+        fh.write(what)
+
+
 def request_dump(capture_dir: str, pid: int | None, wait_s: float) -> bool:
     """Ask the holding process (`pid`) to write its values into the capture; wait until it has (True),
     it is gone, or `wait_s` seconds have passed (False)."""
-    with open(os.path.join(capture_dir, DUMP), "w") as fh:
-        fh.write("dump")
+    ask(capture_dir, DUMP)
     done = os.path.join(capture_dir, DUMPED)
     end = time.monotonic() + wait_s
     while not os.path.exists(done):

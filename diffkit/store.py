@@ -984,15 +984,21 @@ class CaptureFile:
             self._maps[shard] = hit
         return hit
 
+    @staticmethod
+    def _agrees(value: torch.Tensor, meta: dict, rec: str, holds: str, where: str, then: str = "") -> torch.Tensor:
+        """`value`, once its dtype and shape are the ones the index gives record `rec` (else an error: `holds`
+        says what the value came from, `then` ends it, `where` locates it)."""
+        got = str(value.dtype).replace("torch.", "")
+        if list(value.shape) != list(meta.get("shape", [])) or got != meta.get("dtype"):
+            raise DiffkitError("", "read", f"{rec}: the index says {meta.get('dtype')} {meta.get('shape')}, {holds} "
+                               f"{got} {list(value.shape)}{then}", where)
+        return value
+
     def _value(self, meta: dict) -> torch.Tensor | None:
         if self.handed is not None and meta.get("index") in self.handed.records:
-            value = self.handed.records[meta["index"]]
-            got = str(value.dtype).replace("torch.", "")
-            if list(value.shape) != list(meta.get("shape", [])) or got != meta.get("dtype"):
-                raise DiffkitError("", "read", f"record {meta.get('index')} ({_show(meta.get('name'))}): the index says "
-                                   f"{meta.get('dtype')} {meta.get('shape')}, the value handed over is {got} "
-                                   f"{list(value.shape)}", self.path)
-            return value
+            return self._agrees(self.handed.records[meta["index"]], meta,
+                                f"record {meta.get('index')} ({_show(meta.get('name'))})", "the value handed over is",
+                                self.path)
         if "key" not in meta:
             return None
         shard, key, name = meta.get("shard"), meta.get("key"), meta.get("name")
@@ -1014,12 +1020,8 @@ class CaptureFile:
                                        root.where(shard)) from None
             finally:
                 os.close(fd)
-        got = str(value.dtype).replace("torch.", "")
-        if list(value.shape) != list(meta.get("shape", [])) or got != meta.get("dtype"):
-            raise DiffkitError("", "read", f"{rec}: the index says {meta.get('dtype')} {meta.get('shape')}, the shard "
-                               f"holds {got} {list(value.shape)}: the files do "
-                               f"not belong together", os.path.join(self.path, shard))
-        return value
+        return self._agrees(value, meta, rec, "the shard holds", os.path.join(self.path, shard),
+                            ": the files do not belong together")
 
     def parameters(self) -> dict[str, torch.Tensor]:
         """The model's parameters and buffers by qualified name (empty when the capture has none).

@@ -481,7 +481,7 @@ def write_trials(capture_path: str, model: torch.nn.Module, make_inputs: Callabl
 def _write_outputs_only(path: str, model: torch.nn.Module, inputs: list, seed: int, no_grad: bool, info: dict) -> str:
     """One later trial as KernelBench runs it (seeded, one plain forward), stored as a capture of its inputs
     and output only, with the model's buffers before the forward as its parameters; what it raised, or ""."""
-    from .capture import CaptureError, Record, _tensors
+    from .capture import CaptureError, Record, _tensors, input_name
     from .store import CaptureWriter
 
     writer = CaptureWriter(path, shard_bytes=0)
@@ -489,7 +489,7 @@ def _write_outputs_only(path: str, model: torch.nn.Module, inputs: list, seed: i
     writer.add_parameters({n: b.detach() for n, b in model.named_buffers() if isinstance(b, torch.Tensor)})
     seed_all(seed)
     out, err = forward(model, inputs, no_grad)
-    leaves = [(f"input[{']['.join(map(str, pos))}]", "input", t) for pos, t in _tensors(list(inputs))]
+    leaves = [(input_name(pos), "input", t) for pos, t in _tensors(list(inputs))]
     if not err:
         leaves += [(n, "output", t) for n, t in output_leaves(out).items()]
     for i, (n, kind, t) in enumerate(leaves):
