@@ -9,6 +9,7 @@ reference's magnitude) so that, once propagated, it can take a later stage out o
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Any
 
 import torch
@@ -179,7 +180,8 @@ def analyse(result: Result, ref: Trace, cand: Trace, alignment: Alignment, windo
         if s.cand.kind == "input":
             continue
         # the measured stages it reads, through records with no counterpart (glue like views, contiguous)
-        ins = upstream_stages(s, cand, stage_of_cand)
+        between: list = []
+        ins = upstream_stages(s, cand, stage_of_cand, between)
         errs = [x.stats.max_abs for x in ins if x is not None and x.stats is not None]
         s.inherited_max_abs = max(errs) if errs else 0.0
         ref_value = ref.records[s.ref.index].value
@@ -188,7 +190,14 @@ def analyse(result: Result, ref: Trace, cand: Trace, alignment: Alignment, windo
         except NotReplayable as e:
             s.replay_note = f"not re-run: {e}"
             if ref_value is not None and _inputs_clean(s, ins, ref) and _above_noise(s.stats.max_abs, ref_value):
-                s.replay_note += "; its inputs match the reference, so the error is its own"
+                extra = _extra_steps(between)
+                if extra:  # the error starts in this call or in the candidate's own steps feeding it
+                    upstream = ", ".join(f"stage {x.index} {x.ref_name}" for x in ins[:3])
+                    s.replay_note += (f"; what it reads upstream matches the reference ({upstream}), so the error "
+                                      f"arises here or in the candidate's step(s) in between that the reference "
+                                      f"does not have: {extra}")
+                else:
+                    s.replay_note += "; its inputs match the reference, so the error is its own"
                 introduced.append(s)
             continue
         if ref_value is None:
@@ -269,9 +278,10 @@ def _relative(stage: Stage, ref: Trace) -> float:
     return stage.stats.max_abs / scale if scale > 0 else stage.stats.max_abs
 
 
-def upstream_stages(stage: Stage, cand: Trace, stage_of_cand: dict[int, Stage]) -> list[Stage]:
+def upstream_stages(stage: Stage, cand: Trace, stage_of_cand: dict[int, Stage],
+                    between: list | None = None) -> list[Stage]:
     """The measured stages nearest upstream of `stage` along the candidate's dataflow (walking through
-    records with no reference counterpart)."""
+    records with no reference counterpart; those records are appended to `between` when it is given)."""
     out: dict[int, Stage] = {}
     todo = [i for i in stage.cand.inputs]
     seen: set[int] = set()
@@ -284,8 +294,23 @@ def upstream_stages(stage: Stage, cand: Trace, stage_of_cand: dict[int, Stage]) 
         if s is not None and s.stats is not None and s.ref is not None:
             out[s.index] = s
         else:
+            if between is not None:
+                between.append(cand.records[i])
             todo.extend(r.index for r in cand.records[i].inputs)
     return [out[k] for k in sorted(out)]
+
+
+def _extra_steps(between: list) -> str:
+    """Words for the candidate's computing steps with no reference counterpart that lie between a stage
+    and the matching stages it reads (views and copies left out): "" when there are none."""
+    steps = sorted((r for r in between if r.kind in ("op", "ext", "write", "tap") and not is_layout_op(r)),
+                   key=lambda r: r.index)
+    if not steps:
+        return ""
+    words = [f"{r.name} ({r.op}" + (f" at {os.path.basename(r.file)}:{r.line}" if r.file else "") + ")"
+             for r in steps[:3]]
+    more = f" and {len(steps) - 3} more" if len(steps) > 3 else ""
+    return ", ".join(words) + more
 
 
 def walk_back(fd: Stage, ref: Trace, cand: Trace, stage_of_cand: dict[int, Stage]) -> tuple[Stage | None, str]:
@@ -304,9 +329,12 @@ def walk_back(fd: Stage, ref: Trace, cand: Trace, stage_of_cand: dict[int, Stage
         if cur.local is not None and cur.local.max_abs > 0 and cur.local.max_abs >= OWN_SHARE * cur.stats.max_abs:
             break
     if cur is fd:
-        unpaired = [cand.records[i].name for i in fd.cand.inputs if i not in stage_of_cand]
+        between: list = []
+        upstream_stages(fd, cand, stage_of_cand, between)
+        extra = _extra_steps(between) or ", ".join(cand.records[i].name for i in fd.cand.inputs
+                                                   if i not in stage_of_cand)
         return None, ("the error it inherits comes from records with no reference counterpart"
-                      + (f" ({', '.join(unpaired[:3])})" if unpaired else ""))
+                      + (f" ({extra})" if extra else ""))
     chain = " ← ".join(f"{s.index} {s.ref_name}" for s in path)
     own = (f"re-run alone it is off by max_abs {cur.local.max_abs:.3g} of its {cur.stats.max_abs:.3g}"
            if cur.local is not None else "its inputs carry no error")

@@ -238,3 +238,53 @@ def test_a_training_mode_batch_norm_is_re_run_and_its_statistics_kept():
     assert result.root_cause.ref_name == "output"
     assert torch.equal(cand.norm.running_mean, probe.norm.running_mean)
     assert int(cand.norm.num_batches_tracked) == 1
+
+
+class _LinTanh(nn.Module):
+    def __init__(self, d=32):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.head = nn.Linear(d, d)
+
+    def forward(self, x):
+        pre = self.lin(x)
+        return self.head(torch.tanh(pre * 0.1))
+
+
+class _ExtraShift(_LinTanh):  # one step the reference does not have, in the forward itself
+    def forward(self, x):
+        pre = torch.nn.functional.linear(x, self.lin.weight, self.lin.bias)
+        pre = pre + 0.05
+        return torch.nn.functional.linear((pre * 0.1).tanh(), self.head.weight, self.head.bias)
+
+
+def _shifted(t, by):  # ... and inside a helper, two steps (a scale, then a shift)
+    return t.mul(1.0).sub(by)
+
+
+class _ExtraInHelper(_LinTanh):
+    def forward(self, x):
+        z = x @ self.lin.weight.t() + self.lin.bias
+        z = _shifted(z, 0.3)
+        return self.head(torch.tanh(z * 0.1))
+
+
+@pytest.mark.parametrize("cls,line_of", [(_ExtraShift, "pre = pre + 0.05"), (_ExtraInHelper, "return t.mul(1.0).sub(by)")])
+def test_a_step_the_reference_does_not_have_is_named_with_where_it_was_made(cls, line_of):
+    import inspect
+
+    torch.manual_seed(0)
+    ref = _LinTanh()
+    cand = cls()
+    cand.load_state_dict(ref.state_dict())
+    r = diffkit.compare(ref, cand, [torch.randn(8, 32)])
+    assert r.verdict == "diverged"
+    fd = r.first_divergence
+    lines, first = inspect.getsourcelines(cls.forward if line_of.startswith("pre") else _shifted)
+    line = first + next(i for i, text in enumerate(lines) if line_of in text)
+    rc = r.root_cause or fd
+    # the stage that goes wrong is the step itself (a new value of the reference's variable finishes its
+    # stage, as a bias added apart would), or the note of the stage it feeds names the step and its line
+    if rc.cand.line != line:
+        assert "does not have" in rc.replay_note and f"test_rootcause.py:{line}" in rc.replay_note, rc.replay_note
+        assert "its inputs match the reference" not in rc.replay_note
