@@ -27,7 +27,9 @@ import collections
 import fnmatch
 import json
 import math
+import itertools
 import os
+import queue
 import random
 import shutil
 import sys
@@ -181,6 +183,147 @@ class _Stager:
     def flush(self) -> None:
         while self.pending:
             self._finish(self.pending.popleft(), block=True)
+
+
+class _Spiller:
+    """The disk tier's writes, on a thread of their own: a value is copied a piece at a time into a
+    small ring of reused staging buffers (pinned for a device value, the copy behind a CUDA event) and
+    written to its file from there, so the forward that made it waits neither for the disk nor, on a
+    GPU, for the copy off the device.  A file holds one value's bytes in logical order, raw (read back
+    only by this process: the slot keeps shape, dtype and strides).  A value is readable once its
+    file is complete (`read` waits for it); a write that failed fails the next `write` or `read`."""
+
+    PIECE = 8 << 20  # bytes per staging buffer
+    BUFFERS = 4  # staging buffers: at most this many pieces wait for the disk at once
+
+    def __init__(self, directory: str):
+        self.dir = directory
+        self.jobs: queue.Queue = queue.Queue()
+        self.free: queue.Queue = queue.Queue()
+        self.buffers: list[torch.Tensor] = []
+        self.complete: dict[str, threading.Event] = {}  # path -> set once its file is written (or failed)
+        self.unwanted: set[str] = set()  # dropped while still being written: removed once written
+        self.error: BaseException | None = None
+        self.producing = threading.Lock()  # one value's pieces stay together in the queue
+        self.files = threading.Lock()  # `complete` and `unwanted`, shared with the writer
+        self.names = itertools.count()
+        self.thread: threading.Thread | None = None
+
+    def _start(self, pinned: bool) -> None:
+        self.buffers = [torch.empty(self.PIECE, dtype=torch.uint8, pin_memory=pinned) for _ in range(self.BUFFERS)]
+        for i in range(self.BUFFERS):
+            self.free.put(i)
+        self.thread = threading.Thread(target=self._run, name="diffkit-spill", daemon=True)
+        self.thread.start()
+
+    def _raise(self) -> None:
+        if self.error is not None:
+            raise OSError(f"could not write a value spilled to {self.dir}: {self.error}") from self.error
+
+    def write(self, key: int, t: torch.Tensor) -> str:
+        """Start writing `t`'s values (a snapshot as of now, in stream order on a GPU); its file's path."""
+        self._raise()
+        path = os.path.join(self.dir, f"{key}-{next(self.names)}.bin")
+        with self.producing:
+            if self.thread is None:
+                self._start(t.is_cuda and torch.cuda.is_available())
+            src = t.resolve_conj().resolve_neg()
+            src = src if src.is_contiguous() else src.contiguous()
+            flat = src.reshape(-1).view(torch.uint8) if src.numel() else torch.empty(0, dtype=torch.uint8)
+            with self.files:
+                self.complete[path] = threading.Event()
+            self.jobs.put(("open", path, None, 0, None))
+            for lo in range(0, flat.numel(), self.PIECE):
+                piece = flat[lo:lo + self.PIECE]
+                i = self.free.get()  # (waits while every buffer is on its way to the disk)
+                self.buffers[i][:piece.numel()].copy_(piece, non_blocking=piece.is_cuda)
+                ev = None
+                if piece.is_cuda:
+                    ev = torch.cuda.Event()
+                    ev.record()
+                self.jobs.put(("piece", path, i, piece.numel(), ev))
+            self.jobs.put(("close", path, None, 0, None))
+        return path
+
+    def _run(self) -> None:
+        fds: dict[str, int] = {}
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            kind, path, i, n, ev = job
+            try:
+                if kind == "open":
+                    fds[path] = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                elif kind == "piece":
+                    if ev is not None:
+                        ev.synchronize()
+                    fd = fds.get(path)
+                    if fd is not None:
+                        view = memoryview(self.buffers[i].numpy())[:n]
+                        while view:
+                            view = view[os.write(fd, view):]
+                else:
+                    fd = fds.pop(path, None)
+                    if fd is not None:
+                        os.close(fd)
+            except BaseException as e:  # (kept for the caller; the writes after it go on, for the buffers)
+                self.error = self.error or e
+                fd = fds.pop(path, None)
+                if fd is not None:
+                    try:
+                        os.close(fd)
+                    except OSError:
+                        pass
+            finally:
+                if kind == "piece":
+                    self.free.put(i)
+                elif kind == "close":
+                    with self.files:
+                        self.complete[path].set()
+                        if path in self.unwanted:
+                            self.unwanted.discard(path)
+                            self._remove(path)
+
+    def read(self, path: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        """A spilled value, in logical order, in host memory (waits for its file to be complete)."""
+        with self.files:
+            done = self.complete.get(path)
+        if done is not None:
+            done.wait()
+        self._raise()
+        numel = 1
+        for d in shape:
+            numel *= d
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        if not nbytes:
+            return torch.empty(shape, dtype=dtype)
+        raw = torch.from_file(path, shared=False, size=nbytes, dtype=torch.uint8)
+        return raw.view(dtype).reshape(shape)
+
+    def discard(self, path: str) -> None:
+        """Remove a value's file (once it has been written, if it is still being written)."""
+        with self.files:
+            done = self.complete.get(path)
+            if done is not None and not done.is_set():
+                self.unwanted.add(path)
+                return
+            self.complete.pop(path, None)
+        self._remove(path)
+
+    @staticmethod
+    def _remove(path: str) -> None:
+        try:
+            os.remove(path)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        """Finish every write and stop the writer (its files stay)."""
+        if self.thread is not None:
+            self.jobs.put(None)
+            self.thread.join()
+            self.thread = None
 
 
 def _rng_state() -> tuple:
@@ -401,6 +544,7 @@ class TieredStore:
         self.host_budget = host_budget if host_budget is not None else Budget(0)
         self._spill_root = spill_dir
         self._spill: str | None = None
+        self._spiller: _Spiller | None = None  # the disk tier's writer (with `_spill`)
         self.slots: dict[int, _Slot] = {}
         self.meta = meta  # a metadata-only CaptureWriter (crash insurance), or None
         self.tiers = collections.Counter()
@@ -447,12 +591,10 @@ class TieredStore:
             # stream-ordered: later in-place writes to `t` come after the copy
             self.slots[key] = _Slot("host", self._stager.copy(t), n, stride=_reordered_strides(t))
         else:
-            from safetensors.torch import save_file
-
             if self._spill is None:
                 self._spill = tempfile.mkdtemp(prefix="diffkit-spill-", dir=self._spill_root)
-            path = os.path.join(self._spill, f"{key}.safetensors")
-            save_file({"v": t.to("cpu").contiguous()}, path)
+                self._spiller = _Spiller(self._spill)
+            path = self._spiller.write(key, t)  # (written on the spiller's thread)
             self.slots[key] = _Slot("disk", None, n, path, tuple(t.shape), t.dtype, str(t.device),
                                     _reordered_strides(t))
             self.spilled_bytes += n
@@ -465,10 +607,7 @@ class TieredStore:
         if s.tier == "host" and self._stager is not None:
             self._stager.flush()  # its bytes may still be on their way through the pinned ring
         if s.tier == "disk":
-            from safetensors import safe_open
-
-            with safe_open(s.path, framework="pt") as fh:
-                v = fh.get_tensor("v")
+            v = self._spiller.read(s.path, s.shape, s.dtype)
         else:
             v = s.value
         if s.stride is not None:
@@ -487,10 +626,7 @@ class TieredStore:
         elif s.tier == "host":
             self.host_budget.give(s.nbytes)
         elif s.path:
-            try:
-                os.remove(s.path)
-            except OSError:
-                pass
+            self._spiller.discard(s.path)
 
     def clear(self) -> None:
         if self._stager is not None:
@@ -498,8 +634,10 @@ class TieredStore:
         for k in list(self.slots):
             self.drop(k)
         if self._spill is not None:
+            self._spiller.close()
             shutil.rmtree(self._spill, ignore_errors=True)
             self._spill = None
+            self._spiller = None
 
 
 class FileStore:

@@ -253,6 +253,62 @@ def test_store_gives_back_a_transposed_value_in_its_layout(tmp_path):
     assert store.get(2).is_contiguous() and torch.equal(store.get(2), wide)
 
 
+
+def test_disk_tier_written_behind_keeps_each_value_as_it_was_put(tmp_path, monkeypatch):
+    # the spiller copies a value through a ring smaller than the value and writes it on its own thread:
+    # what comes back is the value as it was when put, whatever happens to the tensor afterwards, for
+    # every dtype and size; a value dropped (or put again) while its file is on its way is gone after
+    from diffkit import stream
+
+    monkeypatch.setattr(stream._Spiller, "PIECE", 4096)
+    monkeypatch.setattr(stream._Spiller, "BUFFERS", 2)
+    store = TieredStore(Budget(0), spill_dir=str(tmp_path))
+    g = torch.Generator().manual_seed(5)
+    values = {
+        0: torch.randn(3000, generator=g),  # several pieces
+        1: torch.randint(-9, 9, (40, 33), generator=g, dtype=torch.int64).t(),  # transposed, several pieces
+        2: torch.randn(17, generator=g).half(),
+        3: torch.rand(1000, generator=g) > 0.5,
+        4: torch.randn(6, 2, generator=g, dtype=torch.complex64).conj(),
+        5: torch.empty(0, 4),
+        6: torch.tensor(2.5, dtype=torch.float64),
+    }
+    kept = {k: v.clone() for k, v in values.items()}
+    for k, v in values.items():
+        store.put(k, v)
+        if v.numel() and v.dtype.is_floating_point:
+            v.mul_(-3)  # the forward goes on writing into it
+    store.put(7, torch.ones(5000))
+    store.drop(7)  # (most likely still being written)
+    store.put(0, kept[0] + 1)  # a second value under a key replaces the first
+    kept[0] = kept[0] + 1
+    for k, want in kept.items():
+        got = store.get(k)
+        assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want), k
+    assert store.get(1).stride() == values[1].stride()
+    store.clear()
+    assert not os.listdir(tmp_path)
+
+
+def test_disk_tier_write_failure_is_raised_where_the_value_is_wanted(tmp_path, monkeypatch):
+    from diffkit import stream
+
+    store = TieredStore(Budget(0), spill_dir=str(tmp_path))
+    real = os.write
+
+    def full(fd, data):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(stream.os, "write", full)
+    store.put(0, torch.randn(100))
+    with pytest.raises(OSError, match="No space left"):
+        store.get(0)
+    with pytest.raises(OSError, match="could not write a value spilled"):
+        store.put(1, torch.randn(100))
+    monkeypatch.setattr(stream.os, "write", real)
+    store.clear()
+
+
 _HEADS_REF = """
 import torch
 import torch.nn as nn
