@@ -192,3 +192,29 @@ def test_values_are_not_held_where_the_candidate_would_have_no_room(tmp_path, mo
     assert not holder.holding and not (tmp_path / "ref.dkt" / handoff.HANDOFF_FILE).exists()
     back = CaptureFile.open(str(tmp_path / "ref.dkt")).load()
     assert back.output.value is not None and len(CaptureFile.open(str(tmp_path / "ref.dkt")).parameters()) > 0
+
+
+@pytest.mark.cuda
+def test_device_values_spilled_to_disk_are_kept_as_they_were_put(tmp_path, monkeypatch):
+    # a device value's copy off the device is behind a CUDA event and its write on the spiller's thread:
+    # a kernel that writes into the tensor right after it was put must not change what comes back
+    import torch
+
+    from diffkit import stream
+    from diffkit.stream import Budget, TieredStore
+
+    monkeypatch.setattr(stream._Spiller, "PIECE", 1 << 16)
+    store = TieredStore(Budget(0), Budget(0), spill_dir=str(tmp_path))
+    big = torch.randn(1 << 20, device="cuda")
+    wide = torch.randn(300, 200, device="cuda").t()
+    want = (big.cpu(), wide.cpu())
+    store.put(0, big)
+    store.put(1, wide)
+    big.mul_(-1)
+    wide.add_(7)
+    assert store.slots[0].tier == "disk" and store.slots[1].tier == "disk"
+    assert torch.equal(store.get(0), want[0]) and torch.equal(store.get(1), want[1])
+    assert store.get(1).stride() == wide.stride()
+    assert store.get(0, device="cuda").is_cuda
+    store.clear()
+    assert not os.listdir(tmp_path)
