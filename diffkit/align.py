@@ -23,9 +23,12 @@ passes before it left over (none overrides another), and every `Pair` records th
    reference tensor of equal element count whose values are closest, allowing a reshape or a
    permutation of axes.  Cheap permutation-invariant fingerprints (quantiles) pick a few contenders
    before any full comparison;
-5. `pass_deferred` — a name pair set aside because a reused variable's values disagreed stands after
+5. `pass_read_inputs` — the one unpaired tensor a paired stage reads on each side pairs where their
+   values agree (``dataflow``): a recurrent module's final states against a hand-written loop's last
+   step, which no cover matches;
+6. `pass_deferred` — a name pair set aside because a reused variable's values disagreed stands after
    all when no pass found the candidate another partner;
-6. `pass_consistency` — a pair whose values disagree while every paired record consuming the
+7. `pass_consistency` — a pair whose values disagree while every paired record consuming the
    candidate's tensor agrees with its reference is dropped: an error that does not flow on was a pair
    of two different roles (a BatchNorm output against a fused BatchNorm+ReLU), not a bug.
 
@@ -51,7 +54,7 @@ from .measure import _FAST_DTYPES as _FAST
 from .measure import measure_async, measure_many, native_rel_l2, tolerances
 
 __all__ = ["Pair", "Alignment", "AlignState", "align", "PASSES", "pass_name", "pass_outputs", "pass_dataflow",
-           "pass_proposed", "pass_order", "pass_value", "pass_deferred", "pass_consistency", "to_ref_layout",
+           "pass_proposed", "pass_order", "pass_value", "pass_read_inputs", "pass_deferred", "pass_consistency", "to_ref_layout",
            "from_ref_layout", "best_layout", "permuted_or_plain", "Layout", "Dataflow", "covers", "compatible", "param_map",
            "rebound_pair_agrees"]
 
@@ -1051,12 +1054,15 @@ def _holds_it_alone(state: AlignState, c: Record, r: Record, others: list[int]) 
     return all(e is not None and e > bar for e in theirs)
 
 
-def _choose(state: AlignState, c: Record, contenders: list[int], later: list[int]) -> tuple[int | None, bool]:
+def _choose(state: AlignState, c: Record, contenders: list[int], later: list[int],
+            elsewhere: Sequence[int] = ()) -> tuple[int | None, bool]:
     """Among reference records of the same cover, the counterpart of `c`: the closest in value when
     values decide, else by position (a candidate record that is the last of its cover takes the last
     contender: a fused kernel's output equals the last stage it covers).  `later`: the unpaired
     candidate records after `c` of the same cover; a lone contender whose values one of them holds,
-    while `c` does not, is left to it (None).  Returns (index, whether values decided)."""
+    while `c` does not, is left to it (None).  `elsewhere`: unpaired candidate records after `c`
+    computed from the same parameters below more paired records; a contender whose values one of them
+    holds while `c` does not is left to it too.  Returns (index, whether values decided)."""
     if len(contenders) > 1:
         # the same torch function on both sides (softmax and softmax) is the same stage; a later
         # candidate record with its own such contender is no rival for the others
@@ -1087,6 +1093,8 @@ def _choose(state: AlignState, c: Record, contenders: list[int], later: list[int
                     theirs = _value_err(state, state.cand[x], r)
                     if theirs is not None and theirs <= bar:
                         return None, False
+                if _later_holds(state, contenders, elsewhere, bar):
+                    return None, False
             if mine is not None and mine > VALUE_MATCH_REL_ERR and _count_only(c, r):
                 return None, False
         return contenders[0], True
@@ -1102,6 +1110,12 @@ def _choose(state: AlignState, c: Record, contenders: list[int], later: list[int
         if scored:
             scored.sort()
             best, second = scored[0][0], scored[1][0]
+            if best > DATAFLOW_DEFER_ABOVE and _later_holds(state, contenders, [*later, *elsewhere],
+                                                            min(VALUE_MATCH_REL_ERR, DATAFLOW_CLEARLY_CLOSER * best)):
+                # a later record of the same cover holds one of them (the last step of a hand-written
+                # recurrence, for a recurrent module's final state): that is the stage; `c` (a gate of an
+                # earlier step, say) is none, however much closer it is to one contender than to another
+                return None, False
             if best <= VALUE_MATCH_REL_ERR or best < DATAFLOW_CLEARLY_CLOSER * second:
                 pick = min(ri for e, ri in scored if e <= best * DATAFLOW_TIE + _IDENTICAL_REL_ERR)
                 if best > VALUE_MATCH_REL_ERR and _count_only(c, state.ref[pick]):
@@ -1115,6 +1129,41 @@ def _choose(state: AlignState, c: Record, contenders: list[int], later: list[int
                 return None, False
             return pick, False
     return (contenders[-1] if last else contenders[0]), False
+
+
+def _cached_fingerprint(state: AlignState, side: str, i: int) -> torch.Tensor | None:
+    """`_fingerprint` of one side's record, computed once per alignment."""
+    cache = state.__dict__.setdefault("_fingerprints", {})
+    key = (side, i)
+    if key not in cache:
+        rec = (state.ref if side == "ref" else state.cand)[i]
+        v = (state.ref_value if side == "ref" else state.cand_value)(rec)
+        cache[key] = _fingerprint(rec, v=v) if v is not None else None
+    return cache[key]
+
+
+def _later_holds(state: AlignState, contenders: list[int], later: list[int], bar: float) -> bool:
+    """Whether one of the candidate records `later` holds the values of one of the reference records
+    `contenders` within relative error `bar` (the closest by fingerprint, VALUE_CONTENDERS of them,
+    compared in full)."""
+    if not later:
+        return False
+    fps = [(x, _cached_fingerprint(state, "cand", x)) for x in later]
+    fps = [(x, f) for x, f in fps if f is not None]
+    if not fps:
+        return False
+    stacked = torch.stack([f for _, f in fps])
+    for ri in contenders:
+        fr = _cached_fingerprint(state, "ref", ri)
+        if fr is None:
+            continue
+        scale = float(fr.abs().max()) or 1.0
+        order = torch.argsort((stacked - fr).abs().max(dim=1).values / scale)[:VALUE_CONTENDERS].tolist()
+        for k in order:
+            err = _value_err(state, state.cand[fps[k][0]], state.ref[ri])
+            if err is not None and err <= bar:
+                return True
+    return False
 
 
 def cover_of(flow: Dataflow, i: int, anchor: Callable[[int], int | None], memo: dict[int, Cover]) -> Cover:
@@ -1222,13 +1271,18 @@ def _dataflow_round(state: AlignState, partial: bool) -> int:
             continue
         # later candidate records of the same cover (those that only re-lay out another hold no other
         # values: not rivals)
-        later = []
+        later, elsewhere = [], []
         for x in cand_numel.get(numel, ()):
             if x > ci and free_cand(x) and all((cf.ancestors[x] >> a) & 1 for a in (state.paired_ref.get(k, -1)
-                                                                                  for k in cc[0]) if a >= 0) \
-                    and cand_cover(x) == cc and not (is_layout_op(state.cand[x]) and any(
+                                                                                  for k in cc[0]) if a >= 0):
+                xc = cand_cover(x)
+                if xc == cc and not (is_layout_op(state.cand[x]) and any(
                         j == ci or (free_cand(j) and cand_cover(j) == cc) for j in cf.inputs[x])):
-                later.append(x)
+                    later.append(x)
+                elif xc[1] == cc[1] and cc[0] < xc[0]:
+                    # from the same parameters and more anchors: a step after a paired one (the last hidden
+                    # state of a hand-written LSTM is made from its last cell state)
+                    elsewhere.append(x)
         if partial and all(cc[1] < ref_cover(ri)[1] for ri in contenders):
             if _reads_elsewhere(cf, ci, frozenset().union(*(ref_cover(ri)[1] - cc[1] for ri in contenders))):
                 # the candidate reads the rest elsewhere: this is a stage inside the reference's (one
@@ -1238,7 +1292,7 @@ def _dataflow_round(state: AlignState, partial: bool) -> int:
             # the reference's at the first stage that reads one of them, whatever it computes after
             ri, by_value = contenders[0], True
         else:
-            ri, by_value = _choose(state, c, contenders, later)
+            ri, by_value = _choose(state, c, contenders, later, elsewhere)
         if ri is None:
             continue
         state.add(ci, ri, "dataflow", confidence if by_value else min(confidence, DATAFLOW_AMBIGUOUS_CONFIDENCE))
@@ -1535,6 +1589,53 @@ def pass_value(state: AlignState) -> None:
             state.errors[c.index] = best.rel_err
 
 
+# `pass_read_inputs`: what two different functions read pairs only within this relative error
+READ_INPUTS_CLOSE_REL_ERR = 1e-2
+
+
+def pass_read_inputs(state: AlignState) -> None:
+    """Pair the one unpaired tensor that a paired stage reads on each side (its other tensor inputs
+    paired with each other), where the two hold the same values in some layout (within
+    VALUE_MATCH_REL_ERR when the stage is the same torch function on both sides, else within
+    READ_INPUTS_CLOSE_REL_ERR): what the same stage reads is the same quantity, whatever the covers say.  (A recurrent
+    module makes its final states side by side; a hand-written loop makes its last hidden state from
+    its last cell state, so once that is paired no cover matches: the reference's ``out[:, -1, :]``
+    and the candidate's last ``h``, both read by the output layer, pair here.)  Walks upstream from
+    each new pair."""
+    rf, cf = state.flows()
+    if not (rf.known and cf.known):
+        return
+    todo = sorted(state.pairs, reverse=True)
+    while todo:
+        cj = todo.pop(0)
+        p = state.pairs.get(cj)
+        if p is None or p.transform == SHAPE_MISMATCH:
+            continue
+        rj = p.ref
+        r_free = [k for k in rf.inputs[rj] if k not in state.paired_ref and state.ref[k].kind != "input"
+                  and not rf.derived[k]]
+        c_free = [k for k in cf.inputs[cj] if k not in state.pairs and k not in state.superseded
+                  and state.cand[k].kind != "input" and not cf.derived[k]]
+        if len(r_free) != 1 or len(c_free) != 1:
+            continue
+        ri, ci = r_free[0], c_free[0]
+        if record_numel(state.ref[ri]) != record_numel(state.cand[ci]):
+            continue
+        others = [k for k in cf.inputs[cj] if k != ci]
+        if any(k not in state.pairs for k in others) or \
+                {state.pairs[k].ref for k in others} != {k for k in rf.inputs[rj] if k != ri}:
+            continue  # the stage reads other things besides on one side
+        err = _value_err(state, state.cand[ci], state.ref[ri])
+        # the same torch function reading both (a fused kernel may read what the reference's stage read
+        # before its own first step: a LayerNorm's input, not its output), or values all but equal
+        if err is None or err > (VALUE_MATCH_REL_ERR if same_op(state.cand[cj], state.ref[rj])
+                                 else READ_INPUTS_CLOSE_REL_ERR):
+            continue
+        state.add(ci, ri, "dataflow", DATAFLOW_CONFIDENCE)
+        state.errors[ci] = err
+        todo.insert(0, ci)
+
+
 def pass_deferred(state: AlignState) -> None:
     """A pair set aside by `add_checked` stands where no later pass paired its candidate: as a
     ``name`` pair, since what speaks for it is the variable's name (the order pass matches the same
@@ -1647,7 +1748,7 @@ def pass_consistency(state: AlignState) -> None:
 
 # The passes `align` runs, in order: each is a function of the state, inserted where its evidence ranks.
 PASSES: list[Callable[[AlignState], None]] = [pass_name, pass_outputs, pass_dataflow, pass_proposed, pass_order,
-                                              pass_value, pass_deferred, pass_consistency]
+                                              pass_value, pass_read_inputs, pass_deferred, pass_consistency]
 
 
 def align(ref: list[Record], cand: list[Record], value_match: bool = True, *,

@@ -304,13 +304,14 @@ def _extra_steps(between: list) -> str:
     """Words for the candidate's computing steps with no reference counterpart that lie between a stage
     and the matching stages it reads (views and copies left out): "" when there are none."""
     steps = sorted((r for r in between if r.kind in ("op", "ext", "write", "tap") and not is_layout_op(r)),
-                   key=lambda r: r.index)
+                   key=lambda r: -r.index)
     if not steps:
         return ""
     words = [f"{r.name} ({r.op}" + (f" at {os.path.basename(r.file)}:{r.line}" if r.file else "") + ")"
              for r in steps[:3]]
-    more = f" and {len(steps) - 3} more" if len(steps) > 3 else ""
-    return ", ".join(words) + more
+    if len(steps) > 3:
+        return f"{len(steps)} of them, nearest first: " + ", ".join(words) + ", …"
+    return ", ".join(words)
 
 
 def walk_back(fd: Stage, ref: Trace, cand: Trace, stage_of_cand: dict[int, Stage]) -> tuple[Stage | None, str]:
