@@ -551,7 +551,9 @@ def covers(flow: Dataflow, anchor: Callable[[int], int | None]) -> list[Cover]:
 def param_map(ref_params: dict[str, torch.Tensor] | None, cand_params: dict[str, torch.Tensor] | None) -> dict[str, str]:
     """The reference name of each candidate parameter or buffer: the same name where the reference has
     one of that shape; else, in creation order, a reference one of identical shape and values that no
-    name claimed (a candidate that renamed a module but built it from the same seed)."""
+    name claimed (a candidate that renamed a module but built it from the same seed); else the one
+    left of its shape on each side (a renamed module created in another order holds other values,
+    but plays the same part; `map_params_by_use` pairs shapes of which there are several)."""
     if not cand_params:
         return {}
     ref_params = ref_params or {}
@@ -582,6 +584,48 @@ def param_map(ref_params: dict[str, torch.Tensor] | None, cand_params: dict[str,
                 out[n] = rn
                 del pool[k]
                 break
+    unmatched: dict[tuple, list[str]] = {}
+    for n in left:
+        if n not in out:
+            t = cand_params[n]
+            unmatched.setdefault((tuple(t.shape), t.dtype), []).append(n)
+    for key, names in unmatched.items():
+        pool = free.get(key, [])
+        if len(pool) == 1 and len(names) == 1:
+            out[names[0]] = pool[0]
+    return out
+
+
+def map_params_by_use(mapping: dict[str, str], ref_records: Sequence[Record], cand_records: Sequence[Record],
+                      ref_params: dict[str, torch.Tensor] | None,
+                      cand_params: dict[str, torch.Tensor] | None) -> dict[str, str]:
+    """`param_map`'s answer extended: the parameters still without a counterpart pair shape by shape in
+    the order the two forwards first read them, where each side read as many of that shape (a
+    candidate that creates its parameters in another order, under other names, still reads them in
+    the order its computation needs them)."""
+    ref_params, cand_params = ref_params or {}, cand_params or {}
+    taken = set(mapping.values())
+
+    def first_reads(records: Sequence[Record], free: set) -> list[str]:
+        order: list[str] = []
+        for r in records:
+            for n in getattr(r, "params", ()) or ():
+                if n in free:
+                    free.discard(n)
+                    order.append(n)
+        return order
+
+    r_order = first_reads(ref_records, {n for n in ref_params if n not in taken and n not in cand_params})
+    c_order = first_reads(cand_records, {n for n in cand_params if n not in mapping})
+    groups: dict[tuple, tuple[list, list]] = {}
+    for n in r_order:
+        groups.setdefault((tuple(ref_params[n].shape), ref_params[n].dtype), ([], []))[0].append(n)
+    for n in c_order:
+        groups.setdefault((tuple(cand_params[n].shape), cand_params[n].dtype), ([], []))[1].append(n)
+    out = dict(mapping)
+    for rs, cs in groups.values():
+        if len(rs) == len(cs):
+            out.update(zip(cs, rs))
     return out
 
 
@@ -1013,6 +1057,13 @@ def _feeds_partner(state: AlignState, ri: int) -> set[int]:
     return found
 
 
+def _fed_elsewhere(state: AlignState, ri: int, c: Record, later: list[int]) -> bool:
+    """Whether the counterparts of `ri`'s paired consumers read some of the candidate records `later`
+    of its size but not `c` (`_feeds_partner`)."""
+    feeds = _feeds_partner(state, ri)
+    return bool(feeds) and c.index not in feeds and any(x in feeds for x in later)
+
+
 def _count_only(c: Record, r: Record) -> bool:
     """Whether only the element count ties two records whose values disagree: other shapes, other
     torch functions.  What they were computed from is then no evidence enough to pair them (a [4, 192]
@@ -1063,6 +1114,14 @@ def _choose(state: AlignState, c: Record, contenders: list[int], later: list[int
     while `c` does not, is left to it (None).  `elsewhere`: unpaired candidate records after `c`
     computed from the same parameters below more paired records; a contender whose values one of them
     holds while `c` does not is left to it too.  Returns (index, whether values decided)."""
+    if len(contenders) > 1:
+        # a contender whose paired consumers' counterparts read later records of its size, not `c`, is
+        # theirs (a recurrent cell's output, which the output stacks, against a gate of the hand-written
+        # step: the step's new state is what the output holds)
+        mine = [ri for ri in contenders if not _fed_elsewhere(state, ri, c, later)]
+        if not mine:
+            return None, False
+        contenders = mine
     if len(contenders) > 1:
         # the same torch function on both sides (softmax and softmax) is the same stage; a later
         # candidate record with its own such contender is no rival for the others

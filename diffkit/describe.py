@@ -214,6 +214,10 @@ def _trial_headline(result) -> str:
 
 
 # ----------------------------------------------------------------------------- the headline
+# a diagnosis kind in the one-line answer where its identifier alone would not say what it means
+KIND_WORDS = {"other_weights": "other weights (the models were built with other parameter values)"}
+
+
 def headline(result) -> str:
     """The one-line answer: verdict, where it first went wrong, by how much and what it looks like."""
     tol = _tolerance(result)
@@ -264,7 +268,7 @@ def _diverged_headline(result, fd) -> str:
                         f"cand {fmt(s.worst.cand, '.6g')};")
     else:
         numbers = f"{not_compared_reason(fd)};"
-    kind = f"; looks like {fd.diagnosis[0].kind}" if fd.diagnosis else ""
+    kind = f"; looks like {KIND_WORDS.get(fd.diagnosis[0].kind, fd.diagnosis[0].kind)}" if fd.diagnosis else ""
     rc = result.root_cause
     if rc is not None and rc is not fd:
         kind += (f"; root cause: stage {rc.index} {rc.ref_name or rc.cand_name or '?'} introduces the error"

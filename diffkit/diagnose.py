@@ -548,8 +548,38 @@ def _known_approximation(ctx: Context, x: torch.Tensor) -> str:
     return ""
 
 
+def check_other_weights(ctx: Context) -> list[Finding]:
+    """The candidate's call read a parameter holding other values than its reference counterpart (the
+    same name, else as `align.param_map` pairs them: by values, then shape by shape in creation order):
+    the two models were built with other weights (parameters created in another order, another init),
+    and the stage is wrong whatever its kernel does.  KernelBench copies nothing between the models."""
+    cread = params_of(ctx.stage.cand, ctx.cand_params)
+    if not cread or not ctx.ref_params:
+        return []
+    from .align import map_params_by_use, param_map
+    from .load import describe_difference
+
+    counterpart = map_params_by_use(param_map(ctx.ref_params, ctx.cand_params), ctx.ref_records, ctx.cand_records,
+                                    ctx.ref_params, ctx.cand_params)
+    found = []
+    for cn, q in cread.items():
+        rn = counterpart.get(cn)
+        p = ctx.ref_params.get(rn) if rn is not None else None
+        if p is None or p.shape != q.shape or not (p.is_floating_point() and q.is_floating_point()):
+            continue
+        if bool(torch.equal(p.detach().to(q.device), q.detach())):
+            continue
+        found.append(f"{cn}" + (f" (reference {rn})" if rn != cn else "") + f": {describe_difference(p, q)}")
+    if not found:
+        return []
+    more = f" and {len(found) - 2} more" if len(found) > 2 else ""
+    return [Finding("other_weights", "the candidate's call reads parameters with other values than the reference's "
+                    f"(built with other weights; KernelBench copies nothing between the models): "
+                    + "; ".join(found[:2]) + more, 0.9)]
+
+
 CHECKS: list[Callable[[Context], list[Finding]]] = [
-    check_nan_inf, check_region, check_reduction_axis, check_permutation, check_transposed_weight,
+    check_nan_inf, check_other_weights, check_region, check_reduction_axis, check_permutation, check_transposed_weight,
     check_bias_offset, check_missing_parameter, check_scale, check_approximation, check_precision,
 ]
 
@@ -583,7 +613,7 @@ def diagnose(stage: Stage, ref: Any, cand: Any, ref_params: dict[str, torch.Tens
         if findings and findings[-1].kind in ("nan_inf",):
             break
     exact = {"missing_bias", "offset", "scale", "sign", "permutation", "transposed_weight", "unwritten_region",
-             "wrong_reduction_axis"}
+             "wrong_reduction_axis", "other_weights"}
     if any(f.kind in exact for f in findings):
         # an exact explanation makes the statistical ones noise (compare.py drops them too when a
         # rerun later shows run-to-run noise)

@@ -42,6 +42,9 @@ class WeightReport:
     shape_mismatch: (name, reference shape, candidate shape)
     ref_only / cand_only: names with no counterpart
     synced:         whether reference values were copied into the candidate
+    renamed:        [candidate name, reference name] of parameters with equal values under another name
+    differ also holds parameters that no name pairs, the one of its shape on each side (with a "reference"
+    key: the reference's name); `order` says when the two sides create them in another order
     """
 
     copied: list[str] = field(default_factory=list)
@@ -51,6 +54,8 @@ class WeightReport:
     cand_only: list[str] = field(default_factory=list)
     differ: list[dict] = field(default_factory=list)
     synced: bool = False
+    renamed: list[list[str]] = field(default_factory=list)  # [candidate name, reference name]: equal values
+    order: str = ""  # where the two sides create parameters of these shapes in another order, in words
 
     @property
     def matched(self) -> list[str]:
@@ -58,7 +63,8 @@ class WeightReport:
 
     def difference_words(self, limit: int = 4) -> str:
         """The differing tensors in words: "conv.bias (constant shift by -0.5), …"."""
-        words = [f"{d['name']} ({d['looks_like']})" for d in self.differ[:limit]]
+        words = [f"{d['name']}" + (f" vs {d['reference']}" if d.get("reference") else "") + f" ({d['looks_like']})"
+                 for d in self.differ[:limit]]
         return ", ".join(words) + (f" and {len(self.differ) - limit} more" if len(self.differ) > limit else "")
 
     def summary(self) -> str:
@@ -66,6 +72,11 @@ class WeightReport:
             parts = [f"{len(self.matched)} matched by name ({len(self.copied)} copied from the reference)"]
         else:
             parts = [f"{len(self.identical)} equal by name"]
+            if self.renamed:
+                parts.append(f"{len(self.renamed)} equal under another name: "
+                             + ", ".join(f"{c} = {r}" for c, r in self.renamed[:4]) + (" …" if len(self.renamed) > 4 else ""))
+            if self.order:
+                parts.append(self.order)
             if self.differ:
                 parts.append(f"{len(self.differ)} differ from the reference's after construction (nothing "
                              f"copied, as KernelBench copies nothing): {self.difference_words()}")
@@ -86,13 +97,15 @@ class WeightReport:
                    shape_mismatch=[(n, tuple(a), tuple(b)) for n, a, b in d.get("shape_mismatch", [])],
                    ref_only=list(d.get("ref_only", [])), cand_only=list(d.get("cand_only", [])),
                    differ=[dict(x) for x in d.get("differ", []) if isinstance(x, dict)],
-                   synced=bool(d.get("synced", False)))
+                   synced=bool(d.get("synced", False)),
+                   renamed=[list(x) for x in d.get("renamed", []) if isinstance(x, (list, tuple)) and len(x) == 2],
+                   order=str(d.get("order", "") or ""))
 
     def to_dict(self) -> dict:
         return {"copied": self.copied, "identical": self.identical,
                 "shape_mismatch": [[n, list(a), list(b)] for n, a, b in self.shape_mismatch],
                 "ref_only": self.ref_only, "cand_only": self.cand_only, "differ": self.differ,
-                "synced": self.synced}
+                "synced": self.synced, "renamed": self.renamed, "order": self.order}
 
 
 # how close two tensors must be for a difference to read as a pure shift / scale / reordering
@@ -182,7 +195,55 @@ def compare_weights(ref: torch.nn.Module | dict[str, torch.Tensor], cand: torch.
             else:
                 report.differ.append({"name": name, "shape": list(c.shape), "looks_like": describe_difference(r, c)})
     report.ref_only = [n for n in rstate if n not in cstate]
+    _pair_unnamed(report, rstate, cstate)
     return report
+
+
+def _pair_unnamed(report: WeightReport, rstate: dict, cstate: dict) -> None:
+    """The parameters no name pairs: one holding a reference one's values under another name is
+    `renamed`; of the rest, the one of a shape on each side pair, and differ if their values do.  When the two sides
+    create their parameters in another order of shapes, `order` says so: seeded construction hands
+    each parameter the random numbers of its turn, so another order draws other values."""
+    ref_left, cand_left = list(report.ref_only), list(report.cand_only)
+    if not ref_left or not cand_left:
+        return
+    with torch.no_grad():
+        for cn in list(cand_left):
+            c = cstate[cn]
+            for rn in ref_left:
+                r = rstate[rn]
+                if tuple(r.shape) == tuple(c.shape) and r.dtype == c.dtype and torch.equal(r.to(c.device), c):
+                    report.renamed.append([cn, rn])
+                    cand_left.remove(cn)
+                    ref_left.remove(rn)
+                    break
+        by_shape: dict[tuple, tuple[list, list]] = {}
+        for rn in ref_left:
+            by_shape.setdefault(tuple(rstate[rn].shape), ([], []))[0].append(rn)
+        for cn in cand_left:
+            by_shape.setdefault(tuple(cstate[cn].shape), ([], []))[1].append(cn)
+        for shape, (rs, cs) in by_shape.items():
+            if len(rs) != 1 or len(cs) != 1:  # (several of a shape: which is which, creation order cannot say)
+                continue
+            for rn, cn in zip(rs, cs):
+                report.differ.append({"name": cn, "reference": rn, "shape": list(shape),
+                                      "looks_like": describe_difference(rstate[rn], cstate[cn])})
+                ref_left.remove(rn)
+                cand_left.remove(cn)
+    report.ref_only = [n for n in report.ref_only if n in ref_left]
+    report.cand_only = [n for n in report.cand_only if n in cand_left]
+    made = list(cstate)
+    report.differ.sort(key=lambda d: made.index(d["name"]) if d["name"] in cstate else -1)
+    # the order in which each side creates its parameters, as shapes (named_parameters keeps creation order)
+    r_shapes = [tuple(rstate[n].shape) for n in rstate if n not in report.identical]
+    c_shapes = [tuple(cstate[n].shape) for n in cstate if n not in report.identical]
+    if sorted(r_shapes) == sorted(c_shapes) and r_shapes != c_shapes and any(d.get("reference") for d in report.differ):
+        k = next(i for i, (a, b) in enumerate(zip(r_shapes, c_shapes)) if a != b)
+        rn = [n for n in rstate if n not in report.identical][k]
+        cn = [n for n in cstate if n not in report.identical][k]
+        report.order = (f"the candidate creates its parameters in another order: its parameter {k + 1} is {cn} "
+                        f"{list(c_shapes[k])}, the reference's is {rn} {list(r_shapes[k])}; KernelBench seeds once "
+                        f"before each constructor, so each draws the random numbers of its turn and they differ")
 
 
 def _named_state(obj: torch.nn.Module | dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

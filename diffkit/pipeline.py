@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.utils._pytree as pytree
 
-from .align import Alignment, align, param_map, record_numel, to_ref_layout, torch_op
+from .align import Alignment, align, map_params_by_use, param_map, record_numel, to_ref_layout, torch_op
 from .capture import FOLD_AFTER, StopCapture, Trace, capture, written_in_place
 from .diagnose import diagnose
 from .locate import build_stages, locate
@@ -225,6 +225,8 @@ def _full_traces(reference: Source, candidate: Source, options: Options, known: 
     ref = trace_of(reference, "ref")
     _fold_against(candidate, ref, options)
     cand = trace_of(candidate, "cand")
+    # parameters no name or value pairs: by the order the forwards read them
+    rename = map_params_by_use(rename, ref.records, cand.records, reference.params(), candidate.params())
     fixed = {k[1]: (k[0], k[2]) for k in known} if known else None
     alignment = align(ref.records, cand.records, fixed=fixed, rename=rename, tolerance=options.tolerance.for_dtype)
     return _Traces(ref, cand, alignment, known={**alignment.measured, **(known or {})}, state=state)

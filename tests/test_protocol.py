@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import diffkit
-from diffkit.load import describe_difference
+from diffkit.load import compare_weights, describe_difference
 from diffkit.options import Options
 from diffkit.result import Result
 from diffkit.trials import trial_seeds
@@ -293,6 +293,65 @@ def test_weight_differences_are_described():
     assert describe_difference(w, w[[1, 0, 2, 3, 4, 5]]).startswith("permuted along dim 0")
     assert "another random draw" in describe_difference(w, torch.randn(6, 5, generator=g))
     assert describe_difference(w, torch.zeros_like(w)) == "all zeros in the candidate"
+
+
+
+class _Stack(torch.nn.Module):  # three layers under module names, in the order they are used
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(9, 7), torch.nn.Tanh(), torch.nn.Linear(7, 7),
+                                        torch.nn.Tanh(), torch.nn.Linear(7, 3))
+
+    def forward(self, x):
+        return self.body(x)
+
+
+class _StackByHand(torch.nn.Module):  # raw parameters, other names, the last layer made first
+    def __init__(self, renamed_only=False):
+        super().__init__()
+        make = lambda i, o: (torch.nn.Parameter(torch.empty(o, i)), torch.nn.Parameter(torch.empty(o)))  # noqa: E731
+        order = [(9, 7), (7, 7), (7, 3)] if renamed_only else [(7, 3), (9, 7), (7, 7)]
+        made = {}
+        for i, o in order:
+            w, b = make(i, o)
+            torch.nn.init.kaiming_uniform_(w, a=5 ** 0.5)
+            torch.nn.init.uniform_(b, -1 / i ** 0.5, 1 / i ** 0.5)
+            made[(i, o)] = (w, b)
+        (self.a_w, self.a_b), (self.b_w, self.b_b), (self.c_w, self.c_b) = made[(9, 7)], made[(7, 7)], made[(7, 3)]
+        if not renamed_only:  # registration order = creation order, as a real class would have it
+            for n in ("a_w", "a_b", "b_w", "b_b"):
+                self.register_parameter(n, self._parameters.pop(n))
+
+    def forward(self, x):
+        h = torch.tanh(x @ self.a_w.t() + self.a_b)
+        h = torch.tanh(torch.nn.functional.linear(h, self.b_w, self.b_b))
+        return torch.addmm(self.c_b, h, self.c_w.t())
+
+
+def test_parameters_created_in_another_order_are_named_and_paired_for_the_diff():
+    torch.manual_seed(42)
+    ref = _Stack()
+    torch.manual_seed(42)
+    same = _StackByHand(renamed_only=True)
+    w = compare_weights(ref, same)
+    assert w.renamed == [["a_w", "body.0.weight"], ["a_b", "body.0.bias"], ["b_w", "body.2.weight"],
+                         ["b_b", "body.2.bias"], ["c_w", "body.4.weight"], ["c_b", "body.4.bias"]] and not w.order
+    torch.manual_seed(42)
+    other = _StackByHand()
+    w = compare_weights(ref, other)
+    assert "another order" in w.order and "c_w" in w.order and "body.0.weight" in w.order, w.summary()
+    assert {(d["name"], d.get("reference")) for d in w.differ} >= {("a_w", "body.0.weight"), ("c_w", "body.4.weight")}
+    assert w.to_dict()["order"] == w.order and type(w).from_dict(w.to_dict()).order == w.order
+    # the diff pairs the layers by what they read (the two 7-element biases by the order they are read), and
+    # the first stage is the first layer, wrong because its weights are
+    x = torch.randn(4, 9)
+    r = diffkit.compare(ref, other, [x])
+    fd = r.first_divergence
+    assert r.verdict == "diverged" and fd is not None and fd.ref_name in ("body.0", "body.1"), r.summary_line()
+    assert fd.diagnosis and fd.diagnosis[0].kind == "other_weights", [f.kind for f in fd.diagnosis]
+    assert "(reference body.0." in fd.diagnosis[0].detail, fd.diagnosis[0].detail
+    # the same weights under other names: no finding
+    assert diffkit.compare(ref, same, [x]).verdict == "match"
 
 
 def test_nothing_is_copied_and_models_stay_as_constructed(tmp_path):
