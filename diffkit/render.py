@@ -333,6 +333,15 @@ def junit_xml(result, suite: str = "diffkit") -> str:
         errors = 1
         case = _element(ts, "testcase", classname=suite, name=f"{e.side} {e.phase}")
         _element(case, "error", f"{e.stage}\n{(e.traceback or '')[-4000:]}", message=e.message, type=e.phase)
+    if result.verdict == "diverged" and not failures and not errors:
+        # diverged on what no stage row carries (the output's structure, shape or dtype, a later trial, a
+        # second run): CI must still see a failure
+        tests += 1
+        failures = 1
+        case = _element(ts, "testcase", classname=suite, name="verdict")
+        why = "\n".join([*(f"{f.kind}: {f.detail}" for f in result.findings), *result.warnings])
+        _element(case, "failure", f"{result.summary_line()}\n{why}".strip(), message=result.summary_line()[:500],
+                 type="diverged")
     ts.set("tests", str(tests))
     ts.set("failures", str(failures))
     ts.set("errors", str(errors))

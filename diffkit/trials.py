@@ -185,8 +185,12 @@ def forward(model: torch.nn.Module, inputs: list, no_grad: bool = True) -> tuple
         if any(isinstance(t, torch.Tensor) and t.is_cuda for t in pytree.tree_leaves(out)):
             torch.cuda.synchronize()
         return out, ""
-    except Exception as e:  # the model's own failure, reported as this trial's error
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    except (Exception, SystemExit) as e:  # the model's own failure (sys.exit too), reported as this trial's error
+        try:
+            text = str(e).strip()
+        except Exception:  # (an exception whose message cannot be made)
+            text = ""
+        first = text.splitlines()[0] if text else ""
         return None, f"{type(e).__name__}: {first}"[:500]
 
 

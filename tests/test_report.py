@@ -139,3 +139,30 @@ def test_example_notebook_runs(ops):
     text = json.dumps([o.get("data", {}).get("text/plain", "") or o.get("text", "") for o in outputs])
     assert "row_attn.out_proj" in text and "missing_bias" in text
     assert any("image/png" in o.get("data", {}) for o in outputs)
+
+
+def test_junit_fails_a_divergence_that_no_stage_row_carries():
+    # a candidate returning its tensor inside a tuple diverges on the output's structure alone (every stage
+    # row is within tolerance): CI reads junit.xml, which must carry a failure
+    import xml.etree.ElementTree as ET
+
+    import torch
+
+    import diffkit
+    from diffkit.render import junit_xml
+
+    class Ref(torch.nn.Module):
+        def forward(self, x):
+            return torch.tanh(x) * 2
+
+    class Held(Ref):
+        def forward(self, x):
+            return (super().forward(x),)
+
+    x = torch.randn(5, 3)
+    r = diffkit.compare(Ref(), Held(), [x])
+    assert r.verdict == "diverged" and not any(s.failed for s in r.stages)
+    suite = ET.fromstring(junit_xml(r)).find("testsuite")
+    assert suite.get("failures") == "1" and suite.find("testcase[@name='verdict']/failure") is not None
+    ok = ET.fromstring(junit_xml(diffkit.compare(Ref(), Ref(), [x]))).find("testsuite")
+    assert ok.get("failures") == "0" and ok.find("testcase[@name='verdict']") is None
