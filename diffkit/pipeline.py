@@ -225,11 +225,28 @@ def _full_traces(reference: Source, candidate: Source, options: Options, known: 
     ref = trace_of(reference, "ref")
     _fold_against(candidate, ref, options)
     cand = trace_of(candidate, "cand")
+    for trace, side in ((ref, "reference"), (cand, "candidate")):
+        _no_meta_values(trace, side)
     # parameters no name or value pairs: by the order the forwards read them
     rename = map_params_by_use(rename, ref.records, cand.records, reference.params(), candidate.params())
     fixed = {k[1]: (k[0], k[2]) for k in known} if known else None
     alignment = align(ref.records, cand.records, fixed=fixed, rename=rename, tolerance=options.tolerance.for_dtype)
     return _Traces(ref, cand, alignment, known={**alignment.measured, **(known or {})}, state=state)
+
+
+def _no_meta_values(trace: Trace, side: str) -> None:
+    """A meta tensor holds a shape and no values: an output that is one is the side's error (KernelBench
+    cannot compare it either); an intermediate one is kept without a value."""
+    from .errors import DiffkitError
+
+    for r in trace.records:
+        v = r.value
+        if isinstance(v, torch.Tensor) and v.is_meta:
+            if r.is_output:
+                raise DiffkitError(side, "forward", f"the {side} returned a tensor on the meta device ({r.name}, "
+                                   f"shape {list(v.shape)}): it has a shape and no values to compare",
+                                   f"{r.file}:{r.line}" if r.file else "")
+            r.value = None
 
 
 def _fold_against(candidate: Source, ref: Trace, options: Options) -> None:

@@ -300,3 +300,22 @@ def test_in_place_writes_and_a_sparse_intermediate_under_inference_mode(inferenc
     with torch.inference_mode(inference):
         res = diffkit.compare(ref, cand, [x])
     assert res.verdict == "match", res.summary
+
+
+def test_a_meta_tensor_output_is_the_candidates_error_not_an_internal_one():
+    import torch
+
+    import diffkit
+    from diffkit.errors import DiffkitError
+
+    class Ref(torch.nn.Module):
+        def forward(self, x):
+            return x * 2
+
+    class Shapeless(torch.nn.Module):
+        def forward(self, x):
+            return torch.empty(x.shape, device="meta")
+
+    with pytest.raises(DiffkitError, match="meta device") as info:
+        diffkit.compare(Ref(), Shapeless(), [torch.randn(3, 4)])
+    assert info.value.side == "candidate"
