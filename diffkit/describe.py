@@ -10,6 +10,8 @@ no stages at all, or an error with no details all get words.
 """
 from __future__ import annotations
 
+import math
+
 import os
 
 MISSING = "-"
@@ -259,10 +261,25 @@ def headline(result) -> str:
     return f"diffkit: MATCH: {n} stages compared within {tol_s};{o}{warn}" + (f"; {summary}" if summary else "")
 
 
+def nonfinite_words(s) -> str:
+    """Where the two sides' NaNs or infinities disagree, in words for beside max_abs (which is taken over
+    the elements finite on both sides): "" when they agree."""
+    if s is None:
+        return ""
+    w = s.worst
+    odd = w is not None and (math.isnan(w.ref) or math.isnan(w.cand) or math.isinf(w.ref) or math.isinf(w.cand))
+    if not (s.ref_nan or s.cand_nan or s.ref_inf != s.cand_inf or odd):
+        return ""
+    parts = [f"{n} {what}" for n, what in ((s.cand_nan, "NaN in the candidate"), (s.ref_nan, "NaN in the reference"),
+                                           (s.cand_inf, "inf in the candidate"), (s.ref_inf, "inf in the reference"))
+             if n]
+    return f" (over finite elements; {', '.join(parts) or 'non-finite values'}: |difference| there is inf or NaN)"
+
+
 def _diverged_headline(result, fd) -> str:
     s = fd.stats
     if s is not None:
-        numbers = f"max_abs={fmt(s.max_abs)} mean_abs={fmt(s.mean_abs)} ({judged_text(s)});"
+        numbers = f"max_abs={fmt(s.max_abs)}{nonfinite_words(s)} mean_abs={fmt(s.mean_abs)} ({judged_text(s)});"
         if s.worst:
             numbers += (f" worst at {list(s.worst.index)}: ref {fmt(s.worst.ref, '.6g')} vs "
                         f"cand {fmt(s.worst.cand, '.6g')};")
@@ -339,7 +356,7 @@ def divergence_lines(result) -> list[str]:
         if s is None:
             out.append(f"  not compared: {not_compared_reason(fd)}")
         else:
-            out.append(f"  max_abs {fmt(s.max_abs, '.4g')}  mean_abs {fmt(s.mean_abs, '.4g')}  "
+            out.append(f"  max_abs {fmt(s.max_abs, '.4g')}{nonfinite_words(s)}  mean_abs {fmt(s.mean_abs, '.4g')}  "
                        f"max_rel {fmt(s.max_rel, '.4g')}  cosine {fmt(s.cosine, '.6f')}  "
                        f"{s.mismatches}/{s.numel} elements out of {tolerance_text(s.atol, s.rtol)}")
             if getattr(s, "stat", "elementwise") != "elementwise" and s.stat_error is not None:
