@@ -374,7 +374,10 @@ class CapturedTrials:
                 r.value = r.value.clone()
             if r.kind == "input":
                 inputs_values[r.name] = r.value
-            elif r.is_output:
+            for a in r.aliases:  # an input the forward returned as it is: the output record holds it
+                if a.startswith("input["):
+                    inputs_values[a] = r.value
+            if r.is_output:
                 outputs[r.name.split("#")[0]] = r.value
         enc = cap.info.get("inputs")
         try:

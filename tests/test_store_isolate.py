@@ -794,3 +794,19 @@ def test_values_that_cannot_be_handed_over_are_written_to_the_capture(tmp_path, 
     assert "received none" in log  # (no handles published: the files are read)
     assert data["first_divergence"]["ref_name"] == "forward:scores"
     assert "reference_values" not in data["meta"]
+
+
+def test_a_model_that_returns_its_input_is_diffed_from_its_capture(tmp_path):
+    # the input record became the output record (its input name an alias): the capture's inputs, and each
+    # later trial's, are rebuilt from it; a candidate off on trial 4 only is caught there
+    (tmp_path / "ref.py").write_text(
+        "import torch\nclass Model(torch.nn.Module):\n    def forward(self, x):\n        return x\n"
+        "def get_inputs():\n    return [torch.randn(3, 5)]\ndef get_init_inputs():\n    return []\n")
+    (tmp_path / "cand.py").write_text(
+        "import torch\nclass ModelNew(torch.nn.Module):\n    def forward(self, x):  # off under trial 4's seed\n"
+        "        return x + 1e-3 if torch.initial_seed() == 839703249 else x.clone()\n")
+    out = _cli("diff", str(tmp_path / "ref.py"), str(tmp_path / "cand.py"), "--no-report", "--json",
+               str(tmp_path / "r.json"))
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert out.returncode == 1 and data["verdict"] == "diverged", out.stdout[-1500:] + out.stderr[-1500:]
+    assert [t["allclose"] for t in data["trials"]] == [True, True, True, False, True], data["trials"]
