@@ -589,6 +589,24 @@ def _run_again(tmp: str, cand_cmd: list[str], cand_env: dict, run_step, timeout:
             f"before failing; the second run {how}.")
 
 
+def _trials_before_the_failure(result, judged: list[dict], running, what: str) -> None:
+    """An isolated diff whose candidate process crashed or hung: the trials it judged before, and the one it
+    was running (its seed), in place of the trial-1 row the capture alone would give."""
+    from .trials import Trial
+
+    rows = [dict(t) for t in judged]
+    if running is not None:
+        k, seed = running
+        rows = [t for t in rows if t.get("trial") != k]
+        rows.append(Trial(k, seed, error=what[:500], error_side="candidate").to_dict())
+    if not rows:
+        return
+    result.trials = rows
+    result.meta["trials"] = {**(result.meta.get("trials") or {}), "run": len(rows),
+                             "reported": rows[-1].get("trial", 1),
+                             "failed": sum(1 for t in rows if not t.get("allclose"))}
+
+
 def _handoff_dir(options: Options) -> str | None:
     """Where the reference child writes its capture for the candidate child: the shared-memory
     filesystem (the values never touch a disk) when it is there, writable and has room (at least
@@ -713,7 +731,7 @@ def _isolated(argv, ref_path, cand_path, options: Options, timeout, out: _Output
                         _stop(proc)
                         return -9, CAUGHT_UP, ""
                     code = proc.returncode
-                why = None if code >= 0 else f"killed by {signal.Signals(-code).name}"
+                why = None if code >= 0 else f"was killed by {signal.Signals(-code).name}"
             except subprocess.TimeoutExpired:
                 _stop(proc)
                 code, why = -9, f"{HUNG} {limit:g} s and was stopped"
@@ -775,6 +793,9 @@ def _isolated(argv, ref_path, cand_path, options: Options, timeout, out: _Output
         if os.path.exists(os.path.join(tmp, "internal")):  # the child hit a bug of diffkit's, not a crash
             sys.stderr.write(err_text)
             return INTERNAL
+        from .trials import read_trials_journal
+
+        judged, running = read_trials_journal(tmp)  # (before a second run adds to it)
         again = ""
         if insure and os.path.exists(os.path.join(tmp, "ref-done") if not given else ref_dkt):
             again = _run_again(tmp, cand_cmd, cand_env, run_step, timeout, time.monotonic() - started,
@@ -799,7 +820,12 @@ def _isolated(argv, ref_path, cand_path, options: Options, timeout, out: _Output
         where = crumb or (f"after {last[-1].name} ({last[-1].where})" if last else "before any stage was captured")
         from .stream import read_journal
 
-        error = ErrorInfo(side, "forward", f"the {side} process {why}", where, err_text[-6000:] + again)
+        later = side == "candidate" and running is not None and running[0] > 1
+        if later:  # trial 1's captured forward is behind it: its capture's stages are all there, as judged
+            where = (f"trial {running[0]}'s forward (the trials after the first run uncaptured, as KernelBench runs "
+                     f"them)")
+        error = ErrorInfo(side, "forward", (f"on trial {running[0]} (seed {running[1]}) " if later else "")
+                          + f"the {side} process {why}", where, err_text[-6000:] + again)
         evidence = None
         if sanitize and os.path.exists(san_log):
             def evidence(result):
@@ -809,6 +835,8 @@ def _isolated(argv, ref_path, cand_path, options: Options, timeout, out: _Output
         result = run(ref_src, cand_src, options.replace(stream_dir=None, health=False, rerun=False, explain=False),
                      known=read_journal(os.path.join(tmp, "stats.jsonl")), error=error, evidence=evidence)
         result.ref_path, result.cand_path = ref_path, cand_path
+        if side == "candidate" and (judged or running):
+            _trials_before_the_failure(result, judged, running, f"the candidate process {why}")
         out.write(result)
         return 2
 

@@ -165,7 +165,10 @@ def reported_trial(result) -> dict | None:
 def trial_outcome(t: dict) -> str:
     """One trial in words: "pass (max_abs 3.1e-07)", "FAIL: output max_abs 0.42 in the candidate's second run" …"""
     if t.get("error"):
-        return f"ERROR: the {t.get('error_side') or 'candidate'} raised {t['error']}"
+        side = t.get('error_side') or 'candidate'
+        if str(t["error"]).startswith(f"the {side} "):  # a process that crashed, hung or exited: said whole
+            return f"ERROR: {t['error']}"
+        return f"ERROR: the {side} raised {t['error']}"
     if t.get("shape_mismatch"):
         ref, cand = t["shape_mismatch"]
         return f"FAIL: {output_shape_words((ref, cand))}"

@@ -21,6 +21,7 @@ reference model, and two captures are diffed trial by trial without re-running a
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import stat
@@ -518,6 +519,59 @@ def first_trial(result) -> Trial:
     return Trial.from_dict(got)
 
 
+TRIALS_JOURNAL = "trials.jsonl"  # an isolated diff's candidate process: the trial it runs, each one's outcome
+
+
+class _TrialJournal:
+    """Where an isolated diff's candidate process is in KernelBench's trials, one JSON line per event
+    (``{"running": K, "seed": S}`` before trial K, the Trial's dict once judged), so that the parent can
+    say on which trial the process crashed or hung and keep the trials judged before (`read_trials_journal`).
+    Writes nothing without a directory (an in-process diff)."""
+
+    def __init__(self, directory: str | None):
+        self.path = os.path.join(directory, TRIALS_JOURNAL) if directory else None
+
+    def _line(self, obj: dict) -> None:
+        if self.path is None:
+            return
+        try:
+            with open(self.path, "a", encoding="utf-8") as fh:
+                fh.write(json.dumps(obj) + "\n")
+        except (OSError, TypeError, ValueError):
+            pass
+
+    def running(self, k: int, seed: int | None) -> None:
+        self._line({"running": k, "seed": seed})
+
+    def finished(self, trial: Trial) -> None:
+        self._line(trial.to_dict())
+
+
+def read_trials_journal(directory: str) -> tuple[list[dict], tuple[int, int | None] | None]:
+    """The trials an isolated diff's candidate process judged (dicts, in order) and the one it was running
+    when it stopped ((trial, seed)), or None when it had judged every trial it began."""
+    done: dict[int, dict] = {}
+    running: tuple[int, int | None] | None = None
+    try:
+        with open(os.path.join(directory, TRIALS_JOURNAL), encoding="utf-8") as fh:
+            for line in fh:
+                try:
+                    obj = json.loads(line)
+                except ValueError:
+                    continue
+                if not isinstance(obj, dict):
+                    continue
+                if isinstance(obj.get("running"), int):
+                    running = (obj["running"], obj.get("seed"))
+                elif isinstance(obj.get("trial"), int):
+                    done[obj["trial"]] = obj
+    except OSError:
+        return [], None
+    if running is not None and running[0] in done:
+        running = None
+    return [done[k] for k in sorted(done)], running
+
+
 def run_trials(reference, candidate, first_inputs: list, options: Options, evidence=None):
     """KernelBench's trials: `reference` (a LiveReference or CapturedTrials) against `candidate`
     (a LiveCandidate, or CapturedTrials for two captures): trial 1 diffed in full, later trials by
@@ -532,9 +586,12 @@ def run_trials(reference, candidate, first_inputs: list, options: Options, evide
     n = min(options.trials, len(seeds))
     if isinstance(candidate, CapturedTrials) and candidate.seeds[:n] != seeds[:n]:
         n = 1  # captured with other seeds or trials: only the first one pairs up
+    journal = _TrialJournal(options.stream_dir)
+    journal.running(1, seeds[0])
     reported = run(reference.source(1, first_inputs), candidate.source(1, first_inputs, seeds[0]), options)
     outcomes = [first_trial(reported)]
     outcomes[0].trial, outcomes[0].seed, outcomes[0].captured = 1, seeds[0], True
+    journal.finished(outcomes[0])
     reported_trial = 1
     stop = reported.error is not None or bool(reported.meta.get("stopped")) or outcomes[0].error
     if options.trials > n and not stop:  # (a trial 1 that raised ends the trials: none were stored after it)
@@ -545,6 +602,7 @@ def run_trials(reference, candidate, first_inputs: list, options: Options, evide
         if stop:
             break
         trial = Trial(k, seeds[k - 1])
+        journal.running(k, trial.seed)
         try:
             inputs = reference.inputs(k)
             ref_out, ref_err = reference.output(k, inputs)
@@ -564,6 +622,7 @@ def run_trials(reference, candidate, first_inputs: list, options: Options, evide
             reported.warnings.append(f"trial {k} was not run: {e.message}")
             break
         outcomes.append(trial)
+        journal.finished(trial)
         if trial.failed and all(not o.failed for o in outcomes[:-1]):
             # (no crash insurance of its own: the isolated child's capture file stays trial 1's, which a
             # second run after a failure recaptures first)

@@ -810,3 +810,21 @@ def test_a_model_that_returns_its_input_is_diffed_from_its_capture(tmp_path):
     data = json.loads((tmp_path / "r.json").read_text())
     assert out.returncode == 1 and data["verdict"] == "diverged", out.stdout[-1500:] + out.stderr[-1500:]
     assert [t["allclose"] for t in data["trials"]] == [True, True, True, False, True], data["trials"]
+
+
+@pytest.mark.parametrize("how", ["__import__('os')._exit(3)", "__import__('ctypes').string_at(0)"])
+def test_a_candidate_process_that_dies_on_a_later_trial_is_reported_on_that_trial(tmp_path, how):
+    # the trials judged before it stay, and the one it died in is named with its seed
+    (tmp_path / "ref.py").write_text(
+        "import torch\nclass Model(torch.nn.Module):\n    def forward(self, x):\n        return torch.sin(x)\n"
+        "def get_inputs():\n    return [torch.randn(6)]\ndef get_init_inputs():\n    return []\n")
+    (tmp_path / "cand.py").write_text(
+        "import torch\nclass ModelNew(torch.nn.Module):\n    def forward(self, x):\n"
+        f"        if torch.initial_seed() == 2197670066:\n            {how}\n        return x.sin()\n")
+    out = _cli("diff", str(tmp_path / "ref.py"), str(tmp_path / "cand.py"), "--no-report", "--json",
+               str(tmp_path / "r.json"))
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert out.returncode == 2 and data["verdict"] == "error", out.stdout[-1500:]
+    assert [(t["trial"], t["allclose"]) for t in data["trials"]] == [(1, True), (2, True), (3, False)], data["trials"]
+    assert data["trials"][2]["seed"] == 2197670066 and data["trials"][2]["error"]
+    assert "on trial 3 (seed 2197670066)" in data["error"]["message"]
