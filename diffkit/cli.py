@@ -333,8 +333,12 @@ class _Outputs:
 
     def __init__(self, json_path, csv_path, report_dir, no_report, html_path, md_path, junit_path, color, full,
                  silent=False):
-        self.json_path, self.csv_path, self.report_dir, self.no_report = json_path, csv_path, report_dir, no_report
-        self.html_path, self.md_path, self.junit_path = html_path, md_path, junit_path
+        # against the directory the command ran in (a model's constructor or forward may change it)
+        here = lambda p: os.path.abspath(p) if p else p  # noqa: E731
+        self.json_path, self.csv_path, self.report_dir, self.no_report = here(json_path), here(csv_path), \
+            here(report_dir), no_report
+        self.html_path, self.md_path, self.junit_path = here(html_path), here(md_path), here(junit_path)
+        self.cwd = os.getcwd()
         self.color, self.full = color, full
         self.silent = silent  # an isolated diff's second candidate run: the parent writes the answer
 
@@ -357,7 +361,8 @@ class _Outputs:
             if self.csv_path:
                 result.to_csv(self.csv_path)
             if not self.no_report:
-                paths = report.write_report(result, self.report_dir)
+                paths = report.write_report(result, self.report_dir or os.path.join(
+                    self.cwd, report.default_report_dir(result)))
                 click.echo(f"report: {paths['html']}", err=True)
             if self.html_path:
                 report.write_html(result, self.html_path)
