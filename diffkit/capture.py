@@ -1390,6 +1390,8 @@ def _post_hook(module, args, *rest):
             break
     if output is None and sys.exc_info()[0] is not None and st.error_scope is None:
         st.error_scope = top_path
+    if output is None and module is st.model and not st.opaque:
+        st.trace.output_form = "NoneType"  # (what the forward returned, for the error that follows)
     if st.opaque or output is None:
         return None
     st.busy = True
@@ -1748,8 +1750,15 @@ def _describe_error(exc: BaseException, tb, scope: str, call: str | None = None)
     frames = _tb.extract_tb(tb)
     user = [f for f in frames if not naming.is_internal_file(f.filename)]
     where = user[-1] if user else (frames[-1] if frames else None)
-    text = "".join(_tb.format_exception(type(exc), exc, tb))
-    msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    try:
+        said = str(exc).strip()
+    except Exception:  # an exception whose message itself raises
+        said = ""
+    try:
+        text = "".join(_tb.format_exception(type(exc), exc, tb))
+    except Exception:
+        text = "".join(_tb.format_list(frames)) + f"{type(exc).__name__}: <its message could not be made>\n"
+    msg = said.splitlines()[0] if said else type(exc).__name__
     return CaptureError(
         type=type(exc).__name__, message=msg[:500], scope=scope, call=call or "",
         function=where.name if where else "?", file=where.filename if where else "",

@@ -539,7 +539,10 @@ def _explain(traces: _Traces, reference: Source, candidate: Source, options: Opt
     result.error = error or _trace_error(ref, cand)
     if result.error is None and out is None and not cand.stopped and result.output_structure is None:
         missing = "candidate" if ref.output is not None else "reference"
-        result.error = ErrorInfo(missing, "output", f"the {missing} returned no tensor output to compare", "")
+        form = (cand if missing == "candidate" else ref).output_form
+        what = {"NoneType": "None", "": "no tensor"}.get(form, ("an " if form[:1].lower() in "aeiou" else "a ") + form)
+        result.error = ErrorInfo(missing, "output", f"the {missing} returned {what}, not a tensor (nor tensors in a "
+                                 f"tuple, list or dict): nothing to compare", "its forward's return value")
     result.meta.update({"ref_records": len(ref.records), "cand_records": len(cand.records),
                         "paired": len(traces.alignment.pairs)})
     if cand.folded:

@@ -319,3 +319,46 @@ def test_a_meta_tensor_output_is_the_candidates_error_not_an_internal_one():
     with pytest.raises(DiffkitError, match="meta device") as info:
         diffkit.compare(Ref(), Shapeless(), [torch.randn(3, 4)])
     assert info.value.side == "candidate"
+
+
+def test_an_exception_whose_message_raises_is_still_reported_where_it_was_raised():
+    import inspect
+
+    import torch
+
+    import diffkit
+
+    class Unprintable(Exception):
+        def __str__(self):
+            raise RuntimeError("no message")
+
+    class Ref(torch.nn.Module):
+        def forward(self, x):
+            return x + 1
+
+    class Cand(torch.nn.Module):
+        def forward(self, x):
+            raise Unprintable()
+
+    r = diffkit.compare(Ref(), Cand(), [torch.randn(2)])
+    assert r.verdict == "error" and r.error.side == "candidate" and "Unprintable" in r.error.message
+    assert f":{inspect.getsourcelines(Cand.forward)[1] + 1}" in r.error.stage, r.error.stage
+
+
+@pytest.mark.parametrize("value,words", [(None, "returned None"), (3, "returned an int"), (2.5, "returned a float")])
+def test_a_forward_that_returns_no_tensor_says_what_it_returned(value, words):
+    import torch
+
+    import diffkit
+
+    class Ref(torch.nn.Module):
+        def forward(self, x):
+            return x.exp()
+
+    class Cand(torch.nn.Module):
+        def forward(self, x):
+            x.exp()
+            return value
+
+    r = diffkit.compare(Ref(), Cand(), [torch.randn(3)])
+    assert r.verdict == "error" and r.error.side == "candidate" and words in r.error.message, r.error.message
