@@ -465,11 +465,26 @@ def decode_values(enc: dict, tensors: dict[str, torch.Tensor] | None = None) -> 
     return pytree.tree_unflatten(leaves, pytree.treespec_loads(enc["spec"]))
 
 
+def _unpacked(value: Any, what: str, call: str, side: str, phase: str, path: str) -> list[Any]:
+    """What KernelBench's `call(*value)` passes: a list or tuple as it is, any other iterable item by item
+    (a tensor: its rows, one argument each); anything else cannot be unpacked, and KernelBench fails."""
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    try:
+        return list(value)
+    except TypeError:
+        raise DiffkitError(side, phase, f"{what} returned {type(value).__name__} {value!r:.60}, not a list: KernelBench "
+                           f"calls {call}, which cannot unpack it", path) from None
+
+
 def _init_inputs(module: types.ModuleType, path: str, side: str) -> list[Any]:
-    get_init = getattr(module, "get_init_inputs", None) or (lambda: [])
+    get_init = getattr(module, "get_init_inputs", None)
+    if get_init is None:
+        raise DiffkitError(side, "init", f"{path} defines no get_init_inputs(): KernelBench builds the models as "
+                           f"Model(*get_init_inputs()) (return [] for a model without arguments)", path)
     torch.manual_seed(KERNELBENCH_SEED)
     init = _call(side, "init", path, get_init)
-    return list(init) if isinstance(init, (list, tuple)) else [init]
+    return _unpacked(init, "get_init_inputs()", "Model(*get_init_inputs())", side, "init", path)
 
 
 def _construct(cls, init: list[Any], side: str, path: str, name: str) -> torch.nn.Module:
@@ -484,15 +499,15 @@ def _inputs(module: types.ModuleType, path: str, seed: int, side: str) -> list[A
     get_inputs = _need(module, "get_inputs", side, path)
     torch.manual_seed(seed)
     inputs = _call(side, "inputs", path, get_inputs)
-    return list(inputs) if isinstance(inputs, (list, tuple)) else [inputs]
+    return _unpacked(inputs, "get_inputs()", "model(*get_inputs())", side, "inputs", path)
 
 
 def _candidate_class(module: types.ModuleType, path: str, name: str = "ModelNew"):
     cls = getattr(module, name, None)
-    if cls is None and name == "ModelNew":
-        cls = getattr(module, "Model", None)
     if cls is None:
-        raise DiffkitError("candidate", "import", f"{path} defines no `{name}`", path)
+        has = " (it defines `Model`: KernelBench builds the candidate from `ModelNew` and fails a file without one)" \
+            if name == "ModelNew" and getattr(module, "Model", None) is not None else ""
+        raise DiffkitError("candidate", "import", f"{path} defines no `{name}`{has}", path)
     return cls
 
 
