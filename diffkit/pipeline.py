@@ -708,6 +708,9 @@ def _leaves(trace: Trace) -> dict[str, Any]:
         if r.is_output:
             path = r.name.split("#")[0]
             out[path[len("output"):] if path.startswith("output") else path] = r
+            for a in r.aliases:  # the same tensor returned at several places (``return y, y``)
+                if a.startswith("output[") or a.startswith("output."):
+                    out.setdefault(a.split("#")[0][len("output"):], r)
     return out
 
 

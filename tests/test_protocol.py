@@ -608,3 +608,25 @@ def test_a_reference_raising_on_trial_one_is_not_said_to_hold_too_few_trials(tmp
     proc, data = _cli(str(ref), str(cand), tmp_path=tmp_path)
     assert proc.returncode == 2 and data["verdict"] == "error" and data["error"]["side"] == "reference"
     assert not any("--trials" in w for w in data["warnings"]), data["warnings"]
+
+
+def test_the_same_tensor_returned_twice_counts_as_two_outputs():
+    class Twice(torch.nn.Module):
+        def forward(self, x):
+            y = torch.tanh(x)
+            return y, y
+
+    class Copied(torch.nn.Module):
+        def forward(self, x):
+            y = torch.tanh(x)
+            return y, y.clone()
+
+    class Once(torch.nn.Module):
+        def forward(self, x):
+            return torch.tanh(x)
+
+    x = torch.randn(3, 4)
+    assert diffkit.compare(Twice(), Copied(), [x]).verdict == "match"
+    assert diffkit.compare(Copied(), Twice(), [x]).verdict == "match"
+    r = diffkit.compare(Once(), Twice(), [x])
+    assert r.verdict == "diverged" and "2 tensors" in r.output_structure[1], r.output_structure
