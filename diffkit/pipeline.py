@@ -27,7 +27,8 @@ from .measure import ask_kernelbench, kernelbench_note, measure
 from .options import Options
 from .result import ErrorInfo, Finding, Result, Values
 from .rootcause import analyse
-from .trials import Trial, bitwise_difference, difference_words, restore_state, seed_all, snapshot_state
+from .trials import Trial, attribute_state, bitwise_difference, changed_attributes, difference_words, \
+    restore_state, seed_all, snapshot_state
 
 __all__ = ["ModelSource", "CaptureSource", "TraceSource", "run", "judge", "run_captured", "clone_inputs"]
 
@@ -202,11 +203,13 @@ def _run_side(src: ModelSource, options: Options, state: dict, side: str, **capt
     """One side's captured forward as a trial runs it: seeded with the trial's seed, its parameters and
     buffers recorded before and after (`state[side]`), since a training-mode forward changes buffers."""
     before = snapshot_state(src.model)
+    attrs = attribute_state(src.model)
     if src.seed is not None:
         seed_all(src.seed)
     trace = run_captured(src.model, clone_inputs(list(src.inputs)), no_grad=options.no_grad, fold=src.fold,
                          fold_writes=src.fold_writes, **capture)
     state[side] = (before, snapshot_state(src.model))
+    state[side + "_attributes"] = changed_attributes(attrs, attribute_state(src.model))
     return trace
 
 
@@ -1017,7 +1020,15 @@ class _RerunComparer:
         return out
 
 
-def _nondeterministic(result: Result, stage, d: dict, drop: bool = True) -> None:
+def _nondeterministic(result: Result, stage, d: dict, drop: bool = True, kept: Sequence[str] = ()) -> None:
+    if kept:  # the forward changed the model's own attributes: a second call is another computation
+        if any(f.kind == "stateful" for f in stage.diagnosis):
+            return
+        stage.diagnosis.append(Finding(
+            "stateful", f"running the candidate twice on the same inputs gives different values here "
+            f"({difference_words(d)}), and its forward changes its own attributes: {', '.join(kept[:3])} -- it "
+            f"computes otherwise from one call to the next (KernelBench calls it once per trial)", 0.8))
+        return
     if drop:
         _drop_statistical(stage)  # run-to-run noise is the explanation; a rounding-size guess would be wrong
         if result.root_cause is not None and result.root_cause is not stage:
@@ -1072,10 +1083,11 @@ def _check_nondeterminism(result: Result, ref: Trace, cand_trace: Trace, candida
     hit = sorted((by_cand[n] for n in diffs if n in by_cand), key=lambda s: s.index)
     fd = result.first_divergence
     first = hit[0] if hit else None
+    kept = traces.state.get("cand_attributes") or []
     if first is not None and first.failed:  # a passing stage keeps a clean row: the run-level finding names it
-        _nondeterministic(result, first, diffs[first.cand.name][0], drop=first is fd)
+        _nondeterministic(result, first, diffs[first.cand.name][0], drop=first is fd, kept=kept)
     if fd is not None and fd.cand is not None and fd.cand.name in diffs and fd is not first:
-        _nondeterministic(result, fd, diffs[fd.cand.name][0])
+        _nondeterministic(result, fd, diffs[fd.cand.name][0], kept=kept)
     second = None
     for s in result.output_stages:
         got = diffs.get(s.cand.name)
@@ -1094,8 +1106,9 @@ def _check_nondeterminism(result: Result, ref: Trace, cand_trace: Trace, candida
         result.meta["second_run"]["output"] = {**out_d, "where": out_name}
     words = (f"running the candidate twice on the same inputs gives different values, first at {where}"
              + (f"; output: {difference_words(out_d)}" if out_d is not None else "; the output is bitwise equal")
-             + " -- a race, an uninitialised read or randomness")
-    result.findings.append(Finding("nondeterministic", words, 0.9))
+             + (f" -- its forward changes its own attributes ({', '.join(kept[:3])}): it computes otherwise from one "
+                f"call to the next" if kept else " -- a race, an uninitialised read or randomness"))
+    result.findings.append(Finding("stateful" if kept else "nondeterministic", words, 0.9))
     if not _output_failed(result.stages) and (second is None or second["allclose"]):
         result.warnings.append(f"the candidate is nondeterministic: {words}; both runs are within tolerance, "
                                f"another GPU or input may not be")

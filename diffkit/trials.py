@@ -161,6 +161,26 @@ def snapshot_state(model: torch.nn.Module | None) -> dict[str, torch.Tensor]:
     return {n: b.detach().clone() for n, b in model.named_buffers() if isinstance(b, torch.Tensor)}
 
 
+def attribute_state(model: torch.nn.Module | None) -> dict[str, Any]:
+    """A model's plain Python attributes (numbers, strings, None) by qualified name: state a forward may
+    keep between calls (a call counter, a cached flag) that no buffer holds and no restore puts back."""
+    if model is None:
+        return {}
+    out: dict[str, Any] = {}
+    for mname, m in model.named_modules():
+        for k, v in vars(m).items():
+            if k.startswith("_") or k == "training" or not isinstance(v, (bool, int, float, str, type(None))):
+                continue
+            out[f"{mname}.{k}" if mname else k] = v
+    return out
+
+
+def changed_attributes(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
+    """Words for the attributes whose values differ between two `attribute_state`s: "calls (0 → 1)"."""
+    return [f"{n} ({before.get(n)!r:.20} → {after[n]!r:.20})" for n in after
+            if n in before and before[n] != after[n] and not (before[n] != before[n] and after[n] != after[n])]
+
+
 def restore_state(model: torch.nn.Module | None, snap: dict[str, torch.Tensor]) -> None:
     if model is None or not snap:
         return

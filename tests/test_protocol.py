@@ -630,3 +630,32 @@ def test_the_same_tensor_returned_twice_counts_as_two_outputs():
     assert diffkit.compare(Copied(), Twice(), [x]).verdict == "match"
     r = diffkit.compare(Once(), Twice(), [x])
     assert r.verdict == "diverged" and "2 tensors" in r.output_structure[1], r.output_structure
+
+
+def test_a_forward_that_changes_its_own_attribute_is_said_to_keep_state_not_to_race():
+    class Ref(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(6, 6)
+
+        def forward(self, x):
+            return self.lin(x)
+
+    class WarmUp(Ref):  # the first call takes another path, counted in a plain attribute
+        def __init__(self):
+            super().__init__()
+            self.seen = 0
+
+        def forward(self, x):
+            self.seen += 1
+            return torch.nn.functional.linear(x, self.lin.weight, None if self.seen == 1 else self.lin.bias)
+
+    torch.manual_seed(0)
+    ref = Ref()
+    cand = WarmUp()
+    cand.load_state_dict(ref.state_dict())
+    r = diffkit.compare(ref, cand, [torch.randn(4, 6)])
+    assert r.verdict == "diverged"
+    kinds = [f.kind for f in r.findings]
+    assert "stateful" in kinds and "nondeterministic" not in kinds, kinds
+    assert "seen (0 → 1)" in next(f.detail for f in r.findings if f.kind == "stateful")
