@@ -78,7 +78,13 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def check_region(ctx: Context) -> list[Finding]:
-    """An unwritten or wrong block of rows in the candidate's own [rows, last-dim] layout."""
+    """An unwritten or wrong block of rows in the candidate's own [rows, last-dim] layout, else a block
+    along one axis of it (`_region_along_axes`)."""
+    found = _rows_region(ctx)
+    return found or _region_along_axes(ctx)
+
+
+def _rows_region(ctx: Context) -> list[Finding]:
     c = _rows(ctx.cand_native)  # the native layout is what the kernel wrote
     try:
         r = _rows(_native_ref(ctx))
@@ -113,6 +119,52 @@ def check_region(ctx: Context) -> list[Finding]:
     if at_end and block:
         return [Finding("boundary", f"error confined to {where}; {m} rows = {lo // block}×{block} + {m - lo}: "
                         f"consistent with {block}-row tiles whose last, partial one is computed wrongly", 0.8)]
+    return []
+
+
+def _region_along_axes(ctx: Context) -> list[Finding]:
+    """`check_region` along any one axis of the candidate's own layout: the elements out of tolerance
+    are exactly those whose index along axis d lies in one block [lo, hi] (every other element matches),
+    as a kernel leaves the last tile of a tiled axis unwritten (columns of a GEMM, rows of an image)."""
+    c = ctx.cand_native
+    try:
+        r = _native_ref(ctx)
+    except Exception:
+        return []
+    if r.shape != c.shape or c.dim() < 1 or c.numel() < 2:
+        return []
+    s = ctx.stage.stats
+    bad = ((c - r).abs() > s.atol + s.rtol * r.abs()) | ~torch.isfinite(c)
+    total = int(bad.sum())
+    if total == 0 or total == bad.numel():
+        return []
+    shape = "×".join(map(str, c.shape))
+    for d in range(c.dim() - 1, -1, -1):
+        n = c.shape[d]
+        if n < 2:
+            continue
+        along = bad.movedim(d, 0).reshape(n, -1)
+        hit = along.any(dim=1)
+        idx = torch.nonzero(hit).flatten()
+        lo, hi = int(idx.min()), int(idx.max())
+        if hi - lo + 1 != len(idx) or hi - lo + 1 == n:
+            continue
+        block_bad = along[lo:hi + 1]
+        if float(block_bad.float().mean()) < 0.9:  # (the block itself is wrong throughout, or nearly)
+            continue
+        region = c.movedim(d, 0)[lo:hi + 1]
+        const = region.numel() > 0 and float(region.max() - region.min()) == 0.0
+        at_end = hi == n - 1
+        block = _block_size(lo, n) if at_end else None
+        where = (f"indices {lo}..{hi} ({hi - lo + 1} of {n}) along axis {d} of the candidate's {shape} output "
+                 f"(its own layout)")
+        tiles = (f"; {n} = {lo // block}×{block} + {n - lo}: consistent with {block}-wide tiles along that axis "
+                 f"whose last, partial one is {{}}") if block else ""
+        if const:
+            return [Finding("unwritten_region", f"{where} are all {float(region.flatten()[0]):g} while every other "
+                            f"element matches: a block the kernel never wrote" + tiles.format("skipped"), 0.95)]
+        if block:
+            return [Finding("boundary", f"error confined to {where}" + tiles.format("computed wrongly"), 0.8)]
     return []
 
 

@@ -288,3 +288,55 @@ def test_a_step_the_reference_does_not_have_is_named_with_where_it_was_made(cls,
     if rc.cand.line != line:
         assert "does not have" in rc.replay_note and f"test_rootcause.py:{line}" in rc.replay_note, rc.replay_note
         assert "its inputs match the reference" not in rc.replay_note
+
+
+class _Proj(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(12, 21)
+
+    def forward(self, x):
+        return torch.relu(self.lin(x))
+
+
+class _ProjColumnTiles(_Proj):  # 8-column tiles; the last, partial one (5 columns) is never written
+    def forward(self, x):
+        y = x.new_zeros(x.shape[0], 21)
+        for c0 in range(0, 16, 8):
+            y[:, c0:c0 + 8] = x @ self.lin.weight[c0:c0 + 8].t() + self.lin.bias[c0:c0 + 8]
+        return y.clamp_min(0)
+
+
+class _Blur(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+
+    def forward(self, x):
+        return self.conv(x)
+
+
+class _BlurRowTiles(_Blur):  # output rows in tiles of 4 through unfold; the last partial tile skipped
+    def forward(self, x):
+        n, _, h, w = x.shape
+        out = torch.zeros(n, 4, h - 2, w - 2)
+        cols = torch.nn.functional.unfold(x, 3)  # n, 27, (h-2)*(w-2)
+        full = (self.conv.weight.reshape(4, -1) @ cols + self.conv.bias[:, None]).view(n, 4, h - 2, w - 2)
+        rows = ((h - 2) // 4) * 4
+        out[:, :, :rows] = full[:, :, :rows]
+        return out
+
+
+@pytest.mark.parametrize("ref_cls,cand_cls,inputs,axis", [
+    (_Proj, _ProjColumnTiles, lambda: [torch.randn(5, 12)], 1),
+    (_Blur, _BlurRowTiles, lambda: [torch.randn(2, 3, 13, 9)], 2),
+])
+def test_an_unwritten_tail_along_any_axis_is_named(ref_cls, cand_cls, inputs, axis):
+    torch.manual_seed(0)
+    ref = ref_cls()
+    cand = cand_cls()
+    cand.load_state_dict(ref.state_dict())
+    r = diffkit.compare(ref, cand, inputs())
+    found = [f for s in r.stages for f in s.diagnosis if f.kind == "unwritten_region"]
+    assert r.verdict == "diverged" and found, [(s.ref_name, [f.kind for f in s.diagnosis]) for s in r.stages if s.failed]
+    assert any(f"along axis {axis}" in f.detail or "rows" in f.detail for f in found), found[0].detail
