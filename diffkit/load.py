@@ -293,7 +293,9 @@ def _move(obj: Any, device: str | torch.device) -> Any:
 _BUILD_ERROR = re.compile(r"Error building extension '([^']+)'")
 
 
-def _first_compiler_errors(text: str, limit: int = 8) -> str:
+def _first_compiler_errors(text: str, limit: int = 8, source: str | None = None) -> str:
+    """The compiler's error lines; each that points into a generated source file (load_inline writes
+    main.cpp, cuda.cu) gets the line of `source` (the user's file) that holds the same code, where one does."""
     lines = text.splitlines()
     errs = [ln.strip() for ln in lines if re.search(r"\berror\b", ln, re.I) and "ninja: build stopped" not in ln
             and not ln.lstrip().startswith("FAILED:")]
@@ -303,7 +305,31 @@ def _first_compiler_errors(text: str, limit: int = 8) -> str:
             picked.append(ln)
         if len(picked) >= limit:
             break
+    if source:
+        picked = [ln + _in_user_file(ln, source) for ln in picked]
     return "\n".join(picked) if picked else "\n".join(lines[:limit])
+
+
+_COMPILER_AT = re.compile(r"^(/[^\s:]+\.(?:cpp|cu|cc|cxx|cuh|h|hpp))[:(](\d+)")
+
+
+def _in_user_file(line: str, source: str) -> str:
+    """" (cand.py:14)" when the generated file and line a compiler error names holds code that appears on
+    exactly one line of the user's file `source`; "" otherwise."""
+    m = _COMPILER_AT.match(line)
+    if not m:
+        return ""
+    try:
+        with open(m.group(1), encoding="utf-8", errors="replace") as fh:
+            code = fh.read().splitlines()[int(m.group(2)) - 1].strip()
+        with open(source, encoding="utf-8", errors="replace") as fh:
+            mine = fh.read().splitlines()
+    except (OSError, IndexError, ValueError):
+        return ""
+    if len(code) < 8:  # ("}" or "return x;" could be anywhere)
+        return ""
+    hits = [i for i, text in enumerate(mine, 1) if text.strip() == code]
+    return f" (that is {os.path.basename(source)}:{hits[0]}: {code[:120]})" if len(hits) == 1 else ""
 
 
 def _user_location(tb, path: str) -> str:
@@ -341,7 +367,8 @@ def exec_file(path: str, side: str) -> types.ModuleType:
         m = _BUILD_ERROR.search(text)
         if m or "CalledProcessError" in type(e).__name__ or "ninja" in text[:2000] and "error" in text.lower():
             ext = m.group(1) if m else "extension"
-            raise DiffkitError(side, "build", f"extension '{ext}' failed to build:\n{_first_compiler_errors(text)}",
+            raise DiffkitError(side, "build", f"extension '{ext}' failed to build:\n"
+                               f"{_first_compiler_errors(text, source=os.path.abspath(path))}",
                                _user_location(e.__traceback__, path), text[-6000:]) from e
         raise DiffkitError(side, "import", f"{type(e).__name__}: {text.strip().splitlines()[0] if text.strip() else ''}",
                            _user_location(e.__traceback__, path), traceback.format_exc()[-6000:]) from e
@@ -363,7 +390,8 @@ def _call(side: str, phase: str, path: str, fn, *args) -> Any:
     except Exception as e:
         text = str(e)
         if _BUILD_ERROR.search(text):
-            raise DiffkitError(side, "build", f"extension failed to build:\n{_first_compiler_errors(text)}",
+            raise DiffkitError(side, "build", f"extension failed to build:\n"
+                               f"{_first_compiler_errors(text, source=os.path.abspath(path))}",
                                _user_location(e.__traceback__, path), text[-6000:]) from e
         first = text.strip().splitlines()[0] if text.strip() else ""
         raise DiffkitError(side, phase, f"{type(e).__name__}: {first}", _user_location(e.__traceback__, path),

@@ -67,3 +67,19 @@ def test_extension_that_does_not_compile(tmp_path):
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "cli.py"), "diff", REF, cand], capture_output=True,
                           text=True, cwd=ROOT)
     assert proc.returncode == 2 and "build failed" in proc.stdout and "undefined_name" in proc.stdout
+
+
+def test_a_compiler_error_in_generated_source_is_traced_to_the_users_line(tmp_path):
+    # load_inline writes the user's source string into main.cpp: the error's line is found in the .py file
+    from diffkit.load import _first_compiler_errors
+
+    user = tmp_path / "cand.py"
+    user.write_text('SRC = r"""\n#include <torch/extension.h>\n'
+                    'torch::Tensor twice(torch::Tensor x) { return x * 2 }\n"""\n')
+    gen = tmp_path / "build" / "main.cpp"
+    gen.parent.mkdir()
+    gen.write_text("#include <torch/extension.h>\n\ntorch::Tensor twice(torch::Tensor x) { return x * 2 }\n")
+    log = f"[1/2] c++ -c {gen} -o main.o\n{gen}:3:52: error: expected ';' before '}}' token\nninja: build stopped"
+    text = _first_compiler_errors(log, source=str(user))
+    assert text.endswith("(that is cand.py:3: torch::Tensor twice(torch::Tensor x) { return x * 2 })"), text
+    assert _first_compiler_errors(log) == f"{gen}:3:52: error: expected ';' before '}}' token"
