@@ -332,11 +332,18 @@ def _in_user_file(line: str, source: str) -> str:
     return f" (that is {os.path.basename(source)}:{hits[0]}: {code[:120]})" if len(hits) == 1 else ""
 
 
-def _user_location(tb, path: str) -> str:
+def _user_location(tb, path: str, fn: Any = None) -> str:
+    """Where in the user's file `path` an exception was raised: its last frame there; else, when it never
+    got there (a constructor called with the wrong arguments), where `fn` is defined in it; else the file."""
     frames = traceback.extract_tb(tb)
     mine = [f for f in frames if os.path.abspath(f.filename) == os.path.abspath(path)]
-    f = mine[-1] if mine else (frames[-1] if frames else None)
-    return f"{f.filename}:{f.lineno}" if f else path
+    if mine:
+        return f"{mine[-1].filename}:{mine[-1].lineno}"
+    target = getattr(fn, "__init__", None) if isinstance(fn, type) else fn
+    code = getattr(target, "__code__", None)
+    if code is not None and os.path.abspath(code.co_filename) == os.path.abspath(path):
+        return f"{code.co_filename}:{code.co_firstlineno}"
+    return path
 
 
 def exec_file(path: str, side: str) -> types.ModuleType:
@@ -394,7 +401,7 @@ def _call(side: str, phase: str, path: str, fn, *args) -> Any:
                                f"{_first_compiler_errors(text, source=os.path.abspath(path))}",
                                _user_location(e.__traceback__, path), text[-6000:]) from e
         first = text.strip().splitlines()[0] if text.strip() else ""
-        raise DiffkitError(side, phase, f"{type(e).__name__}: {first}", _user_location(e.__traceback__, path),
+        raise DiffkitError(side, phase, f"{type(e).__name__}: {first}", _user_location(e.__traceback__, path, fn),
                            traceback.format_exc()[-6000:]) from e
 
 

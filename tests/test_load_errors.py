@@ -83,3 +83,46 @@ def test_a_compiler_error_in_generated_source_is_traced_to_the_users_line(tmp_pa
     text = _first_compiler_errors(log, source=str(user))
     assert text.endswith("(that is cand.py:3: torch::Tensor twice(torch::Tensor x) { return x * 2 })"), text
     assert _first_compiler_errors(log) == f"{gen}:3:52: error: expected ';' before '}}' token"
+
+
+def test_a_constructor_called_with_other_arguments_points_at_its_definition(tmp_path):
+    cand = _write(tmp_path, "cand.py", "import torch\n\n\nclass ModelNew(torch.nn.Module):\n"
+                  "    def __init__(self, only_one):\n        super().__init__()\n")
+    with pytest.raises(DiffkitError) as e:
+        diffkit.load_pair(REF, cand)
+    assert e.value.side == "candidate" and e.value.phase == "init", e.value
+    assert e.value.where == f"{cand}:5", e.value.where
+
+
+@pytest.mark.parametrize("text,words", [
+    ("def get_inputs():\n    return [torch.randn(2, 3)]\n", "defines no get_init_inputs"),
+    ("def get_inputs():\n    return [torch.randn(2, 3)]\ndef get_init_inputs():\n    return 3\n", "cannot unpack"),
+])
+def test_init_inputs_as_kernelbench_unpacks_them(tmp_path, text, words):
+    ref = _write(tmp_path, "ref.py", "import torch\nclass Model(torch.nn.Module):\n    def forward(self, x):\n"
+                 "        return x\n" + text)
+    cand = _write(tmp_path, "cand.py", "import torch\nclass ModelNew(torch.nn.Module):\n    def forward(self, x):\n"
+                  "        return x\n")
+    with pytest.raises(DiffkitError, match=words) as e:
+        diffkit.load_pair(ref, cand)
+    assert e.value.side == "reference"
+
+
+def test_a_candidate_without_modelnew_fails_as_kernelbench_fails_it(tmp_path):
+    cand = _write(tmp_path, "cand.py", "import torch\nclass Model(torch.nn.Module):\n    def forward(self, x):\n"
+                  "        return x\n")
+    with pytest.raises(DiffkitError, match="defines no `ModelNew`.*defines `Model`") as e:
+        diffkit.load_pair(REF, cand)
+    assert e.value.side == "candidate"
+
+
+def test_get_inputs_returning_a_tensor_is_unpacked_as_kernelbench_unpacks_it(tmp_path):
+    # model(*tensor) passes its rows as arguments: a one-input forward given a [3, 4] tensor gets 3 arguments
+    ref = _write(tmp_path, "ref.py", "import torch\nclass Model(torch.nn.Module):\n    def forward(self, a, b, c):\n"
+                 "        return a + b * c\ndef get_inputs():\n    return torch.randn(3, 4)\n"
+                 "def get_init_inputs():\n    return []\n")
+    cand = _write(tmp_path, "cand.py", "import torch\nclass ModelNew(torch.nn.Module):\n"
+                  "    def forward(self, a, b, c):\n        return torch.addcmul(a, b, c)\n")
+    pair = diffkit.load_pair(ref, cand)
+    assert len(pair.ref_inputs) == 3 and tuple(pair.ref_inputs[0].shape) == (4,)
+    assert diffkit.diff_files(ref, cand).verdict == "match"
