@@ -822,7 +822,10 @@ def _isolated(argv, ref_path, cand_path, options: Options, timeout, out: _Output
         if os.path.exists(os.path.join(tmp, "breadcrumb")):
             crumb = open(os.path.join(tmp, "breadcrumb"), encoding="utf-8").read().strip()
         last = (cand_src if side == "candidate" else ref_src).trace(values=False).records
-        where = crumb or (f"after {last[-1].name} ({last[-1].where})" if last else "before any stage was captured")
+        stages = [r for r in last if r.kind != "input"]
+        where = crumb or (f"after {stages[-1].name}" + (f" ({stages[-1].where})" if stages[-1].where else "")
+                          if stages else "its forward, before its first captured stage" if last
+                          else "before any stage was captured")
         from .stream import read_journal
 
         later = side == "candidate" and running is not None and running[0] > 1
