@@ -464,6 +464,9 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
 
 
 def _func_name(func: Callable) -> str:
+    packet = getattr(func, "overloadpacket", func)  # torch.ops.aten.addmm(.default): its packet's name
+    if isinstance(packet, torch._ops.OpOverloadPacket):
+        return f"torch.ops.{packet}"
     name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
     mod = getattr(func, "__module__", None) or ""
     if name.startswith("TensorBase.") or name.startswith("Tensor."):
