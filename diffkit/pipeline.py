@@ -345,6 +345,8 @@ def _streaming_traces(reference: Source, candidate: ModelSource, options: Option
     # forward of the reference and align runs again (at most LOCKSTEP_RECOVERIES times)
     recovered, rounds = 0, 0
     wanted = {comparer.pairs[ci][0] for ci in comparer.late if ci in comparer.pairs}
+    # parameters no name or value pairs: by the order the forwards read them (known now)
+    rename = map_params_by_use(rename, ref_trace.records, cand_trace.records, reference.params(), candidate.params())
     while True:
         missed: set[int] = set()
         read = _lazy(ref_store, dev)

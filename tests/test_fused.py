@@ -37,6 +37,8 @@ EXCLUDED = {
     "row_softmax_cuda_race.py": "a race (shared accumulator read then overwritten): nondeterministic",
     "triangle_multiplicative_update_cuda_race.py": "a race, seen only under racecheck: nondeterministic",
     "axial_attention_cuda_smem.py": "GPU-only shared-memory overflow: undefined behaviour, no deterministic output",
+    "conv_tanh_pool_params_out_of_order.py": "its kernels are right, its weights are not (parameters created in "
+                                             "another order): no mistake in the reference's computation expresses it",
 }
 
 
