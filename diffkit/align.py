@@ -548,11 +548,30 @@ def covers(flow: Dataflow, anchor: Callable[[int], int | None]) -> list[Cover]:
     return out
 
 
+def layout_of_equal(r: torch.Tensor, c: torch.Tensor) -> str | None:
+    """How tensor `c` holds tensor `r`'s values: "" equal, "transposed" (its last two axes swapped: a weight
+    stored for ``x @ W``), "reshaped" (the same values in the same order, another shape); None otherwise."""
+    if r.numel() != c.numel() or r.dtype != c.dtype:
+        return None
+    try:
+        r, c = r.detach().to(c.device), c.detach()
+        if r.shape == c.shape and torch.equal(r, c):
+            return ""
+        if r.dim() >= 2 and c.shape == r.transpose(-1, -2).shape and torch.equal(r.transpose(-1, -2), c):
+            return "transposed"
+        if torch.equal(r.reshape(-1), c.reshape(-1)):
+            return "reshaped"
+    except RuntimeError:
+        return None
+    return None
+
+
 def param_map(ref_params: dict[str, torch.Tensor] | None, cand_params: dict[str, torch.Tensor] | None) -> dict[str, str]:
     """The reference name of each candidate parameter or buffer: the same name where the reference has
     one of that shape; else, in creation order, a reference one of identical shape and values that no
-    name claimed (a candidate that renamed a module but built it from the same seed); else the one
-    left of its shape on each side (a renamed module created in another order holds other values,
+    name claimed (a candidate that renamed a module but built it from the same seed), or of its values
+    in another layout (`layout_of_equal`: a weight stored transposed); else the one left of its shape on
+    each side (a renamed module created in another order holds other values,
     but plays the same part; `map_params_by_use` pairs shapes of which there are several)."""
     if not cand_params:
         return {}
@@ -584,6 +603,15 @@ def param_map(ref_params: dict[str, torch.Tensor] | None, cand_params: dict[str,
                 out[n] = rn
                 del pool[k]
                 break
+    for n in left:  # the same values in another layout (a weight stored transposed for ``x @ W``)
+        if n in out:
+            continue
+        t = cand_params[n]
+        hit = next(((key, rn) for key, pool in free.items() for rn in pool
+                    if layout_of_equal(ref_params[rn], t) is not None), None)
+        if hit is not None:
+            out[n] = hit[1]
+            free[hit[0]].remove(hit[1])
     unmatched: dict[tuple, list[str]] = {}
     for n in left:
         if n not in out:

@@ -608,7 +608,7 @@ def check_other_weights(ctx: Context) -> list[Finding]:
     cread = params_of(ctx.stage.cand, ctx.cand_params)
     if not cread or not ctx.ref_params:
         return []
-    from .align import map_params_by_use, param_map
+    from .align import layout_of_equal, map_params_by_use, param_map
     from .load import describe_difference
 
     counterpart = map_params_by_use(param_map(ctx.ref_params, ctx.cand_params), ctx.ref_records, ctx.cand_records,
@@ -617,10 +617,10 @@ def check_other_weights(ctx: Context) -> list[Finding]:
     for cn, q in cread.items():
         rn = counterpart.get(cn)
         p = ctx.ref_params.get(rn) if rn is not None else None
-        if p is None or p.shape != q.shape or not (p.is_floating_point() and q.is_floating_point()):
+        if p is None or p.numel() != q.numel() or not (p.is_floating_point() and q.is_floating_point()):
             continue
-        if bool(torch.equal(p.detach().to(q.device), q.detach())):
-            continue
+        if layout_of_equal(p, q) is not None or p.shape != q.shape:  # (the same values in another layout: a
+            continue                                                   # weight stored transposed)
         found.append(f"{cn}" + (f" (reference {rn})" if rn != cn else "") + f": {describe_difference(p, q)}")
     if not found:
         return []

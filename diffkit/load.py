@@ -43,6 +43,8 @@ class WeightReport:
     ref_only / cand_only: names with no counterpart
     synced:         whether reference values were copied into the candidate
     renamed:        [candidate name, reference name] of parameters with equal values under another name
+    relaid:         [candidate name, reference name, how] of parameters holding a reference one's values in
+                    another layout (a weight stored transposed for ``x @ W``)
     differ also holds parameters that no name pairs, the one of its shape on each side (with a "reference"
     key: the reference's name); `order` says when the two sides create them in another order
     """
@@ -55,6 +57,7 @@ class WeightReport:
     differ: list[dict] = field(default_factory=list)
     synced: bool = False
     renamed: list[list[str]] = field(default_factory=list)  # [candidate name, reference name]: equal values
+    relaid: list[list[str]] = field(default_factory=list)  # [candidate, reference, "transposed" | "reshaped"]
     order: str = ""  # where the two sides create parameters of these shapes in another order, in words
 
     @property
@@ -75,6 +78,10 @@ class WeightReport:
             if self.renamed:
                 parts.append(f"{len(self.renamed)} equal under another name: "
                              + ", ".join(f"{c} = {r}" for c, r in self.renamed[:4]) + (" …" if len(self.renamed) > 4 else ""))
+            if self.relaid:
+                parts.append(f"{len(self.relaid)} equal in another layout: "
+                             + ", ".join(f"{c} = {r} {how}" for c, r, how in self.relaid[:4])
+                             + (" …" if len(self.relaid) > 4 else ""))
             if self.order:
                 parts.append(self.order)
             if self.differ:
@@ -99,13 +106,14 @@ class WeightReport:
                    differ=[dict(x) for x in d.get("differ", []) if isinstance(x, dict)],
                    synced=bool(d.get("synced", False)),
                    renamed=[list(x) for x in d.get("renamed", []) if isinstance(x, (list, tuple)) and len(x) == 2],
+                   relaid=[list(x) for x in d.get("relaid", []) if isinstance(x, (list, tuple)) and len(x) == 3],
                    order=str(d.get("order", "") or ""))
 
     def to_dict(self) -> dict:
         return {"copied": self.copied, "identical": self.identical,
                 "shape_mismatch": [[n, list(a), list(b)] for n, a, b in self.shape_mismatch],
                 "ref_only": self.ref_only, "cand_only": self.cand_only, "differ": self.differ,
-                "synced": self.synced, "renamed": self.renamed, "order": self.order}
+                "synced": self.synced, "renamed": self.renamed, "relaid": self.relaid, "order": self.order}
 
 
 # how close two tensors must be for a difference to read as a pure shift / scale / reordering
@@ -217,6 +225,16 @@ def _pair_unnamed(report: WeightReport, rstate: dict, cstate: dict) -> None:
                     cand_left.remove(cn)
                     ref_left.remove(rn)
                     break
+        from .align import layout_of_equal
+
+        for cn in list(cand_left):  # the same values in another layout (a weight stored transposed)
+            for rn in ref_left:
+                how = layout_of_equal(rstate[rn], cstate[cn])
+                if how:
+                    report.relaid.append([cn, rn, how])
+                    cand_left.remove(cn)
+                    ref_left.remove(rn)
+                    break
         by_shape: dict[tuple, tuple[list, list]] = {}
         for rn in ref_left:
             by_shape.setdefault(tuple(rstate[rn].shape), ([], []))[0].append(rn)
@@ -234,13 +252,16 @@ def _pair_unnamed(report: WeightReport, rstate: dict, cstate: dict) -> None:
     report.cand_only = [n for n in report.cand_only if n in cand_left]
     made = list(cstate)
     report.differ.sort(key=lambda d: made.index(d["name"]) if d["name"] in cstate else -1)
-    # the order in which each side creates its parameters, as shapes (named_parameters keeps creation order)
-    r_shapes = [tuple(rstate[n].shape) for n in rstate if n not in report.identical]
-    c_shapes = [tuple(cstate[n].shape) for n in cstate if n not in report.identical]
-    if sorted(r_shapes) == sorted(c_shapes) and r_shapes != c_shapes and any(d.get("reference") for d in report.differ):
+    # the order in which each side creates its parameters, as shapes (named_parameters keeps creation order),
+    # when what differs looks like other random draws
+    r_names = [n for n in rstate if n not in report.identical]
+    c_names = [n for n in cstate if n not in report.identical]
+    r_shapes = [tuple(rstate[n].shape) for n in r_names]
+    c_shapes = [tuple(cstate[n].shape) for n in c_names]
+    drawn = any(d.get("reference") and "random draw" in d.get("looks_like", "") for d in report.differ)
+    if sorted(r_shapes) == sorted(c_shapes) and r_shapes != c_shapes and drawn and not report.relaid:
         k = next(i for i, (a, b) in enumerate(zip(r_shapes, c_shapes)) if a != b)
-        rn = [n for n in rstate if n not in report.identical][k]
-        cn = [n for n in cstate if n not in report.identical][k]
+        rn, cn = r_names[k], c_names[k]
         report.order = (f"the candidate creates its parameters in another order: its parameter {k + 1} is {cn} "
                         f"{list(c_shapes[k])}, the reference's is {rn} {list(r_shapes[k])}; KernelBench seeds once "
                         f"before each constructor, so each draws the random numbers of its turn and they differ")

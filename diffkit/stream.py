@@ -191,7 +191,7 @@ class _Spiller:
     written to its file from there, so the forward that made it waits neither for the disk nor, on a
     GPU, for the copy off the device.  A file holds one value's bytes in logical order, raw (read back
     only by this process: the slot keeps shape, dtype and strides).  A value is readable once its
-    file is complete (`read` waits for it); a write that failed fails the next `write` or `read`."""
+    file is complete (`read` waits for it); reading one whose write failed raises that failure."""
 
     PIECE = 8 << 20  # bytes per staging buffer
     BUFFERS = 4  # staging buffers: at most this many pieces wait for the disk at once
@@ -203,7 +203,8 @@ class _Spiller:
         self.buffers: list[torch.Tensor] = []
         self.complete: dict[str, threading.Event] = {}  # path -> set once its file is written (or failed)
         self.unwanted: set[str] = set()  # dropped while still being written: removed once written
-        self.error: BaseException | None = None
+        self.error: BaseException | None = None  # the last write's failure
+        self.failed: set[str] = set()  # files whose writing failed (incomplete)
         self.producing = threading.Lock()  # one value's pieces stay together in the queue
         self.files = threading.Lock()  # `complete` and `unwanted`, shared with the writer
         self.names = itertools.count()
@@ -216,13 +217,12 @@ class _Spiller:
         self.thread = threading.Thread(target=self._run, name="diffkit-spill", daemon=True)
         self.thread.start()
 
-    def _raise(self) -> None:
-        if self.error is not None:
+    def _raise(self, path: str) -> None:
+        if path in self.failed:
             raise OSError(f"could not write a value spilled to {self.dir}: {self.error}") from self.error
 
     def write(self, key: int, t: torch.Tensor) -> str:
         """Start writing `t`'s values (a snapshot as of now, in stream order on a GPU); its file's path."""
-        self._raise()
         path = os.path.join(self.dir, f"{key}-{next(self.names)}.bin")
         with self.producing:
             if self.thread is None:
@@ -233,16 +233,25 @@ class _Spiller:
             with self.files:
                 self.complete[path] = threading.Event()
             self.jobs.put(("open", path, None, 0, None))
-            for lo in range(0, flat.numel(), self.PIECE):
-                piece = flat[lo:lo + self.PIECE]
-                i = self.free.get()  # (waits while every buffer is on its way to the disk)
-                self.buffers[i][:piece.numel()].copy_(piece, non_blocking=piece.is_cuda)
-                ev = None
-                if piece.is_cuda:
-                    ev = torch.cuda.Event()
-                    ev.record()
-                self.jobs.put(("piece", path, i, piece.numel(), ev))
-            self.jobs.put(("close", path, None, 0, None))
+            try:
+                for lo in range(0, flat.numel(), self.PIECE):
+                    piece = flat[lo:lo + self.PIECE]
+                    i = self.free.get()  # (waits while every buffer is on its way to the disk)
+                    try:
+                        self.buffers[i][:piece.numel()].copy_(piece, non_blocking=piece.is_cuda)
+                        ev = None
+                        if piece.is_cuda:
+                            ev = torch.cuda.Event()
+                            ev.record()
+                    except BaseException:
+                        self.free.put(i)
+                        raise
+                    self.jobs.put(("piece", path, i, piece.numel(), ev))
+            except BaseException:
+                self.failed.add(path)  # (its file stays incomplete: a read of it raises)
+                raise
+            finally:
+                self.jobs.put(("close", path, None, 0, None))
         return path
 
     def _run(self) -> None:
@@ -268,7 +277,8 @@ class _Spiller:
                     if fd is not None:
                         os.close(fd)
             except BaseException as e:  # (kept for the caller; the writes after it go on, for the buffers)
-                self.error = self.error or e
+                self.error = e
+                self.failed.add(path)
                 fd = fds.pop(path, None)
                 if fd is not None:
                     try:
@@ -283,6 +293,8 @@ class _Spiller:
                         self.complete[path].set()
                         if path in self.unwanted:
                             self.unwanted.discard(path)
+                            self.complete.pop(path, None)
+                            self.failed.discard(path)
                             self._remove(path)
 
     def read(self, path: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
@@ -291,7 +303,7 @@ class _Spiller:
             done = self.complete.get(path)
         if done is not None:
             done.wait()
-        self._raise()
+        self._raise(path)
         numel = 1
         for d in shape:
             numel *= d
@@ -309,6 +321,7 @@ class _Spiller:
                 self.unwanted.add(path)
                 return
             self.complete.pop(path, None)
+            self.failed.discard(path)
         self._remove(path)
 
     @staticmethod

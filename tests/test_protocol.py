@@ -659,3 +659,43 @@ def test_a_forward_that_changes_its_own_attribute_is_said_to_keep_state_not_to_r
     kinds = [f.kind for f in r.findings]
     assert "stateful" in kinds and "nondeterministic" not in kinds, kinds
     assert "seen (0 → 1)" in next(f.detail for f in r.findings if f.kind == "stateful")
+
+
+def test_weights_stored_in_another_layout_are_the_same_weights():
+    # a candidate that keeps its weights transposed for x @ W (under other names) holds the reference's
+    # values: no "other order", no other_weights finding, and a bug elsewhere is still the finding
+    class Two(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = torch.nn.Linear(10, 16), torch.nn.Linear(16, 10)
+
+        def forward(self, x):
+            return self.fc2(torch.relu(self.fc1(x)))
+
+    class KeptTransposed(torch.nn.Module):
+        def __init__(self, drop_last_bias=False):
+            super().__init__()
+            fc1, fc2 = torch.nn.Linear(10, 16), torch.nn.Linear(16, 10)
+            self.w_in = torch.nn.Parameter(fc1.weight.detach().t().contiguous())
+            self.b_in = torch.nn.Parameter(fc1.bias.detach().clone())
+            self.w_out = torch.nn.Parameter(fc2.weight.detach().t().contiguous())
+            self.b_out = torch.nn.Parameter(fc2.bias.detach().clone())
+            self.drop = drop_last_bias
+
+        def forward(self, x):
+            h = torch.relu(x @ self.w_in + self.b_in)
+            return h @ self.w_out + (0 if self.drop else self.b_out)
+
+    torch.manual_seed(42)
+    ref = Two()
+    torch.manual_seed(42)
+    ok = KeptTransposed()
+    w = compare_weights(ref, ok)
+    assert sorted(w.relaid) == [["w_in", "fc1.weight", "transposed"], ["w_out", "fc2.weight", "transposed"]], w.summary()
+    assert not w.order and not w.differ, w.summary()
+    x = torch.randn(3, 10)
+    assert diffkit.compare(ref, ok, [x]).verdict == "match"
+    torch.manual_seed(42)
+    r = diffkit.compare(ref, KeptTransposed(drop_last_bias=True), [x])
+    kinds = [f.kind for s in r.stages for f in s.diagnosis]
+    assert r.verdict == "diverged" and "missing_bias" in kinds and "other_weights" not in kinds, kinds
