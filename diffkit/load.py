@@ -534,10 +534,8 @@ def _unpacked(value: Any, what: str, call: str, side: str, phase: str, path: str
 
 
 def _init_inputs(module: types.ModuleType, path: str, side: str) -> list[Any]:
-    get_init = getattr(module, "get_init_inputs", None)
-    if get_init is None:
-        raise DiffkitError(side, "init", f"{path} defines no get_init_inputs(): KernelBench builds the models as "
-                           f"Model(*get_init_inputs()) (return [] for a model without arguments)", path)
+    # (KernelBench's own references always define it; a file without one builds its model with no arguments)
+    get_init = getattr(module, "get_init_inputs", None) or (lambda: [])
     torch.manual_seed(KERNELBENCH_SEED)
     init = _call(side, "init", path, get_init)
     return _unpacked(init, "get_init_inputs()", "Model(*get_init_inputs())", side, "init", path)

@@ -95,8 +95,8 @@ def test_a_constructor_called_with_other_arguments_points_at_its_definition(tmp_
 
 
 @pytest.mark.parametrize("text,words", [
-    ("def get_inputs():\n    return [torch.randn(2, 3)]\n", "defines no get_init_inputs"),
     ("def get_inputs():\n    return [torch.randn(2, 3)]\ndef get_init_inputs():\n    return 3\n", "cannot unpack"),
+    ("def get_inputs():\n    return 7\ndef get_init_inputs():\n    return []\n", "cannot unpack"),
 ])
 def test_init_inputs_as_kernelbench_unpacks_them(tmp_path, text, words):
     ref = _write(tmp_path, "ref.py", "import torch\nclass Model(torch.nn.Module):\n    def forward(self, x):\n"
