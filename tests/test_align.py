@@ -406,3 +406,32 @@ def test_a_bug_in_the_last_step_of_a_hand_written_lstm_is_found_in_that_step():
     # the stage that goes wrong is the step's hidden state (not a gate of the first step paired by position)
     assert fd.cand.line == bug_line, (fd.ref_name, fd.cand_name, fd.cand.line)
     assert fd.stats.cosine > 0.99, "paired with a tensor of another role"
+
+
+def test_a_step_the_reference_takes_too_is_not_swallowed_as_the_end_of_the_one_before():
+    # the candidate reuses statistics cached on an earlier call (tensors from outside this forward): its
+    # `x - m` is the reference's `x - mean`, and its `/ s` the reference's own division, not the end of it
+    import diffkit
+
+    class Standardise(nn.Module):
+        def forward(self, x):
+            centred = x - x.mean(0, keepdim=True)
+            return torch.tanh(centred / (x.std(0, keepdim=True) + 1e-3))
+
+    class Cached(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.memo = None
+
+        def forward(self, x):
+            if self.memo is None:
+                self.memo = (x.mean(0, keepdim=True), x.std(0, keepdim=True) + 1e-3)
+            mu, sd = self.memo
+            return torch.tanh(torch.div(x - mu, sd))
+
+    cand = Cached()
+    cand(torch.randn(20, 6) * 3 + 2)  # an earlier call fills the cache
+    r = diffkit.compare(Standardise(), cand, [torch.randn(20, 6)])
+    fd = r.first_divergence
+    assert r.verdict == "diverged" and fd.cand_name.endswith("x - mu"), (fd.ref_name, fd.cand_name)
+    assert fd.ref_name.endswith("centred") or "mean" in fd.ref_name, fd.ref_name
