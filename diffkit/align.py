@@ -1474,9 +1474,11 @@ def _continuations(state: AlignState) -> int:
         h, names = state.cand[held], set(r.names())
         if set(h.names()) & names and not reused_name(h, r) and not set(c.names()) & names:
             continue  # the record holding the reference's own (unique) name is the stage's counterpart
-        if any(j not in state.paired_ref and record_numel(state.ref[j]) == record_numel(c) and same_op(c, state.ref[j])
-               for j in rf.consumers[ri]):
-            continue  # the reference goes on the same way (``(x - m) / s``): this is its next stage, not the end of this one
+        if not params and any(j not in state.paired_ref and record_numel(state.ref[j]) == record_numel(c)
+                              and same_op(c, state.ref[j]) for j in rf.consumers[ri]):
+            # reading none of the stage's parameters (as ``proj + b`` would, finishing it), while the reference
+            # goes on the same way itself (``(x - m) / s``): this is its next stage, not the end of this one
+            continue
         if not params and not _base_names(c) & (_base_names(h) | _base_names(r)) and _holds_it_alone(state, h, r, [ci]):
             # the paired record holds the reference's values; this one does not, reads none of the stage's
             # parameters (as ``proj + b`` would, finishing it) and is no new value of the same variable (``attn =
