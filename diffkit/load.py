@@ -208,46 +208,32 @@ def compare_weights(ref: torch.nn.Module | dict[str, torch.Tensor], cand: torch.
 
 
 def _pair_unnamed(report: WeightReport, rstate: dict, cstate: dict) -> None:
-    """The parameters no name pairs: one holding a reference one's values under another name is
-    `renamed`; of the rest, the one of a shape on each side pair, and differ if their values do.  When the two sides
-    create their parameters in another order of shapes, `order` says so: seeded construction hands
-    each parameter the random numbers of its turn, so another order draws other values."""
+    """The parameters no name pairs, paired as `align.param_map` pairs them for the diff: one holding a
+    reference one's values under another name is `renamed`, in another layout `relaid`; the one of a
+    shape on each side differ if their values do.  When the two sides create their parameters in
+    another order of shapes, `order` says so: seeded construction hands each parameter the random
+    numbers of its turn, so another order draws other values."""
     ref_left, cand_left = list(report.ref_only), list(report.cand_only)
     if not ref_left or not cand_left:
         return
-    with torch.no_grad():
-        for cn in list(cand_left):
-            c = cstate[cn]
-            for rn in ref_left:
-                r = rstate[rn]
-                if tuple(r.shape) == tuple(c.shape) and r.dtype == c.dtype and torch.equal(r.to(c.device), c):
-                    report.renamed.append([cn, rn])
-                    cand_left.remove(cn)
-                    ref_left.remove(rn)
-                    break
-        from .align import layout_of_equal
+    from .align import layout_of_equal, param_map
 
-        for cn in list(cand_left):  # the same values in another layout (a weight stored transposed)
-            for rn in ref_left:
-                how = layout_of_equal(rstate[rn], cstate[cn])
-                if how:
-                    report.relaid.append([cn, rn, how])
-                    cand_left.remove(cn)
-                    ref_left.remove(rn)
-                    break
-        by_shape: dict[tuple, tuple[list, list]] = {}
-        for rn in ref_left:
-            by_shape.setdefault(tuple(rstate[rn].shape), ([], []))[0].append(rn)
-        for cn in cand_left:
-            by_shape.setdefault(tuple(cstate[cn].shape), ([], []))[1].append(cn)
-        for shape, (rs, cs) in by_shape.items():
-            if len(rs) != 1 or len(cs) != 1:  # (several of a shape: which is which, creation order cannot say)
+    with torch.no_grad():
+        paired = param_map({n: rstate[n] for n in ref_left}, {n: cstate[n] for n in cand_left})
+        for cn in list(cand_left):
+            rn = paired.get(cn)
+            if rn is None:
                 continue
-            for rn, cn in zip(rs, cs):
-                report.differ.append({"name": cn, "reference": rn, "shape": list(shape),
+            how = layout_of_equal(rstate[rn], cstate[cn])
+            if how == "":
+                report.renamed.append([cn, rn])
+            elif how:
+                report.relaid.append([cn, rn, how])
+            else:
+                report.differ.append({"name": cn, "reference": rn, "shape": list(cstate[cn].shape),
                                       "looks_like": describe_difference(rstate[rn], cstate[cn])})
-                ref_left.remove(rn)
-                cand_left.remove(cn)
+            cand_left.remove(cn)
+            ref_left.remove(rn)
     report.ref_only = [n for n in report.ref_only if n in ref_left]
     report.cand_only = [n for n in report.cand_only if n in cand_left]
     made = list(cstate)
