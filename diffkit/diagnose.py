@@ -103,22 +103,25 @@ def _rows_region(ctx: Context) -> list[Finding]:
     lo, hi = int(idx.min()), int(idx.max())
     if hi - lo + 1 != nbad:  # not one contiguous block
         return []
-    region = c[lo:hi + 1]
-    const = float(region.max() - region.min()) == 0.0
-    value = float(region.flatten()[0]) if const else None
-    at_end = hi == m - 1
-    block = _block_size(lo, m) if at_end else None
     shape = "×".join(map(str, ctx.cand_native.shape))
     where = f"rows {lo}..{hi} ({nbad} of {m}) of the candidate's [{m}, {c.shape[1]}] view of its {shape} output"
-    if const:
-        detail = f"{where} are all {value:g} while every other row matches: a block the kernel never wrote"
-        if block:
-            detail += (f"; {m} rows = {lo // block}×{block} + {m - lo}: consistent with {block}-row tiles whose "
-                       f"last, partial one is skipped")
-        return [Finding("unwritten_region", detail, 0.95)]
-    if at_end and block:
-        return [Finding("boundary", f"error confined to {where}; {m} rows = {lo // block}×{block} + {m - lo}: "
-                        f"consistent with {block}-row tiles whose last, partial one is computed wrongly", 0.8)]
+    return _block_finding(c[lo:hi + 1], lo, hi, m, where, "row", f"{m} rows", "{}-row tiles")
+
+
+def _block_finding(region: torch.Tensor, lo: int, hi: int, n: int, where: str, unit: str, count: str,
+                   tiles: str) -> list[Finding]:
+    """The finding for a block [lo, hi] of `n` along one axis that holds all of a stage's error: unwritten
+    when the block holds one constant, a boundary when it is the last, partial tile; none otherwise.
+    `where` names the block, `unit` what else matches ("row"), `count` how `n` reads ("12 rows"), `tiles`
+    the tiles' words with {} for their size ("{}-row tiles")."""
+    block = _block_size(lo, n) if hi == n - 1 else None
+    tail = (f"; {count} = {lo // block}×{block} + {n - lo}: consistent with {tiles.format(block)} whose last, "
+            f"partial one is ") if block else ""
+    if region.numel() and float(region.max() - region.min()) == 0.0:
+        return [Finding("unwritten_region", f"{where} are all {float(region.flatten()[0]):g} while every other {unit} "
+                        f"matches: a block the kernel never wrote" + (tail + "skipped" if block else ""), 0.95)]
+    if block:
+        return [Finding("boundary", f"error confined to {where}{tail}computed wrongly", 0.8)]
     return []
 
 
@@ -152,19 +155,12 @@ def _region_along_axes(ctx: Context) -> list[Finding]:
         block_bad = along[lo:hi + 1]
         if float(block_bad.float().mean()) < 0.9:  # (the block itself is wrong throughout, or nearly)
             continue
-        region = c.movedim(d, 0)[lo:hi + 1]
-        const = region.numel() > 0 and float(region.max() - region.min()) == 0.0
-        at_end = hi == n - 1
-        block = _block_size(lo, n) if at_end else None
         where = (f"indices {lo}..{hi} ({hi - lo + 1} of {n}) along axis {d} of the candidate's {shape} output "
                  f"(its own layout)")
-        tiles = (f"; {n} = {lo // block}×{block} + {n - lo}: consistent with {block}-wide tiles along that axis "
-                 f"whose last, partial one is {{}}") if block else ""
-        if const:
-            return [Finding("unwritten_region", f"{where} are all {float(region.flatten()[0]):g} while every other "
-                            f"element matches: a block the kernel never wrote" + tiles.format("skipped"), 0.95)]
-        if block:
-            return [Finding("boundary", f"error confined to {where}" + tiles.format("computed wrongly"), 0.8)]
+        found = _block_finding(c.movedim(d, 0)[lo:hi + 1], lo, hi, n, where, "element", f"{n}",
+                               "{}-wide tiles along that axis")
+        if found:
+            return found
     return []
 
 
