@@ -265,6 +265,14 @@ def input_name(pos: tuple) -> str:
     return f"input[{']['.join(map(str, pos))}]"
 
 
+def input_names(kind: str, name: str, aliases: Any) -> list[str]:
+    """The `input_name`s a record (or a capture file's entry for one) answers to: its own name for an input
+    record, and any input name among its aliases (an input the forward returns as it is becomes the output
+    record, its input name an alias)."""
+    own = [name] if kind == "input" else []
+    return own + [a for a in aliases or () if isinstance(a, str) and a.startswith("input[")]
+
+
 def _tensors(obj: Any) -> list[tuple[tuple, torch.Tensor]]:
     """Tensors inside (nested) tuples, lists and dicts, with their positions (indices and keys)."""
     if isinstance(obj, torch.Tensor):  # the common case, without a tree walk

@@ -692,12 +692,10 @@ def load_candidate_for_capture(cand_path: str, capture: Any, *, seed: int = KERN
 def _capture_inputs(capture: Any, info: dict) -> list[Any]:
     """The forward's inputs a capture holds (its input records' values, in the structure `info`
     recorded); raises KeyError/ValueError/IndexError when they cannot be rebuilt."""
-    # (an input the forward returns as it is became the output record, its input name an alias)
-    is_input = lambda m: m.get("kind") == "input" or any(  # noqa: E731
-        isinstance(a, str) and a.startswith("input[") for a in m.get("aliases") or ())
-    records = {n: r.value for r in capture.records(values=is_input)
-               if r.kind == "input" or any(a.startswith("input[") for a in r.aliases)
-               for n in (r.name, *r.aliases) if n.startswith("input")}
+    from .capture import input_names
+
+    holds = lambda m: bool(input_names(m.get("kind"), m.get("name"), m.get("aliases")))  # noqa: E731
+    records = {n: r.value for r in capture.records(values=holds) for n in input_names(r.kind, r.name, r.aliases)}
     if info.get("inputs"):
         return decode_values(info["inputs"], records)
     return [records[n] for n in sorted(records, key=lambda n: int(re.findall(r"\d+", n)[0]))]

@@ -381,6 +381,7 @@ class CapturedTrials:
         return where
 
     def _load(self, k: int) -> tuple[list, dict[str, torch.Tensor], str]:
+        from .capture import input_names
         from .load import decode_values
         from .store import CaptureFile
 
@@ -393,11 +394,8 @@ class CapturedTrials:
                 continue
             if cap.mapped:  # a view of the mapped file, shared with trial 1's records: theirs to keep
                 r.value = r.value.clone()
-            if r.kind == "input":
-                inputs_values[r.name] = r.value
-            for a in r.aliases:  # an input the forward returned as it is: the output record holds it
-                if a.startswith("input["):
-                    inputs_values[a] = r.value
+            for n in input_names(r.kind, r.name, r.aliases):
+                inputs_values[n] = r.value
             if r.is_output:
                 outputs[r.name.split("#")[0]] = r.value
         enc = cap.info.get("inputs")
