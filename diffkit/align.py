@@ -40,6 +40,7 @@ reference is used and recorded in `Pair.transform`.
 from __future__ import annotations
 
 import bisect
+import collections
 import functools
 import math
 import itertools
@@ -1697,9 +1698,9 @@ def pass_read_inputs(state: AlignState) -> None:
     rf, cf = state.flows()
     if not (rf.known and cf.known):
         return
-    todo = sorted(state.pairs, reverse=True)
+    todo = collections.deque(sorted(state.pairs, reverse=True))
     while todo:
-        cj = todo.pop(0)
+        cj = todo.popleft()
         p = state.pairs.get(cj)
         if p is None or p.transform == SHAPE_MISMATCH:
             continue
@@ -1725,7 +1726,7 @@ def pass_read_inputs(state: AlignState) -> None:
             continue
         state.add(ci, ri, "dataflow", DATAFLOW_CONFIDENCE)
         state.errors[ci] = err
-        todo.insert(0, ci)
+        todo.appendleft(ci)
 
 
 def pass_deferred(state: AlignState) -> None:
