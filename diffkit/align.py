@@ -125,6 +125,9 @@ class Alignment:
     dropped: list[Pair] = field(default_factory=list)  # pairs `pass_consistency` undid (two different roles)
     # full metrics measured while pairing (ref, cand, transform) -> measure.Stats, for locate to reuse
     measured: dict = field(default_factory=dict)
+    # the candidate's parameter names -> the reference's counterparts it paired by (`param_map`,
+    # `map_params_by_use`); diagnosis reads weights through it
+    rename: dict = field(default_factory=dict)
 
     def by_cand(self) -> dict[int, Pair]:
         return {p.cand: p for p in self.pairs}
@@ -926,7 +929,7 @@ class AlignState:
         return Alignment(measured=self.measured, pairs=[self.pairs[ci] for ci in sorted(self.pairs)],
                          ref_unmatched=[r.index for r in self.ref if r.index not in self.paired_ref],
                          cand_unmatched=[c.index for c in self.cand if c.index not in self.pairs],
-                         dropped=list(self.dropped))
+                         dropped=list(self.dropped), rename=dict(self.rename))
 
 
 def pass_name(state: AlignState) -> None:

@@ -152,6 +152,9 @@ class Trace:
     # what the forward returned at the top: "tensor", or its container's type ("tuple", "list", "dict" …);
     # "" when not known (a forward that raised, a capture written before this was kept)
     output_form: str = ""
+    # the input tensors the forward changed in place, by input record name, as it left them (KernelBench
+    # hands the candidate the reference's inputs as the reference's forward left them)
+    inputs_left: dict = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.records)
@@ -271,6 +274,38 @@ def input_names(kind: str, name: str, aliases: Any) -> list[str]:
     record, its input name an alias)."""
     own = [name] if kind == "input" else []
     return own + [a for a in aliases or () if isinstance(a, str) and a.startswith("input[")]
+
+
+def changed_inputs(given: list[tuple[str, torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Of a forward's inputs given as (name, the tensor it got, a copy taken before), those it changed in
+    place, by name, as it left them (bit for bit: a NaN left as it was is no change)."""
+    from .trials import bitwise_difference
+
+    out: dict[str, torch.Tensor] = {}
+    for name, live, before in given:
+        try:
+            changed = bitwise_difference(before, live.detach()) is not None
+        except RuntimeError:  # (a tensor that cannot be read back here)
+            continue
+        if changed:
+            out[name] = live.detach()
+    return out
+
+
+def input_values(inputs: Any, values: dict[str, torch.Tensor]) -> Any:
+    """`inputs` (a forward's nested arguments) with the tensors named in `values` (by `input_name`)
+    replaced by a copy of those values: the reference's inputs as its forward left them, for the candidate."""
+    if not values:
+        return inputs
+    flat, spec = pytree.tree_flatten_with_path(inputs)
+    leaves = []
+    for path, v in flat:
+        name = input_name(tuple(path_key(k) for k in path)) if isinstance(v, torch.Tensor) else None
+        got = values.get(name) if name is not None else None
+        if got is not None and tuple(got.shape) == tuple(v.shape) and got.dtype == v.dtype:
+            v = got.detach().to(v.device).clone()
+        leaves.append(v)
+    return pytree.tree_unflatten(leaves, spec)
 
 
 def _tensors(obj: Any) -> list[tuple[tuple, torch.Tensor]]:
@@ -1684,9 +1719,13 @@ class capture:
                  only: Callable[[str], bool] | None = None, inputs: tuple = (), sink: Any = None,
                  fold: frozenset | None = None, fold_writes: frozenset | None = None):
         self.state = _State(model, snapshot, only, sink, fold, fold_writes)
+        # each input as it came (name, the tensor the forward gets, a copy): whether the forward changed it
+        self._given: list[tuple[str, torch.Tensor, torch.Tensor]] = []
         for i, (pos, t) in enumerate(_tensors(list(inputs))):
             # the model's inputs open the trace, so a candidate's copy of an input pairs with it
-            self.state.trace.inputs.append(t.detach().clone() if snapshot else t)
+            copy = t.detach().clone()
+            self.state.trace.inputs.append(copy if snapshot else t)
+            self._given.append((input_name(pos), t, copy))
             self.state.add(name=input_name(pos), kind="input", label=f"input{list(pos)}",
                            function="", file="", line=0, op="input", tensor=t, scope="")
         self._handles: list[Any] = []
@@ -1749,7 +1788,10 @@ class capture:
         elif exc is not None:
             self.state.trace.error = _describe_error(exc, tb, self.state.error_scope or self.state.scope,
                                                      self.state.failing_call)
+        self.state.trace.inputs_left = changed_inputs(self._given)
         if self.state.sink is not None:
+            if self.state.trace.inputs_left and hasattr(self.state.sink, "add_inputs_left"):
+                self.state.sink.add_inputs_left(self.state.trace.inputs_left)
             self.state.sink.set_error(self.state.trace.error)
             if hasattr(self.state.sink, "output_form"):  # (a capture file keeps it)
                 self.state.sink.output_form = self.state.trace.output_form

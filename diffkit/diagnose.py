@@ -34,6 +34,8 @@ class Context:
     cand_records: list[Record]
     ref_params: dict[str, torch.Tensor] = field(default_factory=dict)  # the reference model's, by name
     cand_params: dict[str, torch.Tensor] = field(default_factory=dict)
+    # the candidate's parameter names -> the reference's (the alignment's); None: worked out here
+    rename: dict[str, str] | None = None
     found: list[str] = field(default_factory=list)  # kinds the checks before this one found
 
     @property
@@ -607,8 +609,8 @@ def check_other_weights(ctx: Context) -> list[Finding]:
     from .align import layout_of_equal, map_params_by_use, param_map
     from .load import describe_difference
 
-    counterpart = map_params_by_use(param_map(ctx.ref_params, ctx.cand_params), ctx.ref_records, ctx.cand_records,
-                                    ctx.ref_params, ctx.cand_params)
+    counterpart = ctx.rename if ctx.rename is not None else map_params_by_use(
+        param_map(ctx.ref_params, ctx.cand_params), ctx.ref_records, ctx.cand_records, ctx.ref_params, ctx.cand_params)
     found = []
     for cn, q in cread.items():
         rn = counterpart.get(cn)
@@ -633,10 +635,11 @@ CHECKS: list[Callable[[Context], list[Finding]]] = [
 
 
 def diagnose(stage: Stage, ref: Any, cand: Any, ref_params: dict[str, torch.Tensor] | None = None,
-             cand_params: dict[str, torch.Tensor] | None = None) -> list[Finding]:
+             cand_params: dict[str, torch.Tensor] | None = None, rename: dict[str, str] | None = None) -> list[Finding]:
     """Ranked findings for a stage with an error (empty when nothing explains it).  A root cause
     may be within tolerance itself (its error crosses tolerance only later): it is diagnosed too.
-    `ref`/`cand` are the two traces; `*_params` the models' parameters and buffers by name."""
+    `ref`/`cand` are the two traces; `*_params` the models' parameters and buffers by name; `rename` the
+    candidate's parameter names -> the reference's, as the alignment paired them (else worked out here)."""
     if stage.stats is None or stage.ref is None or stage.cand is None:
         return []
     if stage.stats.ok and (stage.local is None or stage.local.max_abs == 0):
@@ -650,7 +653,7 @@ def diagnose(stage: Stage, ref: Any, cand: Any, ref_params: dict[str, torch.Tens
     cand_native = cv.detach().to(torch.float64)
     cand_v = to_ref_layout(cand_native, tuple(stage.ref.shape), stage.pair_transform)
     ctx = Context(stage, ref_v, cand_v, cand_native, ref.records, cand.records, dict(ref_params or {}),
-                  dict(cand_params or {}))
+                  dict(cand_params or {}), rename=rename)
     findings: list[Finding] = []
     for check in CHECKS:
         try:

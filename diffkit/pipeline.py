@@ -20,7 +20,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from .align import Alignment, align, map_params_by_use, param_map, record_numel, to_ref_layout, torch_op
-from .capture import FOLD_AFTER, StopCapture, Trace, capture, written_in_place
+from .capture import FOLD_AFTER, StopCapture, Trace, capture, input_values, written_in_place
 from .diagnose import diagnose
 from .locate import build_stages, locate
 from .measure import ask_kernelbench, kernelbench_note, measure
@@ -227,6 +227,7 @@ def _full_traces(reference: Source, candidate: Source, options: Options, known: 
     rename = param_map(reference.params(), candidate.params())  # by value too: before a forward changes buffers
     ref = trace_of(reference, "ref")
     _fold_against(candidate, ref, options)
+    said = _inputs_as_left(ref, candidate)
     cand = trace_of(candidate, "cand")
     for trace, side in ((ref, "reference"), (cand, "candidate")):
         _no_meta_values(trace, side)
@@ -234,7 +235,33 @@ def _full_traces(reference: Source, candidate: Source, options: Options, known: 
     rename = map_params_by_use(rename, ref.records, cand.records, reference.params(), candidate.params())
     fixed = {k[1]: (k[0], k[2]) for k in known} if known else None
     alignment = align(ref.records, cand.records, fixed=fixed, rename=rename, tolerance=options.tolerance.for_dtype)
-    return _Traces(ref, cand, alignment, known={**alignment.measured, **(known or {})}, state=state)
+    return _Traces(ref, cand, alignment, known={**alignment.measured, **(known or {})}, state=state, warnings=said)
+
+
+def _inputs_as_left(ref: Trace, candidate: Source) -> list[str]:
+    """KernelBench hands the candidate the very input tensors the reference's forward ran on, so a
+    reference that changes an input in place gives the candidate the changed values: a live candidate's
+    inputs become the reference's inputs as its forward left them.  What the result should say of it."""
+    if not ref.inputs_left:
+        return []
+    names = [r.name for r in ref.records if r.kind == "input" and r.name in ref.inputs_left] or sorted(ref.inputs_left)
+    which = ", ".join(names)
+    where = ""
+    ids = {r.index for r in ref.records if r.kind == "input" and r.name in ref.inputs_left}
+    for r in ref.records:
+        if written_in_place(r) and any(getattr(a, "index", a) in ids for a in r.inputs):
+            how = r.op.split(".")[-1]
+            how = "an indexed assignment" if how in ("__setitem__", "index_put_", "copy_") or r.kind == "write" else how
+            where = f" (first by {how} at {os.path.basename(r.file)}:{r.line})" if r.file else f" (first by {how})"
+            break
+    if isinstance(candidate, ModelSource):
+        candidate.inputs = input_values(list(candidate.inputs), ref.inputs_left)
+        return [f"the reference's forward changes its {which} in place{where}; as KernelBench does, the candidate "
+                f"ran on the inputs as the reference's forward left them (a candidate that repeats the change makes "
+                f"it twice)"]
+    return [f"the reference's forward changes its {which} in place{where}; KernelBench runs the candidate on the "
+            f"inputs as the reference's forward left them, but the candidate's capture was made from the inputs as "
+            f"they were before: its verdict may differ from KernelBench's"]
 
 
 def _no_meta_values(trace: Trace, side: str) -> None:
@@ -313,8 +340,10 @@ def _streaming_traces(reference: Source, candidate: ModelSource, options: Option
     else:
         ref_store = TieredStore(ref_dev, ref_host, meta=meta_ref)
         ref_trace = _run_side(reference, options, state, "ref", only=keep_filter, sink=ref_store)
+    said: list[str] = []
     if lockstep is None or lockstep.ref_done:
         _fold_against(candidate, ref_trace, options)  # (while the reference runs, its sizes are not all known)
+        said = _inputs_as_left(ref_trace, candidate)  # (a lockstep diff finding it later starts again)
     comparer = StreamComparer(ref_trace, ref_store, keep, options.tolerance.atol, options.tolerance.rtol,
                               window=STREAM_WINDOW, stop_at_first=options.stop_at_first, journal=journal,
                               meta=meta_cand, rename=rename, stat=options.tolerance.stat,
@@ -325,9 +354,11 @@ def _streaming_traces(reference: Source, candidate: ModelSource, options: Option
         if lockstep is not None:
             ref_trace = lockstep.finish()
             ref_store.lockstep = None
-    if comparer.lockstep is not None and candidate.seed is None and lockstep.drew_random():
-        # an unseeded candidate continues the generators where the whole reference left them: that
-        # order cannot run side by side; the diff is made again, the reference first
+    if comparer.lockstep is not None and (candidate.seed is None and lockstep.drew_random()
+                                          or ref_trace.inputs_left):
+        # an unseeded candidate continues the generators where the whole reference left them, and a
+        # reference that changes its inputs hands the candidate the changed values: neither order can
+        # run side by side; the diff is made again, the reference first
         for clean in (ref_store.clear, keep.clear) + ((journal.close,) if journal is not None else ()):
             clean()
         for k in ("ref", "cand"):
@@ -410,7 +441,8 @@ def _streaming_traces(reference: Source, candidate: ModelSource, options: Option
                     ref_trace.records[ri].value = ref_store.get(ri, dev)  # on the device, as replays need
 
     out = _Traces(ref_trace, cand_trace, alignment, known=known, window=STREAM_WINDOW, fetch=fetch,
-                  cleanup=[ref_store.clear, keep.clear] + ([journal.close] if journal is not None else []), state=state)
+                  cleanup=[ref_store.clear, keep.clear] + ([journal.close] if journal is not None else []), state=state,
+                  warnings=said)
     out.meta.update({
         "mode": "streaming", "max_memory": budget, "host_memory": host,
         "peak_device_bytes": ref_dev.peak + keep_dev.peak, "peak_host_bytes": ref_host.peak + keep_host.peak,
@@ -570,7 +602,8 @@ def _explain(traces: _Traces, reference: Source, candidate: Source, options: Opt
     if traces.window is not None and result.first_divergence is not None and result.first_divergence.local is not None:
         result.meta["root_cause_window"] = traces.window
     for s in {id(x): x for x in (result.first_divergence, result.root_cause) if x is not None}.values():
-        s.diagnosis = diagnose(s, ref, cand, ref_params, cand_params) + s.diagnosis
+        s.diagnosis = diagnose(s, ref, cand, ref_params, cand_params, rename=traces.alignment.rename or None) \
+            + s.diagnosis
         if any(f.kind == "nondeterministic" for f in s.diagnosis):  # the re-run disagreed with the run
             _drop_statistical(s)
             s.diagnosis.sort(key=lambda f: f.kind != "nondeterministic")

@@ -12,6 +12,8 @@ Version 2 adds ``info`` (JSON metadata about how the capture was made: source, c
 init inputs, device, dtype, options), ``parameters`` (the name of ``params.safetensors``, the
 model's parameters and buffers by qualified name, or null) and a per-record ``params`` list (the
 qualified names of the parameters/buffers the producing call read).  Version 1 files still load.
+An optional ``inputs_left`` names ``inputs-left.safetensors``: the input tensors the forward changed in
+place, by input record name, as it left them (the inputs KernelBench's candidate then runs on).
 
 Safety (a capture may come from a stranger): every member is opened relative to the capture
 directory with ``O_NOFOLLOW`` and must be a regular file directly inside it (member names are
@@ -50,6 +52,7 @@ FORMAT = "diffkit-capture"
 VERSION = 2
 READABLE_VERSIONS = (1, 2)
 PARAMS_FILE = "params.safetensors"
+INPUTS_LEFT_FILE = "inputs-left.safetensors"
 
 _DTYPES = {str(d).replace("torch.", ""): d for d in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
@@ -471,6 +474,24 @@ def _meta(rec: Record) -> dict:
     return d
 
 
+def _named_items(named: Any, what: str) -> list[tuple[str, torch.Tensor]]:
+    """The (name, tensor) pairs of a dict of tensors to be saved (parameters, inputs), checked: raises
+    ValueError naming the one that cannot be saved."""
+    if not hasattr(named, "items"):
+        raise ValueError(f"{what}s must be a dict of name to tensor, not {type(named).__name__}")
+    items = list(named.items())
+    if len(items) > MAX_PARAMS:
+        raise ValueError(f"{len(items)} {what}s; at most {MAX_PARAMS} can be saved")
+    for k, t in items:
+        if not isinstance(k, str) or not k or len(k) > MAX_STR or k == "__metadata__":
+            raise ValueError(f"{what} name {_show(k)} is not a usable name")
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{what} {k!r} is a {type(t).__name__}, not a tensor")
+        if t.layout != torch.strided or t.is_quantized or t.device.type == "meta" or t.dtype not in _ST_CODES:
+            raise ValueError(f"{what} {k!r} ({t.dtype}, {t.layout}, on {t.device}) cannot be saved")
+    return items
+
+
 class CaptureWriter:
     """Append records; `flush()` writes a shard; `close()` marks the capture complete."""
 
@@ -496,6 +517,7 @@ class CaptureWriter:
         self.output_form = ""  # what the forward returned at the top (Trace.output_form)
         self.info: dict = {}
         self.params_file: str | None = None
+        self.inputs_left_file: str | None = None
         self.complete = False
         self._last_index = 0.0
         self._journal = os.fdopen(self._root.create("records.jsonl"), "w", encoding="utf-8")
@@ -520,20 +542,18 @@ class CaptureWriter:
     def add_parameters(self, named: dict[str, torch.Tensor]) -> None:
         """The model's parameters and buffers by qualified name, written now (atomically, as
         contiguous CPU copies) to params.safetensors.  Calling it again replaces them."""
-        if not hasattr(named, "items"):
-            raise ValueError(f"parameters must be a dict of name to tensor, not {type(named).__name__}")
-        items = list(named.items())
-        if len(items) > MAX_PARAMS:
-            raise ValueError(f"{len(items)} parameters; at most {MAX_PARAMS} can be saved")
-        for k, t in items:
-            if not isinstance(k, str) or not k or len(k) > MAX_STR or k == "__metadata__":
-                raise ValueError(f"parameter name {_show(k)} is not a usable name")
-            if not isinstance(t, torch.Tensor):
-                raise ValueError(f"parameter {k!r} is a {type(t).__name__}, not a tensor")
-            if t.layout != torch.strided or t.is_quantized or t.device.type == "meta" or t.dtype not in _ST_CODES:
-                raise ValueError(f"parameter {k!r} ({t.dtype}, {t.layout}, on {t.device}) cannot be saved")
+        items = _named_items(named, "parameter")
         self._root.write_atomic(PARAMS_FILE, lambda fh: _st_write(fh, items))
         self.params_file = PARAMS_FILE
+        self._write_index()
+
+    def add_inputs_left(self, named: dict[str, torch.Tensor]) -> None:
+        """The input tensors the forward changed in place, by input record name, as it left them
+        (inputs-left.safetensors); written even by a writer that keeps no values, so that a reader can
+        give the candidate the inputs KernelBench gives it."""
+        items = _named_items(named, "input")
+        self._root.write_atomic(INPUTS_LEFT_FILE, lambda fh: _st_write(fh, items))
+        self.inputs_left_file = INPUTS_LEFT_FILE
         self._write_index()
 
     def add(self, rec: Record, tensor: torch.Tensor | None = None) -> None:
@@ -620,7 +640,7 @@ class CaptureWriter:
         self._last_index = time.monotonic()
         data = {"format": FORMAT, "version": VERSION, "side": self.side, "source": self.source,
                 "complete": self.complete, "error": self.error, "output_form": self.output_form, "info": self.info,
-                "parameters": self.params_file,
+                "parameters": self.params_file, "inputs_left": self.inputs_left_file,
                 "records": self.entries}
         text = json.dumps(data).encode("utf-8")
         self._root.write_atomic("index.json", lambda fh: fh.write(text))
@@ -912,6 +932,10 @@ class CaptureFile:
                 if pf is not None and (not _plain_name(pf) or not pf.endswith(".safetensors")):
                     raise _Bad("parameters", f"must name a .safetensors file in the capture, not {_show(pf)}")
                 clean["parameters"] = pf
+                lf = index.get("inputs_left")
+                if lf is not None and (not _plain_name(lf) or not lf.endswith(".safetensors")):
+                    raise _Bad("inputs_left", f"must name a .safetensors file in the capture, not {_show(lf)}")
+                clean["inputs_left"] = lf
             except _Bad as e:
                 raise DiffkitError("", "read", f"{idx_path}: field {e.field!r} {e.why}", idx_path) from None
             lines: dict[int, int] = {}
@@ -1031,10 +1055,18 @@ class CaptureFile:
         return dict(self._params)
 
     def _read_parameters(self) -> dict[str, torch.Tensor]:
-        name = self.index.get("parameters")
+        return self._read_named(self.index.get("parameters"), "parameter")
+
+    def inputs_left(self) -> dict[str, torch.Tensor]:
+        """The input tensors the forward changed in place, by input record name, as it left them (empty
+        when it changed none, or the capture predates this)."""
+        return self._read_named(self.index.get("inputs_left"), "input")
+
+    def _read_named(self, name: str | None, what: str) -> dict[str, torch.Tensor]:
+        """The tensors of one of the capture's named-tensor files (parameters, inputs left), by name."""
         if not name:
             return {}
-        label = f"parameter file {name}"
+        label = f"{what} file {name}"
         out: dict[str, torch.Tensor] = {}
         with _Root(self.path) as root:
             fd = root.open_read(name, label)
@@ -1050,11 +1082,11 @@ class CaptureFile:
                                        root.where(name))
                 for k in keys:
                     if not isinstance(k, str) or not k or len(k) > MAX_STR:
-                        raise DiffkitError("", "read", f"{label} has a bad parameter name {_show(k)}", root.where(name))
+                        raise DiffkitError("", "read", f"{label} has a bad {what} name {_show(k)}", root.where(name))
                     try:
                         out[k] = _st_tensor(fd, size, start, k, hdr[k])
                     except ValueError as e:
-                        raise DiffkitError("", "read", f"{label} is truncated or corrupt ({e}) at parameter {k!r}",
+                        raise DiffkitError("", "read", f"{label} is truncated or corrupt ({e}) at {what} {k!r}",
                                            root.where(name)) from None
             finally:
                 os.close(fd)
@@ -1090,6 +1122,7 @@ class CaptureFile:
         if err:
             trace.error = CaptureError(**err)
         trace.output_form = self.index.get("output_form") or ""
+        trace.inputs_left = self.inputs_left()
         return trace
 
 

@@ -31,6 +31,7 @@ from typing import Any, Callable
 import torch
 import torch.utils._pytree as pytree
 
+from .capture import input_values
 from .errors import DiffkitError
 from .measure import ask_kernelbench, measure
 from .options import Options, Tolerance
@@ -195,14 +196,25 @@ def _clone(obj: Any) -> Any:
     return pytree.tree_map(lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v, obj)
 
 
-def forward(model: torch.nn.Module, inputs: list, no_grad: bool = True) -> tuple[Any, str]:
+def forward(model: torch.nn.Module, inputs: list, no_grad: bool = True,
+            left: dict | None = None) -> tuple[Any, str]:
     """One plain forward (no capture, as KernelBench runs it) on a copy of `inputs`: (output, "") or
-    (None, what it raised)."""
+    (None, what it raised).  `left`, when given, receives the input tensors the forward changed in place,
+    by input record name, as it left them (`capture.changed_inputs`)."""
     import contextlib
 
+    from .capture import _tensors, changed_inputs, input_name
+
+    args = _clone(list(inputs))
+    given = [(input_name(pos), t, inputs_t) for (pos, t), (_, inputs_t) in
+             zip(_tensors(args), _tensors(list(inputs)))] if left is not None else []
     try:
-        with torch.no_grad() if no_grad else contextlib.nullcontext():
-            out = model(*_clone(list(inputs)))
+        try:
+            with torch.no_grad() if no_grad else contextlib.nullcontext():
+                out = model(*args)
+        finally:
+            if left is not None:
+                left.update(changed_inputs(given))
         if any(isinstance(t, torch.Tensor) and t.is_cuda for t in pytree.tree_leaves(out)):
             torch.cuda.synchronize()
         return out, ""
@@ -294,14 +306,22 @@ class LiveReference:
     no_grad: bool = True
     _before: dict = field(default_factory=dict, repr=False)
 
+    _left: dict = field(default_factory=dict, repr=False)
+
     def inputs(self, k: int) -> list:
         return self.make_inputs(self.seeds[k - 1])
 
     def output(self, k: int, inputs: list) -> tuple[dict[str, torch.Tensor] | None, str]:
         self._before[k] = snapshot_state(self.model)
         seed_all(self.seeds[k - 1])
-        out, err = forward(self.model, inputs, self.no_grad)
+        self._left[k] = {}
+        out, err = forward(self.model, inputs, self.no_grad, left=self._left[k])
         return (None, err) if err else ({n: v.detach() for n, v in output_leaves(out).items()}, "")
+
+    def candidate_inputs(self, k: int, inputs: list) -> list:
+        """Trial `k`'s inputs as the candidate gets them: as the reference's forward left them (KernelBench
+        passes both models the same tensors)."""
+        return input_values(list(inputs), self._left.pop(k, {}))
 
     def source(self, k: int, inputs: list):
         from .pipeline import ModelSource
@@ -411,6 +431,15 @@ class CapturedTrials:
     def inputs(self, k: int) -> list:
         return self._load(k)[0]
 
+    def candidate_inputs(self, k: int, inputs: list) -> list:
+        """Trial `k`'s inputs as the candidate gets them: as the reference's forward left them (stored with
+        the trial when it changed any)."""
+        from .store import CaptureFile
+
+        cap = self.first.file if k == 1 and self.first is not None else CaptureFile.open(self._where(k))
+        left = cap.inputs_left()
+        return input_values(list(inputs), {n: v.to(self.device) for n, v in left.items()})
+
     def output(self, k: int, inputs: list) -> tuple[dict[str, torch.Tensor] | None, str]:
         _, out, err = self._load(k)
         return (None, err) if err else (out, "")
@@ -514,7 +543,10 @@ def _write_outputs_only(path: str, model: torch.nn.Module, inputs: list, seed: i
     writer.set_info({**info, "outputs_only": True})
     writer.add_parameters({n: b.detach() for n, b in model.named_buffers() if isinstance(b, torch.Tensor)})
     seed_all(seed)
-    out, err = forward(model, inputs, no_grad)
+    left: dict = {}
+    out, err = forward(model, inputs, no_grad, left=left)
+    if left:
+        writer.add_inputs_left(left)
     leaves = [(input_name(pos), "input", t) for pos, t in _tensors(list(inputs))]
     if not err:
         leaves += [(n, "output", t) for n, t in output_leaves(out).items()]
@@ -635,7 +667,7 @@ def run_trials(reference, candidate, first_inputs: list, options: Options, evide
                                                          f"{ref_err}", "")
             break
         try:
-            candidate.check(k, inputs, ref_out, trial)
+            candidate.check(k, reference.candidate_inputs(k, inputs), ref_out, trial)
         except DiffkitError as e:
             reported.warnings.append(f"trial {k} was not run: {e.message}")
             break

@@ -699,3 +699,123 @@ def test_weights_stored_in_another_layout_are_the_same_weights():
     r = diffkit.compare(ref, KeptTransposed(drop_last_bias=True), [x])
     kinds = [f.kind for s in r.stages for f in s.diagnosis]
     assert r.verdict == "diverged" and "missing_bias" in kinds and "other_weights" not in kinds, kinds
+
+
+# a reference whose forward changes the caller's tensors: KernelBench passes both models the same input
+# tensors, so the candidate runs on them as the reference left them
+SHIFTING_REF = '''
+import torch
+from torch import nn
+
+
+class Model(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.shift = nn.Parameter(torch.randn(width))
+        self.proj = nn.Linear(width, width)
+
+    def forward(self, x, gain):
+        x.add_(self.shift)
+        gain.mul_(0.5)
+        return self.proj(x) * gain
+
+
+def get_inputs():
+    return [torch.randn(6, 12), torch.rand(6, 1) + 0.5]
+
+
+def get_init_inputs():
+    return [12]
+'''
+
+# makes the reference's change itself, on tensors the reference has made it to already
+REPEATS_THE_CHANGE = '''
+import torch
+import torch.nn.functional as F
+
+
+class ModelNew(torch.nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.shift = torch.nn.Parameter(torch.empty(width).normal_())
+        self.proj = torch.nn.Linear(width, width)
+
+    def forward(self, x, gain):
+        moved = torch.add(x, self.shift)
+        return F.linear(moved, self.proj.weight, self.proj.bias) * (gain / 2)
+'''
+
+# takes the inputs as the reference leaves them (what KernelBench gives it)
+RELIES_ON_THE_CHANGE = '''
+import torch
+
+
+class ModelNew(torch.nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.shift = torch.nn.Parameter(torch.randn(width))
+        self.proj = torch.nn.Linear(width, width)
+
+    def forward(self, x, gain):
+        return torch.addmm(self.proj.bias, x, self.proj.weight.t()) * gain
+'''
+
+
+@pytest.mark.parametrize("mode", ["in-process", "streaming", "isolated", "captured"])
+def test_a_reference_changing_its_inputs_hands_the_candidate_the_changed_inputs(tmp_path, mode):
+    ref = tmp_path / "shifting.py"
+    ref.write_text(SHIFTING_REF)
+    for text, name in ((REPEATS_THE_CHANGE, "repeats"), (RELIES_ON_THE_CHANGE, "relies")):
+        cand = tmp_path / f"{name}.py"
+        cand.write_text(text)
+        expected = kernelbench_passes(str(ref), str(cand))
+        if mode in ("in-process", "streaming"):
+            r = diffkit.diff_files(str(ref), str(cand), max_memory=1024 if mode == "streaming" else None)
+            verdict, warnings, trials = r.verdict, r.warnings, r.trials
+            first = r.first_divergence.ref_name if r.first_divergence is not None else None
+        else:
+            where = str(ref)
+            if mode == "captured":  # the reference captured first, then diffed from its capture directory
+                from diffkit.compare import capture_reference
+                from diffkit.store import CaptureFile
+
+                where = str(tmp_path / "ref.dkt")
+                if not os.path.exists(where):
+                    capture_reference(str(ref), where)
+                left = CaptureFile.open(where).inputs_left()
+                assert sorted(left) == ["input[0]", "input[1]"]
+            proc, data = _cli(where, str(cand), tmp_path=tmp_path, name=f"{name}.json")
+            assert data is not None, proc.stdout[-2000:] + proc.stderr[-2000:]
+            verdict, warnings, trials = data["verdict"], data["warnings"], data["trials"]
+            first = (data.get("first_divergence") or {}).get("ref_name")
+        assert (verdict == "match") == expected, (name, mode, verdict, warnings)
+        assert any("changes its input[0], input[1] in place" in w and "KernelBench" in w for w in warnings), warnings
+        if expected:
+            assert len(trials) == 5 and all(t["allclose"] for t in trials)
+        else:  # where the candidate makes the change a second time
+            assert "add" in first, first
+    assert {kernelbench_passes(str(ref), str(tmp_path / f"{n}.py")) for n in ("repeats", "relies")} == {True, False}
+
+
+def test_a_candidate_s_capture_made_before_the_reference_s_change_is_said_to_differ_from_kernelbench(tmp_path):
+    from diffkit.compare import capture_reference
+
+    ref, cand = tmp_path / "shifting.py", tmp_path / "relies.py"
+    ref.write_text(SHIFTING_REF)
+    cand.write_text(RELIES_ON_THE_CHANGE)
+    capture_reference(str(ref), str(tmp_path / "ref.dkt"))
+    capture_reference(str(cand), str(tmp_path / "cand.dkt"), class_name="ModelNew", inputs_from=str(ref),
+                      side="candidate")
+    result = diffkit.diff_files(str(tmp_path / "ref.dkt"), str(tmp_path / "cand.dkt"))
+    assert any("capture was made from the inputs as they were before" in w for w in result.warnings), result.warnings
+
+
+def test_a_forward_leaving_its_inputs_alone_hands_them_over_as_they_were():
+    # NaNs left where they were are no change; a view taken of an input is not a write into it
+    class Reads(torch.nn.Module):
+        def forward(self, x):
+            return torch.nan_to_num(x.view(-1)[:5]) * 3
+
+    x = torch.tensor([float("nan"), 1.0, 2.0, float("inf"), -1.0, 4.0])
+    r = diffkit.compare(Reads(), Reads(), [x])
+    assert r.verdict == "match" and not any("in place" in w for w in r.warnings), r.warnings
