@@ -1732,6 +1732,35 @@ def pass_read_inputs(state: AlignState) -> None:
         todo.appendleft(ci)
 
 
+def pass_reader_layout(state: AlignState) -> None:
+    """Where a paired stage is the same torch function or module on both sides and reads, at the same
+    argument position, a tensor of the same shape on each side, the two are what it reads, compared as
+    they are: a candidate tensor paired elsewhere only through a permutation of axes pairs with the
+    reference's (when that is free) instead.  (A head merge ``y.reshape(B, L, E)`` without the
+    transpose back holds the reference's ``(att @ v).transpose(1, 2)`` in (B, H, L, D) order: through
+    the permutation it looks right, and the projection reading it took the blame.)"""
+    rf, cf = state.flows()
+    if not (rf.known and cf.known):
+        return
+    for cj in sorted(state.pairs):
+        p = state.pairs.get(cj)
+        if p is None or p.transform == SHAPE_MISMATCH:
+            continue
+        c_in, r_in = cf.inputs[cj], rf.inputs[p.ref]
+        if len(c_in) != len(r_in) or not same_op(state.cand[cj], state.ref[p.ref]):
+            continue
+        for ci, ri in zip(c_in, r_in):
+            q = state.pairs.get(ci)
+            if q is None or q.ref == ri or q.transform[:1] not in (("permute",), ("unpermute",)) or \
+                    ri in state.paired_ref:
+                continue
+            c, r = state.cand[ci], state.ref[ri]
+            if tuple(c.shape) != tuple(r.shape) or c.dtype != r.dtype or r.kind == "input":
+                continue
+            state.remove(ci)
+            state.add(ci, ri, "dataflow", DATAFLOW_CONFIDENCE)
+
+
 def pass_deferred(state: AlignState) -> None:
     """A pair set aside by `add_checked` stands where no later pass paired its candidate: as a
     ``name`` pair, since what speaks for it is the variable's name (the order pass matches the same
@@ -1844,7 +1873,8 @@ def pass_consistency(state: AlignState) -> None:
 
 # The passes `align` runs, in order: each is a function of the state, inserted where its evidence ranks.
 PASSES: list[Callable[[AlignState], None]] = [pass_name, pass_outputs, pass_dataflow, pass_proposed, pass_order,
-                                              pass_value, pass_read_inputs, pass_deferred, pass_consistency]
+                                              pass_value, pass_read_inputs, pass_reader_layout, pass_deferred,
+                                              pass_consistency]
 
 
 def align(ref: list[Record], cand: list[Record], value_match: bool = True, *,

@@ -279,20 +279,29 @@ def _diff(ref_path, cand_path, atol, rtol, seed, device, json_path, csv_path, st
         sys.exit(2)
     except Exception as e:
         if not _is_users_fault(e):
-            _internal_error(e)
-            if stream_dir:  # tell the isolating parent it was diffkit's fault, not a crash of the kernel
-                with open(os.path.join(stream_dir, "internal"), "w") as fh:
-                    fh.write(f"{type(e).__name__}: {e}")
-            sys.exit(INTERNAL)
+            _internal_exit(e, stream_dir)
         if stream_dir:  # a CUDA error that poisoned the context after the forward: the parent diffs the captures
             raise
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         err = DiffkitError("candidate", "forward", f"{type(e).__name__}: {first}")
         out.write(error_result(err, ref_path, cand_path, options), error=err)
         sys.exit(2)
-    written = out.write(result)
+    try:
+        written = out.write(result)
+    except Exception as e:  # writing diffkit's own answer failed: never the candidate's fault
+        _internal_exit(e, stream_dir)
     _done(stream_dir)
     sys.exit(EXIT[result.verdict] if written else 2)
+
+
+def _internal_exit(e: BaseException, stream_dir: str | None) -> None:
+    """A bug of diffkit's: its traceback printed and exit 3; an isolated diff's child also tells the
+    isolating parent (an "internal" file) that it was diffkit's fault, not a crash of the kernel."""
+    _internal_error(e)
+    if stream_dir:
+        with open(os.path.join(stream_dir, "internal"), "w") as fh:
+            fh.write(f"{type(e).__name__}: {e}")
+    sys.exit(INTERNAL)
 
 
 INIT_FILE = "init.json"  # an isolated diff's reference process: the init inputs it builds its model from

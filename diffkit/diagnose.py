@@ -36,6 +36,8 @@ class Context:
     cand_params: dict[str, torch.Tensor] = field(default_factory=dict)
     # the candidate's parameter names -> the reference's (the alignment's); None: worked out here
     rename: dict[str, str] | None = None
+    # set by check_mask_value: (the elements finite on both sides, whether those all agree)
+    masked: tuple | None = None
     found: list[str] = field(default_factory=list)  # kinds the checks before this one found
 
     @property
@@ -62,6 +64,40 @@ def _explains(model: torch.Tensor, ctx: Context) -> float:
 
 
 # ------------------------------------------------------------------ checks
+MASK_MAGNITUDE = 1e4  # a finite value at least this large standing for ±inf: a mask (-1e4, -1e9, finfo.min)
+
+
+def check_mask_value(ctx: Context) -> list[Finding]:
+    """One side holds ±inf where the other holds a large finite value of the same sign, and nowhere
+    else is one side finite and the other not: a mask written as a large number on one side and as
+    infinity on the other (``masked_fill(m, -inf)`` against a bias of -1e9).  After a softmax both
+    give zeros; allclose still counts every such element out of tolerance."""
+    r, c = ctx.ref, ctx.cand
+    fr, fc = torch.isfinite(r), torch.isfinite(c)
+    odd = fr ^ fc
+    n = int(odd.sum())
+    if n == 0:
+        return []
+    inf_side, fin_side = torch.where(fr, c, r), torch.where(fr, r, c)
+    masked = odd & (torch.sign(inf_side) == torch.sign(fin_side)) & (fin_side.abs() >= MASK_MAGNITUDE)
+    if int(masked.sum()) != n:
+        return []
+    at = tuple(int(i) for i in torch.nonzero(masked)[0])
+    ref_inf = bool(~fr[at])
+    inf_name, fin_name = ("reference", "candidate") if ref_inf else ("candidate", "reference")
+    value = float(fin_side[at])
+    both = fr & fc
+    s = ctx.stage.stats
+    agree = bool(both.any()) and bool(((c - r).abs()[both] <= s.atol + s.rtol * r.abs()[both]).all())
+    ctx.masked = (both, agree)
+    rest = ("every other element agrees within tolerance" if agree else
+            "the other elements differ too (max_abs " + f"{float((c - r).abs()[both].max()):.3g})" if both.any() else
+            "no element is finite on both sides")
+    return [Finding("mask_value", f"the {inf_name} holds {'-' if value < 0 else '+'}inf at {n} of {r.numel()} elements "
+                    f"where the {fin_name} holds a large finite value ({value:.3g} at {list(at)}): the same mask "
+                    f"written two ways; {rest}", 0.9 if agree else 0.6)]
+
+
 def check_nan_inf(ctx: Context) -> list[Finding]:
     s = ctx.stage.stats
     if s is None or not (s.cand_nan > s.ref_nan or s.cand_inf > s.ref_inf):
@@ -373,7 +409,30 @@ def check_permutation(ctx: Context) -> list[Finding]:
             what = f"axes {axes} swapped" if len(moved) == 2 else f"axes permuted by {tuple(p)}"
             return [Finding("permutation", f"candidate equals the reference with {what} (shape {list(shape)}): "
                             f"an index mix-up in the kernel's writes or reads", 0.95)]
-    return []
+    return _merged_out_of_order(ctx)
+
+
+# the candidate holds a reshaped tensor's values in another axis order within this relative error
+MERGED_REL_ERR = 1e-5
+
+
+def _merged_out_of_order(ctx: Context) -> list[Finding]:
+    """The reference stage only reshapes what it reads (`y = t.reshape(B, L, H * D)`) and the candidate
+    holds `t`'s values with its axes in another order before the same merge: axes merged without the
+    transpose back (a head merge from (B, H, L, D) without ``transpose(1, 2)``)."""
+    from .align import Pair, best_layout
+
+    src = ctx.ref_input(0)
+    if src is None or src.numel() != ctx.ref.numel() or tuple(src.shape) == tuple(ctx.ref.shape) or \
+            not torch.equal(src.reshape(ctx.ref.shape), ctx.ref):
+        return []
+    lay = best_layout(ctx.cand_native, src)
+    if lay.transform[:1] not in (("permute",), ("unpermute",)) or not lay.rel_err <= MERGED_REL_ERR:
+        return []
+    how = Pair(ref=0, cand=0, via="", confidence=1.0, transform=lay.transform).describe_transform()
+    return [Finding("permutation", f"the reference's stage reshapes a {list(src.shape)} tensor to "
+                    f"{list(ctx.ref.shape)}; the candidate holds that tensor's values with its axes in another order "
+                    f"({how} brings them back): axes merged without the transpose or permute before the reshape", 0.9)]
 
 
 def _weight_of(ctx: Context, k: int) -> tuple[str, torch.Tensor | None, torch.Tensor | None]:
@@ -629,7 +688,7 @@ def check_other_weights(ctx: Context) -> list[Finding]:
 
 
 CHECKS: list[Callable[[Context], list[Finding]]] = [
-    check_nan_inf, check_other_weights, check_region, check_reduction_axis, check_permutation, check_transposed_weight,
+    check_mask_value, check_nan_inf, check_other_weights, check_region, check_reduction_axis, check_permutation, check_transposed_weight,
     check_bias_offset, check_missing_parameter, check_scale, check_approximation, check_precision,
 ]
 
@@ -661,6 +720,14 @@ def diagnose(stage: Stage, ref: Any, cand: Any, ref_params: dict[str, torch.Tens
         except Exception:  # a check that cannot apply to this stage says nothing
             continue
         ctx.found = [f.kind for f in findings]
+        if ctx.masked is not None and findings and findings[-1].kind == "mask_value":
+            keep, agree = ctx.masked
+            ctx.masked = None
+            if agree:
+                break  # nothing else is wrong
+            # the other checks look at the elements finite on both sides only (a mask's are zeroed)
+            ctx.ref, ctx.cand = torch.where(keep, ctx.ref, 0.0), torch.where(keep, ctx.cand, 0.0)
+            continue
         if findings and findings[-1].kind in ("nan_inf",):
             break
     exact = {"missing_bias", "offset", "scale", "sign", "permutation", "transposed_weight", "unwritten_region",

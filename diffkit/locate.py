@@ -112,14 +112,55 @@ def _kernelbench(stage: Stage, r: torch.Tensor | None, c: torch.Tensor | None, d
         stage.note = f"{stage.note}; {note}" if stage.note else note
 
 
-def locate(stages: list[Stage]) -> Stage | None:
-    """Mark every failing stage after the first as "after-divergence"; return the first divergence."""
-    first = None
-    for s in stages:
-        if s.status in ("diverged", "after-divergence"):
-            if first is None:
-                first = s
-                s.status = "diverged"
-            else:
-                s.status = "after-divergence"
+def locate(stages: list[Stage], cand_records: list[Record] | None = None) -> Stage | None:
+    """Mark every failing stage after the first divergence as "after-divergence"; return the first
+    divergence.  With the candidate's records (their dataflow), a failing stage whose error every paired
+    stage reading it has left behind (`undone`) is passed over while a later failing stage is not: the
+    first divergence is where the error that goes on starts.  Passed over, it keeps "diverged"."""
+    failing = [s for s in stages if s.status in ("diverged", "after-divergence")]
+    if not failing:
+        return None
+    first = failing[0]
+    if cand_records is not None and len(failing) > 1:
+        by_cand = {s.cand.index: s for s in stages if s.cand is not None and s.ref is not None}
+        readers = _readers(cand_records)
+        first = next((s for s in failing if not undone(s, by_cand, readers)), first)
+    for s in failing:
+        s.status = "diverged" if s.index <= first.index else "after-divergence"
     return first
+
+
+READERS_VISITED = 256  # unpaired records walked through looking for the paired stages that read a stage
+
+
+def _readers(records: list[Record]) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for r in records:
+        for a in r.inputs:
+            out.setdefault(getattr(a, "index", a), []).append(r.index)
+    return out
+
+
+def undone(stage: Stage, by_cand: dict[int, Stage], readers: dict[int, list[int]]) -> bool:
+    """Whether a failing stage's error stops there: it is not an output, and the nearest paired stages
+    reading its candidate tensor (through unpaired records) are all within tolerance -- the candidate
+    computes that quantity otherwise (``x / sqrt(v)`` against ``x * rsqrt(v)``) or its error is undone
+    before it matters."""
+    if stage.cand is None or stage.cand.is_output:
+        return False
+    seen: set[int] = set()
+    todo = list(readers.get(stage.cand.index, ()))
+    found = False
+    while todo and len(seen) < READERS_VISITED:
+        j = todo.pop()
+        if j in seen:
+            continue
+        seen.add(j)
+        s = by_cand.get(j)
+        if s is None:
+            todo.extend(readers.get(j, ()))
+        elif s.stats is None or s.failed:
+            return False
+        else:
+            found = True
+    return found and not todo

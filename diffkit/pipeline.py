@@ -545,7 +545,14 @@ def _explain(traces: _Traces, reference: Source, candidate: Source, options: Opt
             if note:
                 result.warnings.append(f"{'the output' if s.ref_name == 'output' else 'output ' + str(s.ref_name)}: "
                                        f"{note}")
-    result.first_divergence = locate(stages)
+    result.first_divergence = locate(stages, cand.records)
+    fd = result.first_divergence
+    for s in stages:
+        if fd is not None and s.failed and s.index < fd.index:
+            result.warnings.append(f"stage {s.index} {s.ref_name} (candidate {s.cand_name}) is out of tolerance, but "
+                                   f"every stage reading it agrees with the reference: the candidate computes it "
+                                   f"otherwise, or undoes its error at once; the error that goes on starts at stage "
+                                   f"{fd.index}")
     result.output_structure = output_structure(ref, cand)
     out = result.output_stage
     result.output = out.stats if out is not None else None
@@ -668,6 +675,9 @@ def what_if(result: Result, traces: _Traces, reference: Source, options: Options
     if options.explain is False or fd is None or fd.ref is None or fd.cand is None or fd.stats is None:
         return
     if result.error is not None or options.explain_budget == 0:
+        return
+    if options.explain is None and fd.diagnosis and fd.diagnosis[0].kind == "mask_value" and \
+            fd.diagnosis[0].confidence >= 0.9:  # (nothing but a mask written two ways: nothing to search for)
         return
     win = whatif.window(result.stages, traces.ref, fd)
     if options.explain is None and len(win) <= 1 and isinstance(reference, ModelSource):

@@ -33,6 +33,19 @@ def _num(x: float | None) -> float | None:
     return x
 
 
+def json_safe(obj: Any) -> Any:
+    """`obj` (dicts, lists, tuples, scalars) with every float made strict-JSON-safe by `_num`: a finding's
+    data or a what-if's numbers may hold NaN or ±Inf (a reference masked with -inf) as well as the
+    fields written through `_num` already."""
+    if isinstance(obj, float):
+        return _num(obj)
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
 def _unnum(x: Any) -> float:
     return float("nan") if x is None else float(x)
 
@@ -499,7 +512,7 @@ class Result:
                    what_if=[dict(w) for w in d.get("what_if") or [] if isinstance(w, dict)])
 
     def to_json(self, indent: int | None = 2) -> str:
-        return json.dumps(self.to_dict(), indent=indent, allow_nan=False, default=str)
+        return json.dumps(json_safe(self.to_dict()), indent=indent, allow_nan=False, default=str)
 
     @classmethod
     def from_json(cls, text: str) -> "Result":

@@ -207,11 +207,24 @@ def analyse(result: Result, ref: Trace, cand: Trace, alignment: Alignment, windo
         disagreement = _replay_disagrees(s, ins, ref, cand, out)
         if disagreement:
             s.diagnosis.insert(0, Finding("nondeterministic", disagreement, 0.75))
+        if s.stats.ok and not s.local.ok and not s.stats.max_abs > s.local.max_abs:
+            # within tolerance as it ran, out of it on the reference's inputs: what it read is paired with a
+            # quantity the candidate computes otherwise (``x / sqrt(v)`` read against ``rsqrt(v)``), and the
+            # re-run says nothing of this stage
+            s.replay_note = (f"re-run on the reference's inputs gives max_abs {s.local.max_abs:.3g} while the run "
+                             f"itself agrees: an input it reads is paired with a quantity the candidate computes "
+                             f"otherwise; not taken as a cause")
+            continue
         if not s.local.ok or _above_noise(s.local.max_abs, ref_value):
             introduced.append(s)
     if fd is None:
         return
     before = [s for s in introduced if s.index <= fd.index]
+    if len(before) > 1:  # an error every stage reading it left behind is not where the one that goes on starts
+        from .locate import _readers, undone
+
+        readers = _readers(cand.records)
+        before = [s for s in before if s is fd or not (s.failed and undone(s, stage_of_cand, readers))] or before
     if before:
         result.root_cause = before[0]
     elif fd.local is not None:

@@ -373,8 +373,10 @@ def summary_json(entries: Sequence[SuiteEntry]) -> str:
     """summary.json: one object per finished pair (name, verdict, first_divergence, root_cause, report, …)."""
     keys = ("name", "verdict", "first_divergence", "root_cause", "report", "diagnosis", "diagnosis_detail", "seconds",
             "error", "headline", "ref", "cand")
+    from .result import json_safe
+
     rows = [{k: getattr(e, k) for k in keys} for e in entries if e.finished]
-    return json.dumps(rows, indent=2, allow_nan=False) + "\n"
+    return json.dumps(json_safe(rows), indent=2, allow_nan=False) + "\n"
 
 
 CSV_COLUMNS = ["name", "verdict", "first_divergence", "root_cause", "diagnosis", "seconds", "report", "error",

@@ -238,3 +238,141 @@ def test_load_pair_copies_weights_and_reports(tmp_path):
     # each side has its own inputs: a candidate writing into its input cannot touch the reference's
     pair.cand(*pair.cand_inputs)
     assert pair.ref_inputs[0].abs().sum() > 0
+
+
+# ------------------------------------------------------------------------ a mask written two ways
+class _PaddedAttention(nn.Module):
+    """Attention over padded keys: the reference masks padding with -inf before the softmax."""
+
+    def __init__(self, dim=16):
+        super().__init__()
+        self.score = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x, valid):
+        logits = torch.einsum("bqd,bkd->bqk", self.score(x), x)
+        logits = logits.masked_fill(valid[:, None, :] == 0, float("-inf"))
+        return torch.softmax(logits, -1) @ x
+
+
+class _PaddedAttentionBigNegative(_PaddedAttention):
+    """The same, the padding pushed down by a large finite number instead (and one fused call)."""
+
+    def forward(self, x, valid):
+        penalty = (1.0 - valid.float())[:, None, :] * -3.0e4
+        logits = torch.baddbmm(penalty, self.score(x), x.transpose(1, 2))
+        return torch.softmax(logits, -1) @ x
+
+
+def test_a_mask_written_as_a_large_number_against_infinity_is_named_and_the_json_stays_valid(tmp_path):
+    torch.manual_seed(3)
+    ref, cand = _PaddedAttention(), _PaddedAttentionBigNegative()
+    cand.load_state_dict(ref.state_dict())
+    x = torch.randn(2, 6, 16)
+    valid = torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 0]])
+    result = diffkit.compare(ref, cand, [x, valid])
+    assert result.verdict == "match", result.summary_line()
+    masked = [s for s in result.stages if s.failed]
+    assert masked and all(s.diagnosis and s.diagnosis[0].kind == "mask_value" for s in masked), \
+        [(s.ref_name, s.diagnosis) for s in masked]
+    words = masked[0].diagnosis[0].detail
+    assert "-inf" in words and "-3e+04" in words and "every other element agrees" in words, words
+    assert not result.what_if and not any(f.kind in ("scale", "offset") for s in masked for f in s.diagnosis)
+    # (the statistics of such a stage hold infinities: the JSON written is still strict JSON)
+    text = result.to_json()
+    assert json.loads(text)["verdict"] == "match" and "Infinity" not in text and "NaN" not in text
+
+
+# --------------------------------------------- a stage computed otherwise is not where the error starts
+class _Norm(nn.Module):
+    def __init__(self, dim=24):
+        super().__init__()
+        self.gain = nn.Parameter(torch.rand(dim) + 0.5)
+        self.up = nn.Linear(dim, 2 * dim)
+        self.down = nn.Linear(2 * dim, dim)
+
+    def forward(self, x):
+        inv = torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6)
+        h = x * inv * self.gain
+        return self.down(torch.nn.functional.gelu(self.up(h)))
+
+
+class _NormDividing(_Norm):
+    """The norm divides by the root (a quantity the reference never holds: its reciprocal); the MLP uses
+    GELU's tanh approximation -- the bug."""
+
+    def forward(self, x):
+        root = torch.sqrt(torch.mean(x * x, dim=-1, keepdim=True) + 1e-6)
+        h = self.gain * (x / root)
+        return self.down(torch.nn.functional.gelu(self.up(h), approximate="tanh"))
+
+
+def test_a_quantity_computed_otherwise_is_passed_over_for_where_the_error_goes_on():
+    torch.manual_seed(5)
+    ref, cand = _Norm(), _NormDividing()
+    cand.load_state_dict(ref.state_dict())
+    result = diffkit.compare(ref, cand, [torch.randn(3, 7, 24) * 3])
+    assert result.verdict == "diverged"
+    fd = result.first_divergence
+    assert "gelu" in (fd.ref.op + fd.cand.op).lower(), (fd.ref_name, fd.cand_name)
+    earlier = [s for s in result.stages if s.failed and s.index < fd.index]
+    assert earlier and any("sqrt" in s.cand.op for s in earlier)
+    assert any("every stage reading it agrees" in w for w in result.warnings), result.warnings
+    assert result.root_cause is None or "sqrt" not in result.root_cause.cand.op, result.root_cause.cand_name
+    # the same division with the exact GELU: a match
+    class Exact(_NormDividing):
+        def forward(self, x):
+            root = torch.sqrt(torch.mean(x * x, dim=-1, keepdim=True) + 1e-6)
+            return self.down(torch.nn.functional.gelu(self.up(self.gain * (x / root))))
+
+    exact = Exact()
+    exact.load_state_dict(ref.state_dict())
+    ok = diffkit.compare(ref, exact, [torch.randn(3, 7, 24)])
+    assert ok.verdict == "match", ok.summary_line()
+
+
+# ------------------------------------------ axes merged without the transpose back, read by the same layer
+class _Patches(nn.Module):
+    """Groups of channels merged per position: (B, G, N, C) brought to (B, N, G * C) for a projection."""
+
+    def __init__(self, groups=3, width=5):
+        super().__init__()
+        self.mix = nn.Conv1d(width, groups * width, 1)
+        self.proj = nn.Linear(groups * width, 7)
+        self.g, self.c = groups, width
+
+    def forward(self, x):  # x: (B, width, N)
+        b, _, n = x.shape
+        t = self.mix(x).view(b, self.g, self.c, n).permute(0, 1, 3, 2)  # (B, G, N, C)
+        merged = t.permute(0, 2, 1, 3).reshape(b, n, self.g * self.c)
+        return self.proj(merged)
+
+
+class _PatchesMergedInPlaceOrder(_Patches):
+    def forward(self, x):
+        b, _, n = x.shape
+        t = self.mix(x).view(b, self.g, self.c, n).transpose(2, 3)
+        flat = t.contiguous().view(b, n, -1)  # BUG: (G, N) axes not swapped back before merging
+        return torch.nn.functional.linear(flat, self.proj.weight, self.proj.bias)
+
+
+def test_axes_merged_out_of_order_are_the_stage_that_merges_them_not_the_layer_reading_them():
+    torch.manual_seed(11)
+    ref, cand = _Patches(), _PatchesMergedInPlaceOrder()
+    cand.load_state_dict(ref.state_dict())
+    result = diffkit.compare(ref, cand, [torch.randn(2, 5, 4)])
+    assert result.verdict == "diverged"
+    fd = result.first_divergence
+    assert not fd.cand.is_output and tuple(fd.cand.shape) == (2, 4, 15), (fd.ref_name, fd.cand_name)
+    assert fd.diagnosis and fd.diagnosis[0].kind == "permutation", fd.diagnosis
+    assert "merged without the transpose" in fd.diagnosis[0].detail
+    # merged in the right order: a match, the layer's input compared as it is
+    class Right(_Patches):
+        def forward(self, x):
+            b, _, n = x.shape
+            t = self.mix(x).view(b, self.g, self.c, n)
+            return torch.nn.functional.linear(t.permute(0, 3, 1, 2).reshape(b, n, -1), self.proj.weight,
+                                              self.proj.bias)
+
+    right = Right()
+    right.load_state_dict(ref.state_dict())
+    assert diffkit.compare(ref, right, [torch.randn(2, 5, 4)]).verdict == "match"

@@ -228,22 +228,28 @@ def test_source_with_a_pep263_coding_line_is_read(files):
     assert proc.returncode == 0, proc.stdout[-800:] + proc.stderr[-800:]
 
 
-def test_internal_error_exits_3_and_says_it_is_diffkits_fault(files, monkeypatch):
+@pytest.mark.parametrize("planted", ["diffkit.pipeline.judge", "diffkit.result.Result.to_json"])
+def test_internal_error_exits_3_and_says_it_is_diffkits_fault(files, planted):
     tmp, ref = files
     cand = tmp / "cand.py"
     cand.write_text(ref.read_text().replace("class Model(", "class ModelNew("))
-    # a bug planted in diffkit itself (not in the user's files): the diagnosis step raises
+    # a bug planted in diffkit itself (not in the user's files): the verdict, or writing the answer once the
+    # diff is done (in an isolated diff's candidate process that once read as the candidate crashing)
+    owner, name = planted.rsplit(".", 1)
     sitecustom = tmp / "plant"
     sitecustom.mkdir()
     (sitecustom / "sitecustomize.py").write_text(
-        "import diffkit.pipeline as p\n"
+        "import importlib\n"
+        f"mod, cls, _ = {owner!r}.partition('.Result')\n"
+        "target = importlib.import_module(mod)\n"
+        "target = getattr(target, 'Result') if cls else target\n"
         "def boom(*a, **k):\n    raise ZeroDivisionError('planted')\n"
-        "p.judge = boom\n")
+        f"setattr(target, {name!r}, boom)\n")
     env = dict(os.environ, PYTHONPATH=str(sitecustom) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     for mode in (["--no-isolate"], []):
-        proc = _cli("diff", str(ref), str(cand), "--no-report", *mode, env=env)
+        proc = _cli("diff", str(ref), str(cand), "--no-report", "--json", str(tmp / "r.json"), *mode, env=env)
         assert proc.returncode == 3, (mode, proc.stdout[-800:], proc.stderr[-800:])
-        assert "bug in diffkit" in proc.stderr
+        assert "bug in diffkit" in proc.stderr and "ERROR in candidate" not in proc.stdout, proc.stdout[-800:]
 
 
 def test_sigterm_stops_the_children_and_removes_temp_dirs(files):
