@@ -1475,6 +1475,10 @@ def _continuations(state: AlignState) -> int:
         if was.via not in ("dataflow", "name") or not (cf.ancestors[ci] >> held) & 1 \
                 or not _elementwise_from(state, ci, held, ccov):
             continue
+        if any(j != ci and not (cf.ancestors[ci] >> j) & 1 for j in cf.consumers[held]):
+            # the paired record is passed on besides (``z * sigmoid(z)`` reads `z` itself): it is the stage's
+            # result, and this record one more step reading it
+            continue
         h, names = state.cand[held], set(r.names())
         if set(h.names()) & names and not reused_name(h, r) and not set(c.names()) & names:
             continue  # the record holding the reference's own (unique) name is the stage's counterpart

@@ -326,10 +326,30 @@ def check_bias_offset(ctx: Context) -> list[Finding]:
     return []
 
 
-def _constants(shape: tuple[int, ...]) -> list[tuple[float, str, int | None, str]]:
+def _reduction_sizes(ctx: Context) -> set[int]:
+    """How many elements a normalisation producing this stage may have reduced over: the trailing axes
+    (a LayerNorm over one or several), all but the channels (a BatchNorm) and, for a group norm, a
+    group's channels by the rest."""
+    shape = tuple(ctx.ref.shape)
+    out = {math.prod(shape[k:]) for k in range(1, len(shape))}
+    if len(shape) >= 2:
+        out.add(math.prod(shape) // max(shape[1], 1))
+        if "group" in ((ctx.stage.ref.op if ctx.stage.ref is not None else "") or "").lower():
+            rest = math.prod(shape[2:])
+            out |= {shape[1] // g * rest for g in range(1, shape[1] + 1) if shape[1] % g == 0}
+    return {d for d in out if d > 1}
+
+
+def _constants(shape: tuple[int, ...], sizes: frozenset | set = frozenset()) -> list[tuple[float, str, int | None, str]]:
     """Factors a scale error is compared with: (value, formula, the size d it uses, what a factor
-    of that form would be consistent with).  Sizes are the stage's own, then common head sizes."""
+    of that form would be consistent with).  Sizes are the stage's own, then common head sizes;
+    `sizes` (what a normalisation may have reduced over) add the variance forms."""
     out: list[tuple[float, str, int | None, str]] = [(2.0, "2", None, ""), (0.5, "1/2", None, "")]
+    for d in sorted(set(sizes) - set(shape)):
+        out += [(math.sqrt((d - 1) / d), f"√((d−1)/d), d = {d}", d,
+                 "a variance divided by d−1 where one divided by d is expected"),
+                (math.sqrt(d / (d - 1)), f"√(d/(d−1)), d = {d}", d,
+                 "a variance divided by d where one divided by d−1 is expected")]
     for d in sorted({x for x in shape if x > 1} | {8, 16, 32, 64, 128}):
         out += [(math.sqrt(d), f"√d, d = {d}", d, "a 1/√d factor left out"),
                 (1 / math.sqrt(d), f"1/√d, d = {d}", d, "a 1/√d factor applied where none belongs, or twice"),
@@ -346,15 +366,15 @@ def _constants(shape: tuple[int, ...]) -> list[tuple[float, str, int | None, str
 SCALE_MATCH = 2e-3
 
 
-def _name_scale(s: float, shape) -> tuple[str, bool]:
+def _name_scale(s: float, shape, sizes: frozenset | set = frozenset()) -> tuple[str, bool]:
     """Words relating a scale factor to the nearest simple constant, if one is within SCALE_MATCH:
     the formula and, when its d is one of the stage's own sizes, what the factor is consistent with.
     Returns (words, whether a constant matched)."""
-    value, formula, d, meaning = min(_constants(shape), key=lambda c: abs(c[0] - s) / abs(c[0]))
+    value, formula, d, meaning = min(_constants(shape, sizes), key=lambda c: abs(c[0] - s) / abs(c[0]))
     if abs(value - s) / abs(value) >= SCALE_MATCH:
         return "", False
     text = f" ≈ {formula} ({value:.6g})"
-    if meaning and d in shape:
+    if meaning and (d in shape or d in sizes):
         text += f": consistent with {meaning}"
     return text, True
 
@@ -371,6 +391,8 @@ def _per_row_scale(ctx: Context) -> Finding | None:
     k = (c * r).sum(dim=1) / rr
     if _norm(c - k[:, None] * r) > EXPLAINED * max(_norm(ctx.err), 1e-30):
         return None
+    if "unwritten_region" in ctx.found or "boundary" in ctx.found or bool((k == 0).any()):
+        return None  # rows left at zero are a region the kernel did not write, not a factor of 0
     lo, hi, med = float(k.min()), float(k.max()), float(k.median())
     words, _ = _name_scale(med, tuple(ctx.ref.shape))
     return Finding("scale", f"candidate = reference × one factor per row of the last axis (size {r.shape[1]}), "
@@ -390,7 +412,8 @@ def check_scale(ctx: Context) -> list[Finding]:
         return [row] if row is not None else []
     if abs(s + 1) < 1e-3:
         return [Finding("sign", f"candidate = {s:.6g} × reference: the sign is flipped", 0.95)]
-    words, named = _name_scale(s, tuple(ctx.ref.shape) + tuple(ctx.stage.cand.shape if ctx.stage.cand else ()))
+    words, named = _name_scale(s, tuple(ctx.ref.shape) + tuple(ctx.stage.cand.shape if ctx.stage.cand else ()),
+                               _reduction_sizes(ctx))
     return [Finding("scale", f"candidate = {s:.6g} × reference, one factor for all {ctx.ref.numel()} elements{words}",
                     0.9 if named else 0.8)]
 

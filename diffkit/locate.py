@@ -131,6 +131,8 @@ def locate(stages: list[Stage], cand_records: list[Record] | None = None) -> Sta
 
 
 READERS_VISITED = 256  # unpaired records walked through looking for the paired stages that read a stage
+# a reader has left a stage's error behind when its own is at most this fraction of the stage's
+UNDONE_FRACTION = 1e-2
 
 
 def _readers(records: list[Record]) -> dict[int, list[int]]:
@@ -143,10 +145,11 @@ def _readers(records: list[Record]) -> dict[int, list[int]]:
 
 def undone(stage: Stage, by_cand: dict[int, Stage], readers: dict[int, list[int]]) -> bool:
     """Whether a failing stage's error stops there: it is not an output, and the nearest paired stages
-    reading its candidate tensor (through unpaired records) are all within tolerance -- the candidate
+    reading its candidate tensor (through unpaired records) are all within tolerance, with errors of at
+    most UNDONE_FRACTION of its own, compared as laid out (no permutation) -- the candidate
     computes that quantity otherwise (``x / sqrt(v)`` against ``x * rsqrt(v)``) or its error is undone
     before it matters."""
-    if stage.cand is None or stage.cand.is_output:
+    if stage.cand is None or stage.cand.is_output or stage.stats is None:
         return False
     seen: set[int] = set()
     todo = list(readers.get(stage.cand.index, ()))
@@ -159,7 +162,10 @@ def undone(stage: Stage, by_cand: dict[int, Stage], readers: dict[int, list[int]
         s = by_cand.get(j)
         if s is None:
             todo.extend(readers.get(j, ()))
-        elif s.stats is None or s.failed:
+        elif s.stats is None or s.failed or tuple(s.pair_transform or ())[:1] in (("permute",), ("unpermute",)) \
+                or not s.stats.max_abs <= UNDONE_FRACTION * stage.stats.max_abs:
+            # (compared through a permutation of axes, it may have absorbed the same permutation; an error
+            # that shrinks below tolerance at a reader, a sum over many elements, still flows on)
             return False
         else:
             found = True

@@ -249,6 +249,16 @@ def _layer_norm_unbiased(x: torch.Tensor, shape: Sequence[int], w, b, eps: float
     return y
 
 
+def _group_norm_unbiased(x: torch.Tensor, groups: int, w, b, eps: float) -> torch.Tensor:
+    g = x.reshape(x.shape[0], groups, -1)
+    y = ((g - g.mean(-1, keepdim=True)) / torch.sqrt(g.var(-1, keepdim=True, correction=1) + eps)).reshape(x.shape)
+    if w is not None:
+        y = y * _bias_view(w, y, 1)
+    if b is not None:
+        y = y + _bias_view(b, y, 1)
+    return y
+
+
 # ------------------------------------------------------------------------------------------ catalogue
 def catalogue(rec: Record, model: torch.nn.Module | None, constants: Sequence[float] = (),
               shapes: dict[int, tuple] | None = None) -> list[Variant]:
@@ -322,6 +332,14 @@ def catalogue(rec: Record, model: torch.nn.Module | None, constants: Sequence[fl
         add("unbiased_variance", f"`{stage}` divides the variance by N-1",
             lambda call, o, m=fn: _layer_norm_unbiased(_args(call)[0][0], m.normalized_shape, m.weight, m.bias,
                                                        m.eps))
+    if kind == "module" and isinstance(fn, torch.nn.GroupNorm):
+        add("unbiased_variance", f"`{stage}` divides each group's variance by N-1",
+            lambda call, o, m=fn: _group_norm_unbiased(_args(call)[0][0], m.num_groups, m.weight, m.bias, m.eps))
+    if kind == "op" and name == "group_norm":
+        add("unbiased_variance", f"`{stage}` divides each group's variance by N-1",
+            lambda call, o: _group_norm_unbiased(_arg(call, 0, "input"), _arg(call, 1, "num_groups"),
+                                                 _arg(call, 2, "weight"), _arg(call, 3, "bias"),
+                                                 _arg(call, 4, "eps", 1e-5)))
     if kind == "module" and isinstance(fn, _BN_MODULES + (torch.nn.LayerNorm, torch.nn.GroupNorm)):
         for eps in EPSILONS:
             if not math.isclose(eps, fn.eps):

@@ -165,7 +165,7 @@ def test_a_pass_inserted_into_passes_runs_in_its_place():
 
     passes = list(A.PASSES)
     assert passes == [pass_name, pass_outputs, A.pass_dataflow, A.pass_proposed, pass_order, pass_value,
-                      A.pass_read_inputs, pass_deferred, A.pass_consistency]
+                      A.pass_read_inputs, A.pass_reader_layout, pass_deferred, A.pass_consistency]
     passes.insert(passes.index(pass_order), pass_first_to_last)
     al = align(ref, cand, passes=passes)
     assert seen == [{}]

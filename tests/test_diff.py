@@ -376,3 +376,23 @@ def test_axes_merged_out_of_order_are_the_stage_that_merges_them_not_the_layer_r
     right = Right()
     right.load_state_dict(ref.state_dict())
     assert diffkit.compare(ref, right, [torch.randn(2, 5, 4)]).verdict == "match"
+
+
+def test_rows_left_unwritten_are_a_region_not_a_factor_of_zero_per_row():
+    class Pool(nn.Module):
+        def forward(self, x):
+            return torch.nn.functional.avg_pool2d(x, 2) * 1.5
+
+    class StopsEarly(nn.Module):
+        """A per-sample loop that stops one sample short: that sample's output stays as allocated."""
+
+        def forward(self, x):
+            out = torch.zeros(x.shape[0], x.shape[1], x.shape[2] // 2, x.shape[3] // 2)
+            for b in range(x.shape[0] - 1):
+                out[b] = torch.nn.functional.avg_pool2d(x[b:b + 1], 2)[0] * 1.5
+            return out
+
+    r = diffkit.compare(Pool(), StopsEarly(), [torch.randn(3, 4, 6, 6)])
+    fd = r.first_divergence
+    kinds = [f.kind for f in fd.diagnosis]
+    assert kinds and kinds[0] == "unwritten_region" and "scale" not in kinds, fd.diagnosis

@@ -95,3 +95,61 @@ def test_a_numpy_candidate_is_explained(tmp_path, mistake, kind, stages):
     assert best["explains"] and best["kind"] == kind, [(w["kind"], w["stage"], w["max_abs_after"])
                                                        for w in r.what_if[:4]]
     assert stages <= names if mistake == "no_bias_everywhere" else names & stages, names
+
+
+GROUPED_REF = '''
+import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def __init__(self, channels, groups):
+        super().__init__()
+        self.norm = nn.GroupNorm(groups, channels)
+        self.act = nn.SiLU()
+
+    def forward(self, img):
+        return self.act(self.norm(img))
+
+
+def get_inputs():
+    return [torch.randn(2, 8, 5, 5) * 2 + 1]
+
+
+def get_init_inputs():
+    return [8, 4]
+'''
+
+# group statistics by hand; Tensor.var's default is the unbiased estimator, where GroupNorm's is biased
+GROUPED_BY_HAND = '''
+import torch
+import torch.nn as nn
+
+
+class ModelNew(nn.Module):
+    def __init__(self, channels, groups):
+        super().__init__()
+        self.norm = nn.GroupNorm(groups, channels)
+        self.groups = groups
+
+    def forward(self, img):
+        n, c, h, w = img.shape
+        g = img.view(n, self.groups, -1)
+        z = (g - g.mean(dim=2, keepdim=True)) * torch.rsqrt(g.var(dim=2, keepdim=True) + self.norm.eps)
+        z = z.view(n, c, h, w) * self.norm.weight.view(1, c, 1, 1) + self.norm.bias.view(1, c, 1, 1)
+        return z * torch.sigmoid(z)
+'''
+
+
+def test_group_statistics_with_the_unbiased_variance_are_explained(tmp_path):
+    ref, cand = tmp_path / "grouped.py", tmp_path / "grouped_by_hand.py"
+    ref.write_text(GROUPED_REF)
+    cand.write_text(GROUPED_BY_HAND)
+    r = diffkit.diff_files(str(ref), str(cand), trials=1, explain=True)
+    assert r.verdict == "diverged", r.summary_line()
+    fd = r.first_divergence  # the hand-written statistics, once the affine step is done: the module's output
+    assert fd.ref_name == "norm" and "sigmoid" not in fd.cand.op, fd.cand_name
+    assert fd.diagnosis and "variance divided by d−1" in fd.diagnosis[0].detail and "d = 50" in \
+        fd.diagnosis[0].detail, fd.diagnosis
+    assert r.what_if and r.what_if[0]["explains"] and r.what_if[0]["kind"] == "unbiased_variance", \
+        [(w["kind"], w["stage"], w["max_abs_after"]) for w in r.what_if[:4]]
