@@ -29,8 +29,13 @@ def fmt(x, spec: str = ".3g", missing: str = MISSING) -> str:
 
 
 def pct(fraction, missing: str = MISSING) -> str:
-    """A fraction in [0, 1] as a percentage with one decimal ("12.5%")."""
-    return missing if fraction is None else f"{fmt(100 * fraction, '.1f')}%"
+    """A fraction in [0, 1] as a percentage with one decimal ("12.5%"); a share above zero that would
+    show as 0.0% (one element in thousands) keeps two significant digits ("0.024%")."""
+    if fraction is None:
+        return missing
+    if 0 < 100 * fraction < 0.05:
+        return f"{fmt(100 * fraction, '.2g')}%"
+    return f"{fmt(100 * fraction, '.1f')}%"
 
 
 def shape_text(shape) -> str:

@@ -676,9 +676,9 @@ def what_if(result: Result, traces: _Traces, reference: Source, options: Options
         return
     if result.error is not None or options.explain_budget == 0:
         return
-    if options.explain is None and fd.diagnosis and fd.diagnosis[0].kind == "mask_value" and \
-            fd.diagnosis[0].confidence >= 0.9:  # (nothing but a mask written two ways: nothing to search for)
-        return
+    if options.explain is None and (fd.stats.max_abs == 0 or fd.diagnosis and fd.diagnosis[0].kind == "mask_value"
+                                    and fd.diagnosis[0].confidence >= 0.9):
+        return  # (all its error in non-finite elements, or a mask written two ways: nothing to search for)
     win = whatif.window(result.stages, traces.ref, fd)
     if options.explain is None and len(win) <= 1 and isinstance(reference, ModelSource):
         return

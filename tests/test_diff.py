@@ -396,3 +396,52 @@ def test_rows_left_unwritten_are_a_region_not_a_factor_of_zero_per_row():
     fd = r.first_divergence
     kinds = [f.kind for f in fd.diagnosis]
     assert kinds and kinds[0] == "unwritten_region" and "scale" not in kinds, fd.diagnosis
+
+
+# ----------------------------------------------------- non-finite values on both sides, reductions' sizes
+def test_nan_in_the_reference_itself_and_infinities_of_the_other_sign_are_named_not_fitted():
+    class LogRatio(nn.Module):
+        def forward(self, a, b):
+            return torch.log(a) - torch.log1p(b)
+
+    class LogRatioSame(nn.Module):
+        def forward(self, a, b):
+            return torch.log(a) - torch.log1p(b)
+
+    g = torch.Generator().manual_seed(2)
+    a, b = torch.randn(40, generator=g), torch.rand(40, generator=g)
+    r = diffkit.compare(LogRatio(), LogRatioSame(), [a, b])
+    assert r.verdict == "diverged"  # NaN never equals NaN under torch.allclose, KernelBench's rule
+    words = " ".join(f.detail for f in r.first_divergence.diagnosis)
+    assert "the reference itself holds NaN" in words, r.first_divergence.diagnosis
+    assert not any(f.kind in ("approximation", "scale", "offset") for f in r.first_divergence.diagnosis)
+    json.loads(r.to_json(), parse_constant=lambda c: pytest.fail(f"{c} in the JSON"))  # (strict JSON)
+
+    class Edges(nn.Module):
+        def forward(self, x):
+            return torch.where(x.abs() > 1.5, x * float("inf"), torch.tanh(x))
+
+    class EdgesFlipped(nn.Module):
+        def forward(self, x):
+            return torch.where(x.abs() > 1.5, x.abs() * float("inf"), torch.tanh(x))
+
+    e = diffkit.compare(Edges(), EdgesFlipped(), [torch.randn(300, generator=g) * 2])
+    fd = e.first_divergence
+    assert fd.diagnosis and fd.diagnosis[0].kind == "sign" and "+inf" in fd.diagnosis[0].detail, fd.diagnosis
+    assert not any(f.kind in ("scale", "offset", "approximation") for f in fd.diagnosis) and not e.what_if
+
+
+def test_a_variance_with_the_other_correction_is_named_by_the_count_it_reduced():
+    class Spread(nn.Module):
+        def forward(self, x):
+            return x.var(dim=1, unbiased=False) + 0.1
+
+    class SpreadUnbiased(nn.Module):
+        def forward(self, x):
+            c = x - x.mean(1, keepdim=True)
+            return (c * c).sum(1) / (x.shape[1] - 1) + 0.1
+
+    r = diffkit.compare(Spread(), SpreadUnbiased(), [torch.randn(12, 75) * 3])
+    fd = r.first_divergence
+    words = " ".join(f.detail for f in fd.diagnosis)
+    assert "d/(d−1), d = 75" in words and "divided by d−1" in words, fd.diagnosis
