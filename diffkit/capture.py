@@ -155,6 +155,9 @@ class Trace:
     # the input tensors the forward changed in place, by input record name, as it left them (KernelBench
     # hands the candidate the reference's inputs as the reference's forward left them)
     inputs_left: dict = field(default_factory=dict)
+    # the random generators' states as the forward left them, by name ("cpu", "cuda:0" …): KernelBench seeds a
+    # trial once, so the candidate's forward draws where the reference's stopped
+    rng_after: dict = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.records)
@@ -274,6 +277,27 @@ def input_names(kind: str, name: str, aliases: Any) -> list[str]:
     record, its input name an alias)."""
     own = [name] if kind == "input" else []
     return own + [a for a in aliases or () if isinstance(a, str) and a.startswith("input[")]
+
+
+def rng_state() -> dict[str, torch.Tensor]:
+    """The random generators' states by name: the CPU's, and each CUDA device's once CUDA is in use."""
+    out = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        for i, st in enumerate(torch.cuda.get_rng_state_all()):
+            out[f"cuda:{i}"] = st
+    return out
+
+
+def set_rng_state(states: dict[str, torch.Tensor]) -> None:
+    """Put the generators back as `rng_state` found them (the devices named that this process has)."""
+    cpu = states.get("cpu")
+    if isinstance(cpu, torch.Tensor):
+        torch.set_rng_state(cpu.to("cpu", torch.uint8))
+    for name, st in states.items():
+        if name.startswith("cuda:") and torch.cuda.is_available():
+            i = int(name.split(":")[1])
+            if i < torch.cuda.device_count():
+                torch.cuda.set_rng_state(st.to("cpu", torch.uint8), i)
 
 
 def changed_inputs(given: list[tuple[str, torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -1789,9 +1813,12 @@ class capture:
             self.state.trace.error = _describe_error(exc, tb, self.state.error_scope or self.state.scope,
                                                      self.state.failing_call)
         self.state.trace.inputs_left = changed_inputs(self._given)
+        self.state.trace.rng_after = rng_state()
         if self.state.sink is not None:
             if self.state.trace.inputs_left and hasattr(self.state.sink, "add_inputs_left"):
                 self.state.sink.add_inputs_left(self.state.trace.inputs_left)
+            if hasattr(self.state.sink, "add_rng_after"):
+                self.state.sink.add_rng_after(self.state.trace.rng_after)
             self.state.sink.set_error(self.state.trace.error)
             if hasattr(self.state.sink, "output_form"):  # (a capture file keeps it)
                 self.state.sink.output_form = self.state.trace.output_form

@@ -20,7 +20,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from .align import Alignment, align, map_params_by_use, param_map, record_numel, to_ref_layout, torch_op
-from .capture import FOLD_AFTER, StopCapture, Trace, capture, input_values, written_in_place
+from .capture import FOLD_AFTER, StopCapture, Trace, capture, input_values, set_rng_state, written_in_place
 from .diagnose import diagnose
 from .locate import build_stages, locate
 from .measure import ask_kernelbench, kernelbench_note, measure
@@ -55,13 +55,16 @@ class ModelSource:
     """A live model and the inputs of its forward (cloned before every run).
 
     `seed`: set before its captured forward (KernelBench seeds each trial before the forwards, so a
-    model that draws random numbers draws the same ones).  `fold`: the element counts its records
+    model that draws random numbers draws the same ones); `rng`, when set, instead.  `fold`: the element counts its records
     may pair with, set by a diff once the other side is captured (see capture's folding);
     `fold_writes`: those of its records written in place, the sizes a write may pair with."""
 
     model: torch.nn.Module
     inputs: Sequence[Any]
     seed: int | None = None
+    # the random generators' states its forward starts from, in place of `seed`: for a candidate, where the
+    # reference's forward left them (KernelBench seeds a trial once, before both forwards)
+    rng: dict | None = None
     fold: frozenset | None = None
     fold_writes: frozenset | None = None
 
@@ -204,7 +207,9 @@ def _run_side(src: ModelSource, options: Options, state: dict, side: str, **capt
     buffers recorded before and after (`state[side]`), since a training-mode forward changes buffers."""
     before = snapshot_state(src.model)
     attrs = attribute_state(src.model)
-    if src.seed is not None:
+    if src.rng:
+        set_rng_state(src.rng)
+    elif src.seed is not None:
         seed_all(src.seed)
     trace = run_captured(src.model, clone_inputs(list(src.inputs)), no_grad=options.no_grad, fold=src.fold,
                          fold_writes=src.fold_writes, **capture)
@@ -241,7 +246,11 @@ def _full_traces(reference: Source, candidate: Source, options: Options, known: 
 def _inputs_as_left(ref: Trace, candidate: Source) -> list[str]:
     """KernelBench hands the candidate the very input tensors the reference's forward ran on, so a
     reference that changes an input in place gives the candidate the changed values: a live candidate's
-    inputs become the reference's inputs as its forward left them.  What the result should say of it."""
+    inputs become the reference's inputs as its forward left them.  What the result should say of it.
+    (KernelBench seeds a trial once, before both forwards: a live candidate's forward also starts from the
+    random generators' states the reference's forward left.)"""
+    if isinstance(candidate, ModelSource) and ref.rng_after:
+        candidate.rng = ref.rng_after
     if not ref.inputs_left:
         return []
     names = [r.name for r in ref.records if r.kind == "input" and r.name in ref.inputs_left] or sorted(ref.inputs_left)
@@ -354,11 +363,10 @@ def _streaming_traces(reference: Source, candidate: ModelSource, options: Option
         if lockstep is not None:
             ref_trace = lockstep.finish()
             ref_store.lockstep = None
-    if comparer.lockstep is not None and (candidate.seed is None and lockstep.drew_random()
-                                          or ref_trace.inputs_left):
-        # an unseeded candidate continues the generators where the whole reference left them, and a
-        # reference that changes its inputs hands the candidate the changed values: neither order can
-        # run side by side; the diff is made again, the reference first
+    if comparer.lockstep is not None and (lockstep.drew_random() or ref_trace.inputs_left):
+        # the candidate continues the generators where the whole reference left them (KernelBench seeds a
+        # trial once), and a reference that changes its inputs hands the candidate the changed values:
+        # neither order can run side by side; the diff is made again, the reference first
         for clean in (ref_store.clear, keep.clear) + ((journal.close,) if journal is not None else ()):
             clean()
         for k in ("ref", "cand"):

@@ -13,7 +13,9 @@ init inputs, device, dtype, options), ``parameters`` (the name of ``params.safet
 model's parameters and buffers by qualified name, or null) and a per-record ``params`` list (the
 qualified names of the parameters/buffers the producing call read).  Version 1 files still load.
 An optional ``inputs_left`` names ``inputs-left.safetensors``: the input tensors the forward changed in
-place, by input record name, as it left them (the inputs KernelBench's candidate then runs on).
+place, by input record name, as it left them (the inputs KernelBench's candidate then runs on), and
+``rng_after`` names ``rng-after.safetensors``: the random generators' states the forward left (where
+KernelBench's candidate goes on drawing).
 
 Safety (a capture may come from a stranger): every member is opened relative to the capture
 directory with ``O_NOFOLLOW`` and must be a regular file directly inside it (member names are
@@ -53,6 +55,7 @@ VERSION = 2
 READABLE_VERSIONS = (1, 2)
 PARAMS_FILE = "params.safetensors"
 INPUTS_LEFT_FILE = "inputs-left.safetensors"
+RNG_AFTER_FILE = "rng-after.safetensors"
 
 _DTYPES = {str(d).replace("torch.", ""): d for d in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
@@ -518,6 +521,7 @@ class CaptureWriter:
         self.info: dict = {}
         self.params_file: str | None = None
         self.inputs_left_file: str | None = None
+        self.rng_after_file: str | None = None
         self.complete = False
         self._last_index = 0.0
         self._journal = os.fdopen(self._root.create("records.jsonl"), "w", encoding="utf-8")
@@ -554,6 +558,13 @@ class CaptureWriter:
         items = _named_items(named, "input")
         self._root.write_atomic(INPUTS_LEFT_FILE, lambda fh: _st_write(fh, items))
         self.inputs_left_file = INPUTS_LEFT_FILE
+        self._write_index()
+
+    def add_rng_after(self, named: dict[str, torch.Tensor]) -> None:
+        """The random generators' states the forward left, by generator name (rng-after.safetensors)."""
+        items = _named_items(named, "generator")
+        self._root.write_atomic(RNG_AFTER_FILE, lambda fh: _st_write(fh, items))
+        self.rng_after_file = RNG_AFTER_FILE
         self._write_index()
 
     def add(self, rec: Record, tensor: torch.Tensor | None = None) -> None:
@@ -641,6 +652,7 @@ class CaptureWriter:
         data = {"format": FORMAT, "version": VERSION, "side": self.side, "source": self.source,
                 "complete": self.complete, "error": self.error, "output_form": self.output_form, "info": self.info,
                 "parameters": self.params_file, "inputs_left": self.inputs_left_file,
+                "rng_after": self.rng_after_file,
                 "records": self.entries}
         text = json.dumps(data).encode("utf-8")
         self._root.write_atomic("index.json", lambda fh: fh.write(text))
@@ -932,10 +944,11 @@ class CaptureFile:
                 if pf is not None and (not _plain_name(pf) or not pf.endswith(".safetensors")):
                     raise _Bad("parameters", f"must name a .safetensors file in the capture, not {_show(pf)}")
                 clean["parameters"] = pf
-                lf = index.get("inputs_left")
-                if lf is not None and (not _plain_name(lf) or not lf.endswith(".safetensors")):
-                    raise _Bad("inputs_left", f"must name a .safetensors file in the capture, not {_show(lf)}")
-                clean["inputs_left"] = lf
+                for key in ("inputs_left", "rng_after"):
+                    lf = index.get(key)
+                    if lf is not None and (not _plain_name(lf) or not lf.endswith(".safetensors")):
+                        raise _Bad(key, f"must name a .safetensors file in the capture, not {_show(lf)}")
+                    clean[key] = lf
             except _Bad as e:
                 raise DiffkitError("", "read", f"{idx_path}: field {e.field!r} {e.why}", idx_path) from None
             lines: dict[int, int] = {}
@@ -1062,6 +1075,10 @@ class CaptureFile:
         when it changed none, or the capture predates this)."""
         return self._read_named(self.index.get("inputs_left"), "input")
 
+    def rng_after(self) -> dict[str, torch.Tensor]:
+        """The random generators' states the forward left, by name (empty when the capture predates this)."""
+        return self._read_named(self.index.get("rng_after"), "generator")
+
     def _read_named(self, name: str | None, what: str) -> dict[str, torch.Tensor]:
         """The tensors of one of the capture's named-tensor files (parameters, inputs left), by name."""
         if not name:
@@ -1123,6 +1140,7 @@ class CaptureFile:
             trace.error = CaptureError(**err)
         trace.output_form = self.index.get("output_form") or ""
         trace.inputs_left = self.inputs_left()
+        trace.rng_after = self.rng_after()
         return trace
 
 

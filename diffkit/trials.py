@@ -31,7 +31,7 @@ from typing import Any, Callable
 import torch
 import torch.utils._pytree as pytree
 
-from .capture import input_values
+from .capture import input_values, rng_state, set_rng_state
 from .errors import DiffkitError
 from .measure import ask_kernelbench, measure
 from .options import Options, Tolerance
@@ -257,11 +257,16 @@ def check_output(trial: Trial, ref: dict[str, torch.Tensor], cand: dict[str, tor
 
 
 def check_candidate(model: torch.nn.Module, inputs: list, ref: dict[str, torch.Tensor], trial: Trial,
-                    options: Options) -> Trial:
+                    options: Options, rng: dict | None = None) -> Trial:
     """Run the candidate on one trial's inputs (twice with `options.rerun`, its buffers restored
-    between the runs so both start from the same state) and judge its output(s) against `ref`."""
+    between the runs so both start from the same state) and judge its output(s) against `ref`.
+    `rng`: the random generators' states its first run starts from (where the reference's forward left
+    them, as KernelBench seeds a trial once); without it, the trial's seed."""
     before = snapshot_state(model)
-    seed_all(trial.seed)
+    if rng:
+        set_rng_state(rng)
+    else:
+        seed_all(trial.seed)
     out, err = forward(model, inputs, options.no_grad)
     if err:
         trial.error, trial.error_side, trial.failed_run = err, "candidate", 1
@@ -307,6 +312,7 @@ class LiveReference:
     _before: dict = field(default_factory=dict, repr=False)
 
     _left: dict = field(default_factory=dict, repr=False)
+    _rng: dict = field(default_factory=dict, repr=False)
 
     def inputs(self, k: int) -> list:
         return self.make_inputs(self.seeds[k - 1])
@@ -316,7 +322,12 @@ class LiveReference:
         seed_all(self.seeds[k - 1])
         self._left[k] = {}
         out, err = forward(self.model, inputs, self.no_grad, left=self._left[k])
+        self._rng[k] = rng_state()
         return (None, err) if err else ({n: v.detach() for n, v in output_leaves(out).items()}, "")
+
+    def rng_after(self, k: int) -> dict:
+        """The random generators' states trial `k`'s forward left (where the candidate's starts)."""
+        return self._rng.pop(k, {})
 
     def candidate_inputs(self, k: int, inputs: list) -> list:
         """Trial `k`'s inputs as the candidate gets them: as the reference's forward left them (KernelBench
@@ -339,9 +350,9 @@ class LiveCandidate:
     options: Options
     _before: dict = field(default_factory=dict, repr=False)
 
-    def check(self, k: int, inputs: list, ref: dict[str, torch.Tensor], trial: Trial) -> Trial:
+    def check(self, k: int, inputs: list, ref: dict[str, torch.Tensor], trial: Trial, rng: dict | None = None) -> Trial:
         self._before[k] = snapshot_state(self.model)
-        return check_candidate(self.model, inputs, ref, trial, self.options)
+        return check_candidate(self.model, inputs, ref, trial, self.options, rng=rng)
 
     def source(self, k: int, inputs: list, seed: int | None):
         from .pipeline import ModelSource
@@ -444,7 +455,17 @@ class CapturedTrials:
         _, out, err = self._load(k)
         return (None, err) if err else (out, "")
 
-    def check(self, k: int, inputs: list, ref: dict[str, torch.Tensor], trial: Trial) -> Trial:
+    def rng_after(self, k: int) -> dict:
+        """The random generators' states trial `k`'s forward left, as stored with it (empty when not)."""
+        from .store import CaptureFile
+
+        try:
+            cap = self.first.file if k == 1 and self.first is not None else CaptureFile.open(self._where(k))
+            return cap.rng_after()
+        except DiffkitError:
+            return {}
+
+    def check(self, k: int, inputs: list, ref: dict[str, torch.Tensor], trial: Trial, rng: dict | None = None) -> Trial:
         """As a captured candidate: its stored output of trial `k` against the reference's."""
         out, err = self.output(k, inputs)
         if err:
@@ -545,6 +566,7 @@ def _write_outputs_only(path: str, model: torch.nn.Module, inputs: list, seed: i
     seed_all(seed)
     left: dict = {}
     out, err = forward(model, inputs, no_grad, left=left)
+    writer.add_rng_after(rng_state())
     if left:
         writer.add_inputs_left(left)
     leaves = [(input_name(pos), "input", t) for pos, t in _tensors(list(inputs))]
@@ -667,7 +689,7 @@ def run_trials(reference, candidate, first_inputs: list, options: Options, evide
                                                          f"{ref_err}", "")
             break
         try:
-            candidate.check(k, reference.candidate_inputs(k, inputs), ref_out, trial)
+            candidate.check(k, reference.candidate_inputs(k, inputs), ref_out, trial, rng=reference.rng_after(k))
         except DiffkitError as e:
             reported.warnings.append(f"trial {k} was not run: {e.message}")
             break

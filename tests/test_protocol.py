@@ -819,3 +819,79 @@ def test_a_forward_leaving_its_inputs_alone_hands_them_over_as_they_were():
     x = torch.tensor([float("nan"), 1.0, 2.0, float("inf"), -1.0, 4.0])
     r = diffkit.compare(Reads(), Reads(), [x])
     assert r.verdict == "match" and not any("in place" in w for w in r.warnings), r.warnings
+
+
+NOISY_REF = '''
+import torch
+from torch import nn
+
+
+class Model(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.drop = nn.Dropout(0.25)  # live: KernelBench never calls eval()
+
+    def forward(self, x):
+        return self.drop(torch.sigmoid(self.lin(x)))
+
+
+def get_inputs():
+    return [torch.randn(5, 16)]
+
+
+def get_init_inputs():
+    return [16]
+'''
+
+# the same computation, its dropout drawn in a generator scope of its own
+NOISY_FORKED = '''
+import torch
+import torch.nn.functional as F
+
+
+class ModelNew(torch.nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.lin = torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        with torch.random.fork_rng():
+            return F.dropout(torch.sigmoid(F.linear(x, self.lin.weight, self.lin.bias)), 0.25, self.training)
+'''
+
+
+def _kernelbench_first_trial_error(ref_path, cand_path):
+    """KernelBench's trial 1 as it runs it: seeded once, the reference's forward, then the candidate's."""
+    ref, cand = _exec(ref_path), _exec(cand_path)
+    torch.manual_seed(42)
+    init = ref["get_init_inputs"]()
+    torch.manual_seed(42)
+    model = ref["Model"](*init)
+    torch.manual_seed(42)
+    new = cand["ModelNew"](*init)
+    seed = trial_seeds(1)[0]
+    with torch.no_grad():
+        torch.manual_seed(seed)
+        inputs = ref["get_inputs"]()
+        torch.manual_seed(seed)
+        out = model(*inputs)
+        return float((new(*inputs) - out).abs().max())
+
+
+@pytest.mark.parametrize("mode", ["in-process", "isolated", "streaming"])
+def test_a_candidate_draws_where_the_reference_s_forward_left_the_generator(tmp_path, mode):
+    ref, cand = tmp_path / "noisy.py", tmp_path / "forked.py"
+    ref.write_text(NOISY_REF)
+    cand.write_text(NOISY_FORKED)
+    expected = kernelbench_passes(str(ref), str(cand))
+    first = _kernelbench_first_trial_error(str(ref), str(cand))
+    if mode == "isolated":
+        proc, data = _cli(str(ref), str(cand), tmp_path=tmp_path)
+        assert data is not None, proc.stdout[-2000:] + proc.stderr[-2000:]
+        verdict, trials = data["verdict"], data["trials"]
+    else:
+        r = diffkit.diff_files(str(ref), str(cand), max_memory=1024 if mode == "streaming" else None)
+        verdict, trials = r.verdict, r.trials
+    assert (verdict == "match") == expected and not expected, (mode, verdict)
+    assert trials[0]["max_abs"] == pytest.approx(first, rel=1e-6), (trials[0], first)
