@@ -226,7 +226,8 @@ def _trial_headline(result) -> str:
 # ----------------------------------------------------------------------------- the headline
 # a diagnosis kind in the one-line answer where its identifier alone would not say what it means
 KIND_WORDS = {"other_weights": "other weights (the models were built with other parameter values)",
-              "mask_value": "a mask written as a large number on one side, as infinity on the other"}
+              "mask_value": "a mask written as a large number on one side, as infinity on the other",
+              "integer_values": "other integer values (indices, counts or flags compare exactly)"}
 
 
 def headline(result) -> str:

@@ -139,7 +139,13 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 def check_region(ctx: Context) -> list[Finding]:
     """An unwritten or wrong block of rows in the candidate's own [rows, last-dim] layout, else a block
-    along one axis of it (`_region_along_axes`)."""
+    along one axis of it (`_region_along_axes`); a candidate that is zero everywhere the reference is not."""
+    c = ctx.cand_native
+    if c.numel() > 1 and not bool(c.any()) and bool(ctx.ref.any()):
+        ctx.stop = True
+        return [Finding("unwritten_region", f"the candidate is 0 in all {c.numel()} elements, where the reference is "
+                        f"not ({int((ctx.ref != 0).sum())} nonzero): nothing was written to it, or it was computed "
+                        f"into another buffer, or from an input that is all zero", 0.9)]
     found = _rows_region(ctx)
     return found or _region_along_axes(ctx)
 
@@ -342,6 +348,8 @@ def check_bias_offset(ctx: Context) -> list[Finding]:
         if spread <= 1e-6 * (1 + float(per_channel.abs().max())):
             return [Finding("offset", f"candidate = reference + {float(per_channel.mean()):.6g} everywhere "
                             f"(a constant offset)", 0.85)]
+        if n == err.numel():
+            continue  # one value per element "explains" any error: only a parameter it matches says something
         return [Finding("offset", f"additive error {where}, one value per channel from {float(per_channel.min()):.4g} "
                         f"to {float(per_channel.max()):.4g}, matching no 1-D parameter the stage or the reference "
                         f"upstream of it read (± or scaled)", 0.75)]
@@ -738,6 +746,31 @@ def check_other_weights(ctx: Context) -> list[Finding]:
                     + "; ".join(found[:2]) + more, 0.9)]
 
 
+def _integer_findings(stage: Stage, rv: torch.Tensor, cv: torch.Tensor) -> list[Finding]:
+    """Integer or boolean values (indices, counts, masks) compare exactly: which elements differ, not a
+    fitted offset or scale."""
+    from .align import to_ref_layout
+
+    if rv.numel() == 0:
+        return []
+    try:
+        c = to_ref_layout(cv.detach(), tuple(stage.ref.shape), stage.pair_transform).to(rv.device)
+    except (RuntimeError, ValueError):
+        return []
+    if c.shape != rv.shape:
+        return []
+    diff = c != rv
+    n = int(diff.sum())
+    if n == 0:
+        return []
+    at = tuple(int(i) for i in torch.nonzero(diff)[0])
+    what = "booleans" if rv.dtype == torch.bool else "integers"
+    return [Finding("integer_values", f"{n} of {rv.numel()} {what} differ (they compare exactly), first at {list(at)}: "
+                    f"reference {rv[at].item()}, candidate {c[at].item()}"
+                    + (" -- other indices picked (a tie broken otherwise, the wrong extreme or axis?)"
+                       if "arg" in (stage.ref.op or "") or "topk" in (stage.ref.op or "") else ""), 0.8)]
+
+
 CHECKS: list[Callable[[Context], list[Finding]]] = [
     check_mask_value, check_nan_inf, check_nonfinite_both, check_other_weights, check_region, check_reduction_axis, check_permutation, check_transposed_weight,
     check_bias_offset, check_missing_parameter, check_scale, check_approximation, check_precision,
@@ -757,6 +790,8 @@ def diagnose(stage: Stage, ref: Any, cand: Any, ref_params: dict[str, torch.Tens
     rv, cv = ref.records[stage.ref.index].value, cand.records[stage.cand.index].value
     if rv is None or cv is None or rv.is_complex() or cv.is_complex():
         return []  # (the checks read real values: a complex stage is left to its numbers)
+    if not rv.is_floating_point() and not cv.is_floating_point():
+        return _integer_findings(stage, rv, cv)
     from .align import to_ref_layout
 
     ref_v = rv.detach().to(torch.float64)

@@ -445,3 +445,30 @@ def test_a_variance_with_the_other_correction_is_named_by_the_count_it_reduced()
     fd = r.first_divergence
     words = " ".join(f.detail for f in fd.diagnosis)
     assert "d/(d−1), d = 75" in words and "divided by d−1" in words, fd.diagnosis
+
+
+@pytest.mark.parametrize("kind", ["row_totals", "indices", "all_zero"])
+def test_no_fitted_offset_per_element_and_integer_or_all_zero_results_said_as_they_are(kind):
+    ref_fn, cand_fn = {"row_totals": (lambda x: x.abs().sum(1), lambda x: x.abs().amax(1)),
+                       "indices": (lambda x: x.argmax(1), lambda x: x.argmin(1)),
+                       "all_zero": (lambda x: torch.relu(x).amax(1), lambda x: torch.relu(-x.abs()).amax(1))}[kind]
+
+    class Wrap(nn.Module):
+        def __init__(self, fn):
+            super().__init__()
+            self.fn = fn
+
+        def forward(self, x):
+            return self.fn(x) * 1  # (a stage of its own)
+
+    r = diffkit.compare(Wrap(ref_fn), Wrap(cand_fn), [torch.randn(30, 9)])
+    fd = r.first_divergence
+    assert r.verdict == "diverged" and fd is not None
+    # a 1-D error is "explained" by one offset per element: nothing is said rather than that
+    assert not any("matching no 1-D parameter" in f.detail for f in fd.diagnosis), fd.diagnosis
+    if kind == "indices":
+        assert fd.diagnosis and fd.diagnosis[0].kind == "integer_values" and "other indices" in \
+            fd.diagnosis[0].detail, fd.diagnosis
+    if kind == "all_zero":
+        assert fd.diagnosis and fd.diagnosis[0].kind == "unwritten_region" and "0 in all" in fd.diagnosis[0].detail
+        assert not any(f.kind == "scale" for f in fd.diagnosis)
