@@ -158,6 +158,7 @@ class Trace:
     # the random generators' states as the forward left them, by name ("cpu", "cuda:0" …): KernelBench seeds a
     # trial once, so the candidate's forward draws where the reference's stopped
     rng_after: dict = field(default_factory=dict)
+    drew_random: bool = False  # whether the generators moved while it was captured (the forward drew numbers)
 
     def __len__(self) -> int:
         return len(self.records)
@@ -1752,6 +1753,7 @@ class capture:
             self._given.append((input_name(pos), t, copy))
             self.state.add(name=input_name(pos), kind="input", label=f"input{list(pos)}",
                            function="", file="", line=0, op="input", tensor=t, scope="")
+        self._rng_before = rng_state()  # (after any seeding: what the forward draws from)
         self._handles: list[Any] = []
         self._mode: _Mode | None = None
         self._patch = _ExtensionPatch(self.state)
@@ -1814,6 +1816,8 @@ class capture:
                                                      self.state.failing_call)
         self.state.trace.inputs_left = changed_inputs(self._given)
         self.state.trace.rng_after = rng_state()
+        self.state.trace.drew_random = set(self._rng_before) != set(self.state.trace.rng_after) or any(
+            not torch.equal(v, self.state.trace.rng_after[k]) for k, v in self._rng_before.items())
         if self.state.sink is not None:
             if self.state.trace.inputs_left and hasattr(self.state.sink, "add_inputs_left"):
                 self.state.sink.add_inputs_left(self.state.trace.inputs_left)

@@ -363,7 +363,7 @@ def _streaming_traces(reference: Source, candidate: ModelSource, options: Option
         if lockstep is not None:
             ref_trace = lockstep.finish()
             ref_store.lockstep = None
-    if comparer.lockstep is not None and (lockstep.drew_random() or ref_trace.inputs_left):
+    if comparer.lockstep is not None and (ref_trace.drew_random or ref_trace.inputs_left):
         # the candidate continues the generators where the whole reference left them (KernelBench seeds a
         # trial once), and a reference that changes its inputs hands the candidate the changed values:
         # neither order can run side by side; the diff is made again, the reference first

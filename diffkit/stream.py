@@ -345,18 +345,6 @@ def _rng_state() -> tuple:
             random.getstate(), np.random.get_state() if np is not None else None)
 
 
-def same_rng_state(a: tuple, b: tuple) -> bool:
-    """Whether two `_rng_state`s are the same (nothing was drawn between them)."""
-    if not torch.equal(a[0], b[0]) or (a[1] is None) != (b[1] is None) or a[2] != b[2]:
-        return False
-    if a[1] is not None and (len(a[1]) != len(b[1]) or not all(torch.equal(x, y) for x, y in zip(a[1], b[1]))):
-        return False
-    if a[3] is not None and b[3] is not None:
-        np = sys.modules["numpy"]
-        return all(np.array_equal(x, y) if isinstance(x, np.ndarray) else x == y for x, y in zip(a[3], b[3]))
-    return True
-
-
 def _set_rng_state(saved: tuple) -> None:
     cpu, cuda, py, np_state = saved
     torch.set_rng_state(cpu)
@@ -392,13 +380,10 @@ class Lockstep:
         self.trace: Trace | None = None
         self.failure: BaseException | None = None
         self.thread: threading.Thread | None = None
-        self.rng_start: tuple | None = None  # the generators as the reference's forward found them
-        self.rng_end: tuple | None = None  # and as it left them
 
     def start(self, run_reference: Callable[[], Trace]) -> None:
         """Run `run_reference` on the reference's thread; return once it waits for room or has ended."""
         device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
-        self.rng_start = _rng_state()
 
         def body() -> None:
             try:
@@ -408,7 +393,6 @@ class Lockstep:
             except BaseException as e:  # handed to the caller's thread by `finish`
                 self.failure = e
             finally:
-                self.rng_end = _rng_state()
                 with self.cv:
                     self.ref_done, self.need = True, 0
                     self.turn = "cand"
@@ -419,12 +403,6 @@ class Lockstep:
         with self.cv:
             while self.turn != "cand":
                 self.cv.wait()
-
-    def drew_random(self) -> bool:
-        """Whether the reference, run beside the candidate, drew random numbers (so that a candidate
-        that is not seeded would have started from other generator states had it run after it)."""
-        return self.rng_end is not None and self.rng_start is not None and not same_rng_state(self.rng_start,
-                                                                                               self.rng_end)
 
     def live_trace(self) -> Trace | None:
         """The reference's trace so far (the finished one once it has ended)."""
