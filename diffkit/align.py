@@ -954,7 +954,12 @@ def pass_name(state: AlignState) -> None:
             state.add(c.index, ri, "name", NAME_CONFIDENCE)
             continue
         agrees = rebound_pair_agrees(c, state.ref[ri], cf, rf, state.partner)
-        if agrees is None:
+        if agrees is None and cf.known and rf.known:
+            # what it read has no counterpart yet (the records inside a block, under other module names):
+            # the dataflow pass pairs first, the name after it if both are still free (`pass_proposed`) --
+            # `x#3` names a block's output on one side and the whole stack's on the other
+            state.proposed[c.index] = ri
+        elif agrees is None:
             state.add_checked(c.index, ri, "name", NAME_CONFIDENCE)
         elif agrees:
             state.add(c.index, ri, "name", REBOUND_NAME_CONFIDENCE)

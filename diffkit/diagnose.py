@@ -430,7 +430,8 @@ def _per_row_scale(ctx: Context) -> Finding | None:
     if "unwritten_region" in ctx.found or "boundary" in ctx.found or bool((k == 0).any()):
         return None  # rows left at zero are a region the kernel did not write, not a factor of 0
     lo, hi, med = float(k.min()), float(k.max()), float(k.median())
-    words, _ = _name_scale(med, tuple(ctx.ref.shape))
+    # (factors that differ by more than a constant's match are no one constant: none is named)
+    words = _name_scale(med, tuple(ctx.ref.shape))[0] if med and (hi - lo) / abs(med) < 1e-4 else ""
     return Finding("scale", f"candidate = reference × one factor per row of the last axis (size {r.shape[1]}), "
                    f"from {lo:.6g} to {hi:.6g}, median {med:.6g}{words}", 0.85)
 

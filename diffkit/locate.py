@@ -143,14 +143,24 @@ def _readers(records: list[Record]) -> dict[int, list[int]]:
     return out
 
 
-def undone(stage: Stage, by_cand: dict[int, Stage], readers: dict[int, list[int]]) -> bool:
+def undone(stage: Stage, by_cand: dict[int, Stage], readers: dict[int, list[int]], memo: dict | None = None) -> bool:
     """Whether a failing stage's error stops there: it is not an output, and the nearest paired stages
     reading its candidate tensor (through unpaired records) are all within tolerance, with errors of at
     most UNDONE_FRACTION of its own, compared as laid out (no permutation) -- the candidate
     computes that quantity otherwise (``x / sqrt(v)`` against ``x * rsqrt(v)``) or its error is undone
-    before it matters."""
+    before it matters.  A failing reader whose own error is undone counts as leaving it behind (a product
+    before its bias is added, and its transpose, both read by the sum that agrees)."""
     if stage.cand is None or stage.cand.is_output or stage.stats is None:
         return False
+    memo = {} if memo is None else memo
+    if stage.index in memo:
+        return memo[stage.index]
+    memo[stage.index] = False  # (while it is being decided)
+    memo[stage.index] = got = _undone(stage, by_cand, readers, memo)
+    return got
+
+
+def _undone(stage: Stage, by_cand: dict[int, Stage], readers: dict[int, list[int]], memo: dict) -> bool:
     seen: set[int] = set()
     todo = list(readers.get(stage.cand.index, ()))
     found = False
@@ -162,6 +172,8 @@ def undone(stage: Stage, by_cand: dict[int, Stage], readers: dict[int, list[int]
         s = by_cand.get(j)
         if s is None:
             todo.extend(readers.get(j, ()))
+        elif s.stats is not None and s.failed and undone(s, by_cand, readers, memo):
+            found = True
         elif s.stats is None or s.failed or tuple(s.pair_transform or ())[:1] in (("permute",), ("unpermute",)) \
                 or not s.stats.max_abs <= UNDONE_FRACTION * stage.stats.max_abs:
             # (compared through a permutation of axes, it may have absorbed the same permutation; an error

@@ -604,8 +604,10 @@ def _explain(traces: _Traces, reference: Source, candidate: Source, options: Opt
                                       "recorded_per_site": FOLD_AFTER}
     if traces.fetch is not None:
         traces.fetch(result)
-    ref_params = reference.params()
-    cand_params = candidate.params()
+    # buffers as they were before each side's captured forward (a capture file keeps them so): a BatchNorm's
+    # running statistics, moved by the forwards (and by a re-run), are compared as the two models began
+    ref_params = {**reference.params(), **traces.state.get("ref", ({},))[0]}
+    cand_params = {**candidate.params(), **traces.state.get("cand", ({},))[0]}
     # the candidate's buffers its forward changed: (the live tensor, its value before, its value after)
     changed = {}
     if "cand" in traces.state:

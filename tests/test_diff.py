@@ -472,3 +472,63 @@ def test_no_fitted_offset_per_element_and_integer_or_all_zero_results_said_as_th
     if kind == "all_zero":
         assert fd.diagnosis and fd.diagnosis[0].kind == "unwritten_region" and "0 in all" in fd.diagnosis[0].detail
         assert not any(f.kind == "scale" for f in fd.diagnosis)
+
+
+# ------------------------------- a stack of blocks under another container, iterated in a loop
+class _Unit(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.up = nn.Linear(d, 2 * d)
+        self.down = nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+class _Stack(nn.Module):
+    def __init__(self, d=20):
+        super().__init__()
+        self.stem = nn.Linear(d, d)
+        self.body = nn.Sequential(_Unit(d), _Unit(d), _Unit(d))
+        self.head = nn.Linear(d, 4)
+
+    def forward(self, x):
+        x = self.stem(x)
+        x = self.body(x)
+        return self.head(x)
+
+
+class _Tower(nn.Module):
+    """The same stack: its blocks in a ModuleList under another name, run in a loop; the patch-embedding
+    style stem as a product plus its bias one step later; block `bad` (if any) reads its down-projection
+    transposed in memory."""
+
+    def __init__(self, d=20, bad=None):
+        super().__init__()
+        self.inp = nn.Linear(d, d)
+        self.units = nn.ModuleList([_Unit(d) for _ in range(3)])
+        self.out = nn.Linear(d, 4)
+        self.bad = bad
+
+    def forward(self, x):
+        x = (x @ self.inp.weight.t()) + self.inp.bias
+        for i, u in enumerate(self.units):
+            w = u.down.weight.reshape(u.down.weight.shape[1], -1).t() if i == self.bad else u.down.weight
+            x = x + torch.nn.functional.linear(torch.relu(u.up(u.norm(x))), w, u.down.bias)
+        return self.out(x)
+
+
+@pytest.mark.parametrize("bad", [None, 2])
+def test_blocks_under_another_container_in_a_loop_are_each_compared(bad):
+    torch.manual_seed(9)
+    ref = _Stack()
+    torch.manual_seed(9)
+    cand = _Tower(bad=bad)
+    r = diffkit.compare(ref, cand, [torch.randn(6, 20)])
+    assert r.verdict == ("match" if bad is None else "diverged"), r.summary_line()
+    compared = {s.ref_name for s in r.stages if s.stats is not None}
+    assert {"body.2.norm", "body.2.up"} <= compared, sorted(compared)  # the last block is compared too
+    if bad is not None:
+        fd = r.first_divergence
+        assert fd.ref_name.startswith(f"body.{bad}"), (fd.ref_name, fd.cand_name)

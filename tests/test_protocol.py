@@ -895,3 +895,64 @@ def test_a_candidate_draws_where_the_reference_s_forward_left_the_generator(tmp_
         verdict, trials = r.verdict, r.trials
     assert (verdict == "match") == expected and not expected, (mode, verdict)
     assert trials[0]["max_abs"] == pytest.approx(first, rel=1e-6), (trials[0], first)
+
+
+NORMED_REF = '''
+import torch
+from torch import nn
+
+
+class Residual(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.conv = nn.Conv2d(c, c, 3, padding=1)
+        self.bn = nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        return x + self.bn(self.conv(x))
+
+
+class Model(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.block = Residual(c)
+
+    def forward(self, x):
+        return torch.relu(self.block(x))
+
+
+def get_inputs():
+    return [torch.randn(2, 4, 6, 6)]
+
+
+def get_init_inputs():
+    return [4]
+'''
+
+# the residual left out: the block's last call is the BatchNorm, whose running statistics move in the forward as
+# the reference's do
+NORMED_NO_RESIDUAL = '''
+import torch
+from torch import nn
+
+
+class ModelNew(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.block = nn.Sequential(nn.Conv2d(c, c, 3, padding=1), nn.BatchNorm2d(c))
+
+    def forward(self, x):
+        return self.block(x).clamp_min(0)
+'''
+
+
+@pytest.mark.parametrize("isolate", [True, False])
+def test_running_statistics_moved_by_the_forwards_are_not_other_weights(tmp_path, isolate):
+    ref, cand = tmp_path / "normed.py", tmp_path / "no_residual.py"
+    ref.write_text(NORMED_REF)
+    cand.write_text(NORMED_NO_RESIDUAL)
+    proc, data = _cli(str(ref), str(cand), *([] if isolate else ["--no-isolate"]), tmp_path=tmp_path)
+    assert data is not None and data["verdict"] == "diverged", proc.stdout[-2000:] + proc.stderr[-2000:]
+    kinds = [f["kind"] for f in (data.get("first_divergence") or {}).get("diagnosis", [])]
+    kinds += [f["kind"] for f in (data.get("root_cause") or {}).get("diagnosis", [])]
+    assert "other_weights" not in kinds, data.get("first_divergence")
