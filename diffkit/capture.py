@@ -304,17 +304,28 @@ def set_rng_state(states: dict[str, torch.Tensor]) -> None:
 def changed_inputs(given: list[tuple[str, torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Of a forward's inputs given as (name, the tensor it got, a copy taken before), those it changed in
     place, by name, as it left them (bit for bit: a NaN left as it was is no change)."""
-    from .trials import bitwise_difference
-
     out: dict[str, torch.Tensor] = {}
     for name, live, before in given:
         try:
-            changed = bitwise_difference(before, live.detach()) is not None
+            changed = not same_bits(before, live.detach())
         except RuntimeError:  # (a tensor that cannot be read back here)
             continue
         if changed:
             out[name] = live.detach()
     return out
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors hold the same bits (a NaN equals itself), compared in place as integers of the
+    same width: no float64 copies, no index lists."""
+    if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
+        return False
+    if a.is_complex():
+        a, b = torch.view_as_real(a), torch.view_as_real(b)
+    if a.is_floating_point():
+        ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+        a, b = a.contiguous().view(ints), b.contiguous().view(ints)
+    return bool(torch.equal(a, b))
 
 
 def input_values(inputs: Any, values: dict[str, torch.Tensor]) -> Any:
@@ -1732,7 +1743,8 @@ class _TritonPatch:
 class capture:
     """``with diffkit.capture(model) as trace: model(*inputs)`` — records one forward.
 
-    `snapshot=False` records metadata only (no clones).  `only` filters records by name
+    `snapshot=False` records metadata only (no clones; whether the forward changed its inputs is then
+    not known).  `only` filters records by name
     (a callable taking the name).  `fold`: the element counts records may pair with (the other
     side's); results of other sizes from a call site past FOLD_AFTER of them are folded (module
     docstring).  `fold_writes`: the sizes of the other side's records written in place, against
@@ -1748,9 +1760,10 @@ class capture:
         self._given: list[tuple[str, torch.Tensor, torch.Tensor]] = []
         for i, (pos, t) in enumerate(_tensors(list(inputs))):
             # the model's inputs open the trace, so a candidate's copy of an input pairs with it
-            copy = t.detach().clone()
-            self.state.trace.inputs.append(copy if snapshot else t)
-            self._given.append((input_name(pos), t, copy))
+            copy = t.detach().clone() if snapshot else t
+            self.state.trace.inputs.append(copy)
+            if snapshot:  # (metadata only: no copy, and no telling whether the forward changed it)
+                self._given.append((input_name(pos), t, copy))
             self.state.add(name=input_name(pos), kind="input", label=f"input{list(pos)}",
                            function="", file="", line=0, op="input", tensor=t, scope="")
         self._rng_before = rng_state()  # (after any seeding: what the forward draws from)
@@ -1814,15 +1827,21 @@ class capture:
         elif exc is not None:
             self.state.trace.error = _describe_error(exc, tb, self.state.error_scope or self.state.scope,
                                                      self.state.failing_call)
-        self.state.trace.inputs_left = changed_inputs(self._given)
-        self.state.trace.rng_after = rng_state()
-        self.state.trace.drew_random = set(self._rng_before) != set(self.state.trace.rng_after) or any(
-            not torch.equal(v, self.state.trace.rng_after[k]) for k, v in self._rng_before.items())
+        trace = self.state.trace
+        try:  # what the forward left besides its records (never in the way of its own error or the sink's close)
+            trace.inputs_left = changed_inputs(self._given)
+            trace.rng_after = rng_state()
+            trace.drew_random = set(self._rng_before) != set(trace.rng_after) or any(
+                not torch.equal(v, trace.rng_after[k]) for k, v in self._rng_before.items())
+            if self.state.sink is not None:
+                if trace.inputs_left and hasattr(self.state.sink, "add_inputs_left"):
+                    self.state.sink.add_inputs_left(trace.inputs_left)
+                if hasattr(self.state.sink, "add_rng_after"):
+                    self.state.sink.add_rng_after(trace.rng_after)
+        except Exception as e:
+            warnings.warn(f"diffkit: could not keep the inputs or generator states the forward left "
+                          f"({type(e).__name__}: {e})")
         if self.state.sink is not None:
-            if self.state.trace.inputs_left and hasattr(self.state.sink, "add_inputs_left"):
-                self.state.sink.add_inputs_left(self.state.trace.inputs_left)
-            if hasattr(self.state.sink, "add_rng_after"):
-                self.state.sink.add_rng_after(self.state.trace.rng_after)
             self.state.sink.set_error(self.state.trace.error)
             if hasattr(self.state.sink, "output_form"):  # (a capture file keeps it)
                 self.state.sink.output_form = self.state.trace.output_form

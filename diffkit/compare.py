@@ -35,7 +35,8 @@ def compare(ref_model: torch.nn.Module, cand_model: torch.nn.Module, inputs: Seq
     opts = options or Options.build(atol=atol, rtol=rtol, **settings)
     ref_in = clone_inputs(list(inputs))
     cand_in = clone_inputs(list(cand_inputs if cand_inputs is not None else inputs))
-    return run(ModelSource(ref_model, ref_in), ModelSource(cand_model, cand_in), opts)
+    return run(ModelSource(ref_model, ref_in), ModelSource(cand_model, cand_in, follows_inputs=cand_inputs is None),
+               opts)
 
 
 def compare_traces(ref: Trace, cand: Trace, atol: float | None = None, rtol: float | None = None, *,

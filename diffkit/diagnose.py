@@ -100,6 +100,8 @@ def check_nan_inf(ctx: Context) -> list[Finding]:
     s = ctx.stage.stats
     if s is None or not (s.cand_nan > s.ref_nan or s.cand_inf > s.ref_inf):
         return []
+    if "mask_value" in ctx.found:
+        return []  # (the candidate's infinities are a mask the reference writes as a large number)
     bad = (~torch.isfinite(ctx.cand)) & torch.isfinite(ctx.ref)
     ctx.stop = True
     idx = torch.nonzero(bad)
@@ -409,6 +411,8 @@ def _name_scale(s: float, shape, sizes: frozenset | set = frozenset()) -> tuple[
     value, formula, d, meaning = min(_constants(shape, sizes), key=lambda c: abs(c[0] - s) / abs(c[0]))
     if abs(value - s) / abs(value) >= SCALE_MATCH:
         return "", False
+    if abs(value - s) > 0.05 * abs(value - 1):
+        return "", False  # (a constant close to 1, d/(d−1) for a large d, matches only what is closer to it still)
     text = f" ≈ {formula} ({value:.6g})"
     if meaning and (d in shape or d in sizes):
         text += f": consistent with {meaning}"

@@ -140,7 +140,7 @@ class Holder:
         it fails (no room left), the directory stays as it was, complete, with names and shapes."""
         import shutil
 
-        from .store import CaptureWriter
+        from .store import CaptureWriter, write_after_forward
         from .trials import TRIAL_DIR
 
         try:
@@ -160,6 +160,7 @@ class Holder:
                 pass
             for rec in self.trace.records:
                 writer.add(rec)
+            write_after_forward(writer, self.trace)
             writer.set_error(self.trace.error)
             writer.output_form = self.trace.output_form
             writer.close()

@@ -115,16 +115,15 @@ def _kernelbench(stage: Stage, r: torch.Tensor | None, c: torch.Tensor | None, d
 def locate(stages: list[Stage], cand_records: list[Record] | None = None) -> Stage | None:
     """Mark every failing stage after the first divergence as "after-divergence"; return the first
     divergence.  With the candidate's records (their dataflow), a failing stage whose error every paired
-    stage reading it has left behind (`undone`) is passed over while a later failing stage is not: the
-    first divergence is where the error that goes on starts.  Passed over, it keeps "diverged"."""
+    stage reading it has left behind (`undone_stages`) is passed over while a later failing stage is not:
+    the first divergence is where the error that goes on starts.  Passed over, it keeps "diverged"."""
     failing = [s for s in stages if s.status in ("diverged", "after-divergence")]
     if not failing:
         return None
     first = failing[0]
     if cand_records is not None and len(failing) > 1:
-        by_cand = {s.cand.index: s for s in stages if s.cand is not None and s.ref is not None}
-        readers = _readers(cand_records)
-        first = next((s for s in failing if not undone(s, by_cand, readers)), first)
+        passed_over = undone_stages(stages, cand_records)
+        first = next((s for s in failing if s.index not in passed_over), first)
     for s in failing:
         s.status = "diverged" if s.index <= first.index else "after-divergence"
     return first
@@ -135,32 +134,27 @@ READERS_VISITED = 256  # unpaired records walked through looking for the paired 
 UNDONE_FRACTION = 1e-2
 
 
-def _readers(records: list[Record]) -> dict[int, list[int]]:
-    out: dict[int, list[int]] = {}
-    for r in records:
-        for a in r.inputs:
-            out.setdefault(getattr(a, "index", a), []).append(r.index)
-    return out
-
-
-def undone(stage: Stage, by_cand: dict[int, Stage], readers: dict[int, list[int]], memo: dict | None = None) -> bool:
-    """Whether a failing stage's error stops there: it is not an output, and the nearest paired stages
+def undone_stages(stages: list[Stage], cand_records: list[Record]) -> set[int]:
+    """The failing stages (by index) whose error stops there: not an output, and the nearest paired stages
     reading its candidate tensor (through unpaired records) are all within tolerance, with errors of at
-    most UNDONE_FRACTION of its own, compared as laid out (no permutation) -- the candidate
-    computes that quantity otherwise (``x / sqrt(v)`` against ``x * rsqrt(v)``) or its error is undone
-    before it matters.  A failing reader whose own error is undone counts as leaving it behind (a product
-    before its bias is added, and its transpose, both read by the sum that agrees)."""
-    if stage.cand is None or stage.cand.is_output or stage.stats is None:
-        return False
-    memo = {} if memo is None else memo
-    if stage.index in memo:
-        return memo[stage.index]
-    memo[stage.index] = False  # (while it is being decided)
-    memo[stage.index] = got = _undone(stage, by_cand, readers, memo)
-    return got
+    most UNDONE_FRACTION of its own and compared as laid out (no permutation), or failing and undone
+    themselves -- the candidate computes that quantity otherwise (``x / sqrt(v)`` against ``x *
+    rsqrt(v)``; a product before its bias is added) or its error is undone before it matters.  Decided
+    from the last stage back (a reader comes after what it reads), without recursion."""
+    by_cand = {s.cand.index: s for s in stages if s.cand is not None and s.ref is not None}
+    readers: dict[int, list[int]] = {}
+    for r in cand_records:
+        for a in r.inputs:
+            readers.setdefault(getattr(a, "index", a), []).append(r.index)
+    decided: dict[int, bool] = {}
+    failing = [s for s in by_cand.values() if s.failed and s.stats is not None]
+    for stage in sorted(failing, key=lambda s: -s.cand.index):
+        decided[stage.index] = not stage.cand.is_output and _left_behind(stage, by_cand, readers, decided)
+    return {i for i, v in decided.items() if v}
 
 
-def _undone(stage: Stage, by_cand: dict[int, Stage], readers: dict[int, list[int]], memo: dict) -> bool:
+def _left_behind(stage: Stage, by_cand: dict[int, Stage], readers: dict[int, list[int]],
+                 decided: dict[int, bool]) -> bool:
     seen: set[int] = set()
     todo = list(readers.get(stage.cand.index, ()))
     found = False
@@ -172,7 +166,7 @@ def _undone(stage: Stage, by_cand: dict[int, Stage], readers: dict[int, list[int
         s = by_cand.get(j)
         if s is None:
             todo.extend(readers.get(j, ()))
-        elif s.stats is not None and s.failed and undone(s, by_cand, readers, memo):
+        elif s.stats is not None and s.failed and decided.get(s.index, False):
             found = True
         elif s.stats is None or s.failed or tuple(s.pair_transform or ())[:1] in (("permute",), ("unpermute",)) \
                 or not s.stats.max_abs <= UNDONE_FRACTION * stage.stats.max_abs:

@@ -65,6 +65,9 @@ class ModelSource:
     # the random generators' states its forward starts from, in place of `seed`: for a candidate, where the
     # reference's forward left them (KernelBench seeds a trial once, before both forwards)
     rng: dict | None = None
+    # a candidate given the reference's inputs: the inputs as the reference's forward left them replace them
+    # (False: inputs of its own, `compare(cand_inputs=…)`)
+    follows_inputs: bool = True
     fold: frozenset | None = None
     fold_writes: frozenset | None = None
 
@@ -263,6 +266,9 @@ def _inputs_as_left(ref: Trace, candidate: Source) -> list[str]:
             how = "an indexed assignment" if how in ("__setitem__", "index_put_", "copy_") or r.kind == "write" else how
             where = f" (first by {how} at {os.path.basename(r.file)}:{r.line})" if r.file else f" (first by {how})"
             break
+    if isinstance(candidate, ModelSource) and not candidate.follows_inputs:
+        return [f"the reference's forward changes its {which} in place{where}; KernelBench would run the candidate "
+                f"on them as the reference's forward left them; the candidate ran on the inputs it was given"]
     if isinstance(candidate, ModelSource):
         candidate.inputs = input_values(list(candidate.inputs), ref.inputs_left)
         return [f"the reference's forward changes its {which} in place{where}; as KernelBench does, the candidate "

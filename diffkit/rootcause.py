@@ -125,10 +125,14 @@ def _input_value(index: int, ref: Trace, cand: Trace, ref_of_cand: dict, depth: 
             return _rerun(src, ref, cand, ref_of_cand, depth - 1)
         raise NotReplayable(f"its input {src.name} has no reference counterpart")
     ref_rec = ref.records[hit[0]]
-    if ref_rec.value is None:
+    value = ref_rec.value
+    if ref_rec.kind == "input" and ref_rec.name in ref.inputs_left:
+        # the reference's forward changed this input: the candidate ran on it as that forward left it
+        value = ref.inputs_left[ref_rec.name].to(value.device if value is not None else "cpu")
+    if value is None:
         raise NotReplayable("reference values were not kept")
     try:
-        v = from_ref_layout(ref_rec.value, tuple(src.shape), hit[1]).to(src.dtype)
+        v = from_ref_layout(value, tuple(src.shape), hit[1]).to(src.dtype)
         # fresh memory laid out as the candidate's own argument was (its snapshot keeps the strides: a
         # kernel may take another path for a transposed view than for a contiguous tensor)
         like = src.value
@@ -221,10 +225,10 @@ def analyse(result: Result, ref: Trace, cand: Trace, alignment: Alignment, windo
         return
     before = [s for s in introduced if s.index <= fd.index]
     if len(before) > 1:  # an error every stage reading it left behind is not where the one that goes on starts
-        from .locate import _readers, undone
+        from .locate import undone_stages
 
-        readers = _readers(cand.records)
-        before = [s for s in before if s is fd or not (s.failed and undone(s, stage_of_cand, readers))] or before
+        passed_over = undone_stages(result.stages, cand.records)
+        before = [s for s in before if s is fd or s.index not in passed_over] or before
     if before:
         result.root_cause = before[0]
     elif fd.local is not None:

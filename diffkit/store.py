@@ -658,10 +658,19 @@ class CaptureWriter:
         self._root.write_atomic("index.json", lambda fh: fh.write(text))
 
 
+def write_after_forward(writer: "CaptureWriter", trace: Trace) -> None:
+    """What the forward left besides its records: the inputs it changed and the generators' states."""
+    if trace.inputs_left:
+        writer.add_inputs_left(trace.inputs_left)
+    if trace.rng_after:
+        writer.add_rng_after(trace.rng_after)
+
+
 def save_trace(trace: Trace, path: str, side: str = "", source: str = "", shard_bytes: int = 64 << 20) -> str:
     w = CaptureWriter(path, side, source, shard_bytes)
     for rec in trace.records:
         w.add(rec)
+    write_after_forward(w, trace)
     w.set_error(trace.error)
     w.output_form = trace.output_form
     w.close()

@@ -566,9 +566,12 @@ def _write_outputs_only(path: str, model: torch.nn.Module, inputs: list, seed: i
     seed_all(seed)
     left: dict = {}
     out, err = forward(model, inputs, no_grad, left=left)
-    writer.add_rng_after(rng_state())
-    if left:
-        writer.add_inputs_left(left)
+    try:
+        writer.add_rng_after(rng_state())
+        if left:
+            writer.add_inputs_left(left)
+    except ValueError:  # (an input that cannot be saved: the candidate gets the inputs as they came)
+        pass
     leaves = [(input_name(pos), "input", t) for pos, t in _tensors(list(inputs))]
     if not err:
         leaves += [(n, "output", t) for n, t in output_leaves(out).items()]

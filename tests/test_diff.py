@@ -532,3 +532,53 @@ def test_blocks_under_another_container_in_a_loop_are_each_compared(bad):
     if bad is not None:
         fd = r.first_divergence
         assert fd.ref_name.startswith(f"body.{bad}"), (fd.ref_name, fd.cand_name)
+
+
+def test_a_factor_near_one_is_named_only_when_it_is_the_constant():
+    from diffkit.diagnose import _name_scale
+
+    sizes = {4096, 64}
+    assert _name_scale(4096 / 4095, (8, 64, 64), sizes)[1]
+    assert not _name_scale(1.0015, (8, 64, 64), sizes)[1]  # 6× farther from 1 than d/(d−1), d = 4096
+    assert not _name_scale(0.999, (8, 64, 64), sizes)[1]
+
+
+def test_a_mask_the_candidate_writes_as_infinity_is_a_mask_too():
+    class Finite(_PaddedAttention):
+        def forward(self, x, valid):
+            logits = torch.einsum("bqd,bkd->bqk", self.score(x), x)
+            logits = logits.masked_fill(valid[:, None, :] == 0, -3.0e4)
+            return torch.softmax(logits, -1) @ x
+
+    torch.manual_seed(3)
+    ref, cand = Finite(), _PaddedAttention()
+    cand.load_state_dict(ref.state_dict())
+    valid = torch.tensor([[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1]])
+    r = diffkit.compare(ref, cand, [torch.randn(2, 6, 16), valid])
+    fd = r.first_divergence
+    assert r.verdict == "match" and fd is not None and fd.diagnosis and fd.diagnosis[0].kind == "mask_value", \
+        [(s.ref_name, s.status, s.diagnosis) for s in r.stages]
+    assert "candidate holds -inf" in fd.diagnosis[0].detail and not r.what_if
+
+
+def test_locating_a_long_chain_of_failing_stages_does_not_recurse():
+    # every stage after the first divergence of a deep model fails: deciding which failing stages are left
+    # behind walks them all, from the last back, without a call per stage on the stack
+    from diffkit.capture import Record
+    from diffkit.locate import locate
+    from diffkit.measure import Stats
+    from diffkit.result import RecordInfo, Stage
+
+    n = 3000
+    stages, records = [], []
+    for i in range(n):
+        info = RecordInfo(index=i, name=f"step{i}", kind="op", op="torch.add", shape=(4,), dtype="float32",
+                          inputs=(i - 1,) if i else (), is_output=i == n - 1)
+        stats = Stats(numel=4, max_abs=1.0, mean_abs=1.0, max_rel=1.0, mismatches=4, cosine=1.0, ref_nan=0, ref_inf=0,
+                      cand_nan=0, cand_inf=0, worst=None, atol=1e-4, rtol=1e-4)
+        stages.append(Stage(index=i, ref=info, cand=info, stats=stats, status="diverged"))
+        records.append(Record(index=i, name=f"step{i}", kind="op", scope="", label="", function="", file="", line=0,
+                              op="torch.add", shape=(4,), dtype=torch.float32, device="cpu", value=None,
+                              inputs=[i - 1] if i else [], is_output=i == n - 1))
+    first = locate(stages, records)
+    assert first is stages[0] and all(s.status == "after-divergence" for s in stages[1:])

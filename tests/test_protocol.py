@@ -773,6 +773,9 @@ def test_a_reference_changing_its_inputs_hands_the_candidate_the_changed_inputs(
             r = diffkit.diff_files(str(ref), str(cand), max_memory=1024 if mode == "streaming" else None)
             verdict, warnings, trials = r.verdict, r.warnings, r.trials
             first = r.first_divergence.ref_name if r.first_divergence is not None else None
+            if mode == "in-process" and not expected:  # re-run on the inputs as the reference left them
+                assert r.root_cause is r.first_divergence and r.first_divergence.local is not None, \
+                    r.first_divergence.replay_note
         else:
             where = str(ref)
             if mode == "captured":  # the reference captured first, then diffed from its capture directory
@@ -956,3 +959,19 @@ def test_running_statistics_moved_by_the_forwards_are_not_other_weights(tmp_path
     kinds = [f["kind"] for f in (data.get("first_divergence") or {}).get("diagnosis", [])]
     kinds += [f["kind"] for f in (data.get("root_cause") or {}).get("diagnosis", [])]
     assert "other_weights" not in kinds, data.get("first_divergence")
+
+
+def test_a_candidate_given_inputs_of_its_own_keeps_them():
+    class Halves(torch.nn.Module):
+        def forward(self, x):
+            x.mul_(0.5)
+            return x + 1
+
+    class Plus(torch.nn.Module):
+        def forward(self, x):
+            return x + 1
+
+    x = torch.randn(4, 3)
+    r = diffkit.compare(Halves(), Plus(), [x], cand_inputs=[x * 0.5])
+    assert r.verdict == "match", r.summary_line()
+    assert any("ran on the inputs it was given" in w for w in r.warnings), r.warnings
