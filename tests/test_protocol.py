@@ -26,6 +26,19 @@ def _exec(path):
     return ctx
 
 
+def _kernelbench_models(ref, cand, seed=42):
+    """The two models as KernelBench builds them from the executed files: seeded before get_init_inputs(),
+    before Model(*init) and before ModelNew(*init)."""
+    torch.manual_seed(seed)
+    init = ref["get_init_inputs"]()
+    with torch.no_grad():
+        torch.manual_seed(seed)
+        model = ref["Model"](*init)
+        torch.manual_seed(seed)
+        new = cand["ModelNew"](*init)
+    return model, new
+
+
 def kernelbench_passes(ref_path, cand_path, num_trials=5, seed=42):
     """KernelBench's correctness check as field.md states it: seed 42 before get_init_inputs(), before
     Model(*init) and before ModelNew(*init); no eval(), nothing copied; one seed per trial from
@@ -34,14 +47,7 @@ def kernelbench_passes(ref_path, cand_path, num_trials=5, seed=42):
     1e-4 (float32) / 1e-2 (half).  A candidate that fails to build or raises fails."""
     ref = _exec(ref_path)
     try:
-        cand = _exec(cand_path)
-        torch.manual_seed(seed)
-        init = ref["get_init_inputs"]()
-        with torch.no_grad():
-            torch.manual_seed(seed)
-            model = ref["Model"](*init)
-            torch.manual_seed(seed)
-            new = cand["ModelNew"](*init)
+        model, new = _kernelbench_models(ref, _exec(cand_path), seed)
     except Exception:
         return False
     torch.manual_seed(seed)
@@ -866,13 +872,8 @@ class ModelNew(torch.nn.Module):
 
 def _kernelbench_first_trial_error(ref_path, cand_path):
     """KernelBench's trial 1 as it runs it: seeded once, the reference's forward, then the candidate's."""
-    ref, cand = _exec(ref_path), _exec(cand_path)
-    torch.manual_seed(42)
-    init = ref["get_init_inputs"]()
-    torch.manual_seed(42)
-    model = ref["Model"](*init)
-    torch.manual_seed(42)
-    new = cand["ModelNew"](*init)
+    ref = _exec(ref_path)
+    model, new = _kernelbench_models(ref, _exec(cand_path))
     seed = trial_seeds(1)[0]
     with torch.no_grad():
         torch.manual_seed(seed)
