@@ -459,6 +459,46 @@ def check_scale(ctx: Context) -> list[Finding]:
                     0.9 if named else 0.8)]
 
 
+# a shifted candidate must agree with the reference on at least this share of each axis's slices
+SHIFT_MIN_OVERLAP = 0.5
+
+
+def check_shift(ctx: Context) -> list[Finding]:
+    """The candidate is the reference moved along one axis: rolled (parts concatenated in the other
+    order, ``cat([b, a])`` for ``cat([a, b])``), or shifted by k with the slices moved past the border
+    differing (padding put on one side, an index off by k)."""
+    r, c = ctx.ref, ctx.cand
+    st = ctx.stage.stats
+    for d in range(r.dim()):
+        n = r.shape[d]
+        if n < 2:
+            continue
+        rs, cs = r.movedim(d, 0).reshape(n, -1), c.movedim(d, 0).reshape(n, -1)
+        tol = st.atol + st.rtol * rs.abs()
+        for first, sign in ((0, 1), (n - 1, -1)):  # the candidate's first slice found further on, its last earlier
+            fit = ((rs - cs[first]).abs() <= tol).all(dim=1)
+            if bool(fit[first]):
+                continue  # (that slice is where it belongs: no shift seen from this end)
+            found = torch.nonzero(fit).flatten().tolist()
+            k = next((abs(j - first) for j in (found if sign > 0 else found[::-1]) if (j - first) * sign > 0), 0)
+            if not k:
+                continue
+            rolled = torch.roll(rs, -sign * k, dims=0)
+            rows = ((rolled - cs).abs() <= st.atol + st.rtol * rolled.abs()).all(dim=1)
+            if bool(rows.all()):
+                return [Finding("permutation", f"candidate = the reference rolled by {k} along axis {d} (size {n}): "
+                                f"its first {n - k if sign > 0 else k} and last {k if sign > 0 else n - k} slices in the "
+                                f"other order -- parts concatenated the other way round, or an index wrapped by {k}",
+                                0.9)]
+            inner = rows[:n - k] if sign > 0 else rows[k:]
+            if bool(inner.all()) and n - k >= SHIFT_MIN_OVERLAP * n:
+                way = "towards the start" if sign > 0 else "towards the end"
+                return [Finding("boundary", f"candidate = the reference shifted by {k} along axis {d} (size {n}), "
+                                f"{way}: {n - k} slices agree once moved, the {k} at the border do not -- padding put on "
+                                f"one side only, or an index off by {k}", 0.85)]
+    return []
+
+
 def check_permutation(ctx: Context) -> list[Finding]:
     shape = tuple(ctx.ref.shape)
     if ctx.ref.dim() < 2 or ctx.ref.dim() > 6:
@@ -777,7 +817,8 @@ def _integer_findings(stage: Stage, rv: torch.Tensor, cv: torch.Tensor) -> list[
 
 
 CHECKS: list[Callable[[Context], list[Finding]]] = [
-    check_mask_value, check_nan_inf, check_nonfinite_both, check_other_weights, check_region, check_reduction_axis, check_permutation, check_transposed_weight,
+    check_mask_value, check_nan_inf, check_nonfinite_both, check_other_weights, check_region, check_reduction_axis,
+    check_permutation, check_shift, check_transposed_weight,
     check_bias_offset, check_missing_parameter, check_scale, check_approximation, check_precision,
 ]
 

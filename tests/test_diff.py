@@ -582,3 +582,43 @@ def test_locating_a_long_chain_of_failing_stages_does_not_recurse():
                               inputs=[i - 1] if i else [], is_output=i == n - 1))
     first = locate(stages, records)
     assert first is stages[0] and all(s.status == "after-divergence" for s in stages[1:])
+
+
+def test_parts_concatenated_the_other_way_and_a_window_padded_on_one_side_are_named():
+    class Joined(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(6, 5), nn.Linear(6, 3)
+
+        def forward(self, x):
+            return torch.tanh(torch.cat([self.a(x), self.b(x)], dim=-1))
+
+    class JoinedSwapped(Joined):
+        def forward(self, x):
+            parts = [self.b(x), self.a(x)]
+            return torch.tanh(torch.cat(parts, dim=-1))
+
+    torch.manual_seed(4)
+    ref, cand = Joined(), JoinedSwapped()
+    cand.load_state_dict(ref.state_dict())
+    r = diffkit.compare(ref, cand, [torch.randn(7, 6)])
+    assert r.first_divergence.diagnosis and "rolled by 5 along axis 1" in r.first_divergence.diagnosis[0].detail, \
+        r.first_divergence.diagnosis
+
+    class Smooth(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv1d(2, 3, 5, padding=2)
+
+        def forward(self, x):
+            return self.conv(x) * 2
+
+    class SmoothLeftPadded(Smooth):
+        def forward(self, x):
+            return torch.nn.functional.conv1d(torch.nn.functional.pad(x, (4, 0)), self.conv.weight, self.conv.bias) * 2
+
+    ref, cand = Smooth(), SmoothLeftPadded()
+    cand.load_state_dict(ref.state_dict())
+    r = diffkit.compare(ref, cand, [torch.randn(2, 2, 30)])
+    words = " ".join(f.detail for f in r.first_divergence.diagnosis)
+    assert "shifted by 2 along axis 2" in words and "padding put on one side" in words, r.first_divergence.diagnosis
