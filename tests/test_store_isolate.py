@@ -51,7 +51,7 @@ def _broken(tmp_path, edit):
 
 def test_truncated_shard(tmp_path):
     def cut(path):
-        shard = sorted(p for p in os.listdir(path) if p.endswith(".safetensors"))[1]
+        shard = sorted(p for p in os.listdir(path) if p.startswith("shard-"))[1]
         data = (path / shard).read_bytes()
         (path / shard).write_bytes(data[: len(data) // 2])
     msg = _broken(tmp_path, cut)
