@@ -133,6 +133,12 @@ class Alignment:
         return {p.cand: p for p in self.pairs}
 
 
+def permuted(transform: tuple | None) -> bool:
+    """Whether a pair's transform reorders axes (a permutation, not a plain reshape): a consumer compared
+    through one may have absorbed the same permutation."""
+    return tuple(transform or ())[:1] in (("permute",), ("unpermute",))
+
+
 def to_ref_layout(cand: torch.Tensor, ref_shape: tuple, transform: tuple) -> torch.Tensor:
     """Bring a candidate value into the reference's shape using a pair's transform."""
     if not transform:
@@ -1032,7 +1038,7 @@ def layout_known(state: AlignState, ci: int, ri: int) -> bool:
     c, r = tuple(state.cand[ci].shape), tuple(state.ref[ri].shape)
     if c == r or _refines(c, r) or _refines(r, c):
         return True
-    return state.layout(ci, ri)[:1] in (("permute",), ("unpermute",))
+    return permuted(state.layout(ci, ri))
 
 
 def _eligible(rec: Record, flow: Dataflow, cover: Cover) -> bool:
@@ -1760,8 +1766,7 @@ def pass_reader_layout(state: AlignState) -> None:
             continue
         for ci, ri in zip(c_in, r_in):
             q = state.pairs.get(ci)
-            if q is None or q.ref == ri or q.transform[:1] not in (("permute",), ("unpermute",)) or \
-                    ri in state.paired_ref:
+            if q is None or q.ref == ri or not permuted(q.transform) or ri in state.paired_ref:
                 continue
             c, r = state.cand[ci], state.ref[ri]
             if tuple(c.shape) != tuple(r.shape) or c.dtype != r.dtype or r.kind == "input":
@@ -1866,7 +1871,7 @@ def pass_consistency(state: AlignState) -> None:
         bound = min(AGREE_REL_ERR, AGREE_FRACTION * err)
         # a consumer compared through a permutation of axes may have absorbed this pair's error (the
         # same permutation): it is no evidence that the error vanished
-        if any(state.pairs[j].transform[:1] in (("permute",), ("unpermute",)) for j in consumers):
+        if any(permuted(state.pairs[j].transform) for j in consumers):
             continue
         errs = [state.pair_error(j) for j in consumers]
         if not all(e is not None and e <= bound for e in errs):

@@ -52,6 +52,11 @@ class Context:
         return None if src.value is None else src.value.to(torch.float64)
 
 
+def _within(st, c: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """Per element, whether `c` is within the stage's tolerance of `r` (`st`: its Stats; allclose's rule)."""
+    return (c - r).abs() <= st.atol + st.rtol * r.abs()
+
+
 def _norm(t: torch.Tensor) -> float:
     return float(t.norm()) if t.numel() else 0.0
 
@@ -87,7 +92,7 @@ def check_mask_value(ctx: Context) -> list[Finding]:
     value = float(fin_side[at])
     both = fr & fc
     s = ctx.stage.stats
-    agree = bool(both.any()) and bool(((c - r).abs()[both] <= s.atol + s.rtol * r.abs()[both]).all())
+    agree = bool(both.any()) and bool(_within(s, c[both], r[both]).all())
     rest = ("every other element agrees within tolerance" if agree else
             "the other elements differ too (max_abs " + f"{float((c - r).abs()[both].max()):.3g})" if both.any() else
             "no element is finite on both sides")
@@ -474,9 +479,8 @@ def check_shift(ctx: Context) -> list[Finding]:
         if n < 2:
             continue
         rs, cs = r.movedim(d, 0).reshape(n, -1), c.movedim(d, 0).reshape(n, -1)
-        tol = st.atol + st.rtol * rs.abs()
         for first, sign in ((0, 1), (n - 1, -1)):  # the candidate's first slice found further on, its last earlier
-            fit = ((rs - cs[first]).abs() <= tol).all(dim=1)
+            fit = _within(st, cs[first], rs).all(dim=1)
             if bool(fit[first]):
                 continue  # (that slice is where it belongs: no shift seen from this end)
             found = torch.nonzero(fit).flatten().tolist()
@@ -484,7 +488,7 @@ def check_shift(ctx: Context) -> list[Finding]:
             if not k:
                 continue
             rolled = torch.roll(rs, -sign * k, dims=0)
-            rows = ((rolled - cs).abs() <= st.atol + st.rtol * rolled.abs()).all(dim=1)
+            rows = _within(st, cs, rolled).all(dim=1)
             if bool(rows.all()):
                 return [Finding("permutation", f"candidate = the reference rolled by {k} along axis {d} (size {n}): "
                                 f"its first {n - k if sign > 0 else k} and last {k if sign > 0 else n - k} slices in the "
@@ -503,11 +507,10 @@ def check_permutation(ctx: Context) -> list[Finding]:
     shape = tuple(ctx.ref.shape)
     if ctx.ref.dim() < 2 or ctx.ref.dim() > 6:
         return []
-    tol = ctx.stage.stats.atol + ctx.stage.stats.rtol * ctx.ref.abs()
     for p in itertools.permutations(range(ctx.ref.dim())):
         if list(p) == sorted(p) or tuple(shape[i] for i in p) != shape:
             continue
-        if bool(((ctx.cand.permute(*p) - ctx.ref).abs() <= tol).all()):
+        if bool(_within(ctx.stage.stats, ctx.cand.permute(*p), ctx.ref).all()):
             moved = [i for i in range(len(p)) if p[i] != i]
             axes = " and ".join(str(i) for i in moved) if len(moved) == 2 else str(tuple(p))
             what = f"axes {axes} swapped" if len(moved) == 2 else f"axes permuted by {tuple(p)}"
@@ -524,14 +527,14 @@ def _merged_out_of_order(ctx: Context) -> list[Finding]:
     """The reference stage only reshapes what it reads (`y = t.reshape(B, L, H * D)`) and the candidate
     holds `t`'s values with its axes in another order before the same merge: axes merged without the
     transpose back (a head merge from (B, H, L, D) without ``transpose(1, 2)``)."""
-    from .align import Pair, best_layout
+    from .align import Pair, best_layout, permuted
 
     src = ctx.ref_input(0)
     if src is None or src.numel() != ctx.ref.numel() or tuple(src.shape) == tuple(ctx.ref.shape) or \
             not torch.equal(src.reshape(ctx.ref.shape), ctx.ref):
         return []
     lay = best_layout(ctx.cand_native, src)
-    if lay.transform[:1] not in (("permute",), ("unpermute",)) or not lay.rel_err <= MERGED_REL_ERR:
+    if not permuted(lay.transform) or not lay.rel_err <= MERGED_REL_ERR:
         return []
     how = Pair(ref=0, cand=0, via="", confidence=1.0, transform=lay.transform).describe_transform()
     return [Finding("permutation", f"the reference's stage reshapes a {list(src.shape)} tensor to "
@@ -852,9 +855,7 @@ def diagnose(stage: Stage, ref: Any, cand: Any, ref_params: dict[str, torch.Tens
             # what the non-finite elements show is said; the checks from here on read the elements finite on
             # both sides, and none runs when those agree (a factor or an offset of NaN explains nothing)
             keep = torch.isfinite(ctx.ref) & torch.isfinite(ctx.cand)
-            st = stage.stats
-            if not bool(keep.any()) or bool(((ctx.cand - ctx.ref).abs()[keep]
-                                             <= st.atol + st.rtol * ctx.ref.abs()[keep]).all()):
+            if not bool(keep.any()) or bool(_within(stage.stats, ctx.cand[keep], ctx.ref[keep]).all()):
                 break
             ctx.ref, ctx.cand = torch.where(keep, ctx.ref, 0.0), torch.where(keep, ctx.cand, 0.0)
         try:

@@ -160,7 +160,7 @@ class Holder:
                 pass
             for rec in self.trace.records:
                 writer.add(rec)
-            write_after_forward(writer, self.trace)
+            write_after_forward(writer, self.trace.inputs_left, self.trace.rng_after)
             writer.set_error(self.trace.error)
             writer.output_form = self.trace.output_form
             writer.close()

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .align import Alignment, to_ref_layout
+from .align import Alignment, permuted, to_ref_layout
 from .capture import Record, Trace
 from .measure import apply_stat, ask_kernelbench, kernelbench_note, measure_async, measure_many
 from .options import Tolerance
@@ -112,18 +112,15 @@ def _kernelbench(stage: Stage, r: torch.Tensor | None, c: torch.Tensor | None, d
         stage.note = f"{stage.note}; {note}" if stage.note else note
 
 
-def locate(stages: list[Stage], cand_records: list[Record] | None = None) -> Stage | None:
+def locate(stages: list[Stage], passed_over: set[int] | frozenset = frozenset()) -> Stage | None:
     """Mark every failing stage after the first divergence as "after-divergence"; return the first
-    divergence.  With the candidate's records (their dataflow), a failing stage whose error every paired
-    stage reading it has left behind (`undone_stages`) is passed over while a later failing stage is not:
-    the first divergence is where the error that goes on starts.  Passed over, it keeps "diverged"."""
+    divergence.  A failing stage in `passed_over` (`undone_stages`: its error every paired stage reading
+    it has left behind) is passed over while a later failing stage is not: the first divergence is where
+    the error that goes on starts.  Passed over, it keeps "diverged"."""
     failing = [s for s in stages if s.status in ("diverged", "after-divergence")]
     if not failing:
         return None
-    first = failing[0]
-    if cand_records is not None and len(failing) > 1:
-        passed_over = undone_stages(stages, cand_records)
-        first = next((s for s in failing if s.index not in passed_over), first)
+    first = next((s for s in failing if s.index not in passed_over), failing[0])
     for s in failing:
         s.status = "diverged" if s.index <= first.index else "after-divergence"
     return first
@@ -148,6 +145,8 @@ def undone_stages(stages: list[Stage], cand_records: list[Record]) -> set[int]:
             readers.setdefault(getattr(a, "index", a), []).append(r.index)
     decided: dict[int, bool] = {}
     failing = [s for s in by_cand.values() if s.failed and s.stats is not None]
+    if len(failing) < 2:
+        return set()  # (one failing stage is the first divergence whatever its readers say)
     for stage in sorted(failing, key=lambda s: -s.cand.index):
         decided[stage.index] = not stage.cand.is_output and _left_behind(stage, by_cand, readers, decided)
     return {i for i, v in decided.items() if v}
@@ -168,7 +167,7 @@ def _left_behind(stage: Stage, by_cand: dict[int, Stage], readers: dict[int, lis
             todo.extend(readers.get(j, ()))
         elif s.stats is not None and s.failed and decided.get(s.index, False):
             found = True
-        elif s.stats is None or s.failed or tuple(s.pair_transform or ())[:1] in (("permute",), ("unpermute",)) \
+        elif s.stats is None or s.failed or permuted(s.pair_transform) \
                 or not s.stats.max_abs <= UNDONE_FRACTION * stage.stats.max_abs:
             # (compared through a permutation of axes, it may have absorbed the same permutation; an error
             # that shrinks below tolerance at a reader, a sum over many elements, still flows on)

@@ -22,7 +22,7 @@ import torch.utils._pytree as pytree
 from .align import Alignment, align, map_params_by_use, param_map, record_numel, to_ref_layout, torch_op
 from .capture import FOLD_AFTER, StopCapture, Trace, capture, input_values, set_rng_state, written_in_place
 from .diagnose import diagnose
-from .locate import build_stages, locate
+from .locate import build_stages, locate, undone_stages
 from .measure import ask_kernelbench, kernelbench_note, measure
 from .options import Options
 from .result import ErrorInfo, Finding, Result, Values
@@ -235,7 +235,7 @@ def _full_traces(reference: Source, candidate: Source, options: Options, known: 
     rename = param_map(reference.params(), candidate.params())  # by value too: before a forward changes buffers
     ref = trace_of(reference, "ref")
     _fold_against(candidate, ref, options)
-    said = _inputs_as_left(ref, candidate)
+    said = _follow_reference(ref, candidate)
     cand = trace_of(candidate, "cand")
     for trace, side in ((ref, "reference"), (cand, "candidate")):
         _no_meta_values(trace, side)
@@ -246,7 +246,7 @@ def _full_traces(reference: Source, candidate: Source, options: Options, known: 
     return _Traces(ref, cand, alignment, known={**alignment.measured, **(known or {})}, state=state, warnings=said)
 
 
-def _inputs_as_left(ref: Trace, candidate: Source) -> list[str]:
+def _follow_reference(ref: Trace, candidate: Source) -> list[str]:
     """KernelBench hands the candidate the very input tensors the reference's forward ran on, so a
     reference that changes an input in place gives the candidate the changed values: a live candidate's
     inputs become the reference's inputs as its forward left them.  What the result should say of it.
@@ -358,7 +358,7 @@ def _streaming_traces(reference: Source, candidate: ModelSource, options: Option
     said: list[str] = []
     if lockstep is None or lockstep.ref_done:
         _fold_against(candidate, ref_trace, options)  # (while the reference runs, its sizes are not all known)
-        said = _inputs_as_left(ref_trace, candidate)  # (a lockstep diff finding it later starts again)
+        said = _follow_reference(ref_trace, candidate)  # (a lockstep diff finding it later starts again)
     comparer = StreamComparer(ref_trace, ref_store, keep, options.tolerance.atol, options.tolerance.rtol,
                               window=STREAM_WINDOW, stop_at_first=options.stop_at_first, journal=journal,
                               meta=meta_cand, rename=rename, stat=options.tolerance.stat,
@@ -559,7 +559,8 @@ def _explain(traces: _Traces, reference: Source, candidate: Source, options: Opt
             if note:
                 result.warnings.append(f"{'the output' if s.ref_name == 'output' else 'output ' + str(s.ref_name)}: "
                                        f"{note}")
-    result.first_divergence = locate(stages, cand.records)
+    passed_over = undone_stages(stages, cand.records)
+    result.first_divergence = locate(stages, passed_over)
     fd = result.first_divergence
     for s in stages:
         if fd is not None and s.failed and s.index < fd.index:
@@ -621,7 +622,7 @@ def _explain(traces: _Traces, reference: Source, candidate: Source, options: Opt
         live = dict(candidate.model.named_buffers()) if isinstance(candidate, ModelSource) else {}
         changed = {n: (live.get(n), b, after[n]) for n, b in before.items()
                    if n in after and not torch.equal(b, after[n])}
-    analyse(result, ref, cand, traces.alignment, window=traces.window, changed=changed)
+    analyse(result, ref, cand, traces.alignment, window=traces.window, changed=changed, passed_over=passed_over)
     if traces.window is not None and result.first_divergence is not None and result.first_divergence.local is not None:
         result.meta["root_cause_window"] = traces.window
     for s in {id(x): x for x in (result.first_divergence, result.root_cause) if x is not None}.values():

@@ -163,7 +163,7 @@ def _rerun(rec, ref: Trace, cand: Trace, ref_of_cand: dict, depth: int) -> torch
 
 
 def analyse(result: Result, ref: Trace, cand: Trace, alignment: Alignment, window: int | None = None,
-            changed: dict | None = None) -> None:
+            changed: dict | None = None, passed_over: set[int] | frozenset = frozenset()) -> None:
     """Fill `local`, `inherited_max_abs` and `replay_note` per stage, and `result.root_cause`.
 
     `window` limits the replays to that many measured stages before the first divergence (a
@@ -171,7 +171,8 @@ def analyse(result: Result, ref: Trace, cand: Trace, alignment: Alignment, windo
     capture file holds no calls) still counts as introducing its error when its own error is above
     float32 noise while every input it read, by dataflow, matches the reference to that noise.
     `changed`: the candidate's buffers its forward changed, by name: (the live tensor, its value before
-    the forward, after it); see `replay`."""
+    the forward, after it); see `replay`.  `passed_over`: the failing stages whose error every reader left behind
+    (`locate.undone_stages`): none is the root cause while another introducing stage is."""
     ref_of_cand = {p.cand: (p.ref, p.transform) for p in alignment.pairs}
     stage_of_cand = {s.cand.index: s for s in result.stages if s.cand is not None}
     fd = result.first_divergence
@@ -224,11 +225,9 @@ def analyse(result: Result, ref: Trace, cand: Trace, alignment: Alignment, windo
     if fd is None:
         return
     before = [s for s in introduced if s.index <= fd.index]
-    if len(before) > 1:  # an error every stage reading it left behind is not where the one that goes on starts
-        from .locate import undone_stages
-
-        passed_over = undone_stages(result.stages, cand.records)
-        before = [s for s in before if s is fd or s.index not in passed_over] or before
+    # an error every stage reading it left behind (`passed_over`, locate.undone_stages) is not where the one
+    # that goes on starts
+    before = [s for s in before if s is fd or s.index not in passed_over] or before
     if before:
         result.root_cause = before[0]
     elif fd.local is not None:

@@ -546,25 +546,24 @@ class CaptureWriter:
     def add_parameters(self, named: dict[str, torch.Tensor]) -> None:
         """The model's parameters and buffers by qualified name, written now (atomically, as
         contiguous CPU copies) to params.safetensors.  Calling it again replaces them."""
-        items = _named_items(named, "parameter")
-        self._root.write_atomic(PARAMS_FILE, lambda fh: _st_write(fh, items))
-        self.params_file = PARAMS_FILE
-        self._write_index()
+        self._add_named("params_file", PARAMS_FILE, named, "parameter")
 
     def add_inputs_left(self, named: dict[str, torch.Tensor]) -> None:
         """The input tensors the forward changed in place, by input record name, as it left them
         (inputs-left.safetensors); written even by a writer that keeps no values, so that a reader can
         give the candidate the inputs KernelBench gives it."""
-        items = _named_items(named, "input")
-        self._root.write_atomic(INPUTS_LEFT_FILE, lambda fh: _st_write(fh, items))
-        self.inputs_left_file = INPUTS_LEFT_FILE
-        self._write_index()
+        self._add_named("inputs_left_file", INPUTS_LEFT_FILE, named, "input")
 
     def add_rng_after(self, named: dict[str, torch.Tensor]) -> None:
         """The random generators' states the forward left, by generator name (rng-after.safetensors)."""
-        items = _named_items(named, "generator")
-        self._root.write_atomic(RNG_AFTER_FILE, lambda fh: _st_write(fh, items))
-        self.rng_after_file = RNG_AFTER_FILE
+        self._add_named("rng_after_file", RNG_AFTER_FILE, named, "generator")
+
+    def _add_named(self, attr: str, name: str, named: dict[str, torch.Tensor], what: str) -> None:
+        """Write a dict of tensors by name to the file `name` (atomically, checked by `_named_items`), keep
+        its name in `attr` and rewrite the index, which names it under that field."""
+        items = _named_items(named, what)
+        self._root.write_atomic(name, lambda fh: _st_write(fh, items))
+        setattr(self, attr, name)
         self._write_index()
 
     def add(self, rec: Record, tensor: torch.Tensor | None = None) -> None:
@@ -658,19 +657,19 @@ class CaptureWriter:
         self._root.write_atomic("index.json", lambda fh: fh.write(text))
 
 
-def write_after_forward(writer: "CaptureWriter", trace: Trace) -> None:
-    """What the forward left besides its records: the inputs it changed and the generators' states."""
-    if trace.inputs_left:
-        writer.add_inputs_left(trace.inputs_left)
-    if trace.rng_after:
-        writer.add_rng_after(trace.rng_after)
+def write_after_forward(writer: "CaptureWriter", inputs_left: dict, rng_after: dict) -> None:
+    """What a forward left besides its records: the inputs it changed and the generators' states."""
+    if inputs_left:
+        writer.add_inputs_left(inputs_left)
+    if rng_after:
+        writer.add_rng_after(rng_after)
 
 
 def save_trace(trace: Trace, path: str, side: str = "", source: str = "", shard_bytes: int = 64 << 20) -> str:
     w = CaptureWriter(path, side, source, shard_bytes)
     for rec in trace.records:
         w.add(rec)
-    write_after_forward(w, trace)
+    write_after_forward(w, trace.inputs_left, trace.rng_after)
     w.set_error(trace.error)
     w.output_form = trace.output_form
     w.close()
@@ -949,11 +948,7 @@ class CaptureFile:
                 clean["error"] = _check_error(index.get("error"))
                 clean["output_form"] = _str_field(index, "output_form", required=False, limit=64)
                 clean["info"] = _check_info(index.get("info"))
-                pf = index.get("parameters")
-                if pf is not None and (not _plain_name(pf) or not pf.endswith(".safetensors")):
-                    raise _Bad("parameters", f"must name a .safetensors file in the capture, not {_show(pf)}")
-                clean["parameters"] = pf
-                for key in ("inputs_left", "rng_after"):
+                for key in ("parameters", "inputs_left", "rng_after"):
                     lf = index.get(key)
                     if lf is not None and (not _plain_name(lf) or not lf.endswith(".safetensors")):
                         raise _Bad(key, f"must name a .safetensors file in the capture, not {_show(lf)}")

@@ -389,6 +389,7 @@ class CapturedTrials:
     # its values mapped when it is this diff's own handoff)
     first: Any = None
     notes: list = field(default_factory=list)  # what the result should say about how trials were read
+    _opened: Any = field(default=None, repr=False)  # (trial, its CaptureFile): the trial being run, opened once
 
     @property
     def entries(self) -> list[dict]:
@@ -411,13 +412,23 @@ class CapturedTrials:
                                f"directory for it (its process stopped before it?)", self.path)
         return where
 
+    def _capture(self, k: int):
+        """Trial `k`'s capture file: trial 1's as the caller opened it (if it did), a later one opened once
+        for the trial being run (its inputs, output, inputs left and generator states are read from it)."""
+        from .store import CaptureFile
+
+        if k == 1 and self.first is not None:
+            return self.first.file
+        if self._opened is None or self._opened[0] != k:
+            self._opened = (k, CaptureFile.open(self._where(k)))
+        return self._opened[1]
+
     def _load(self, k: int) -> tuple[list, dict[str, torch.Tensor], str]:
         from .capture import input_names
         from .load import decode_values
-        from .store import CaptureFile
 
         where = self._where(k)
-        cap = self.first.file if k == 1 and self.first is not None else CaptureFile.open(where)
+        cap = self._capture(k)
         inputs_values, outputs = {}, {}
         # the values of the inputs and outputs only (trial 1 is the whole capture)
         for r in cap.records(values=lambda m: m.get("kind") == "input" or bool(m.get("is_output"))):
@@ -445,11 +456,7 @@ class CapturedTrials:
     def candidate_inputs(self, k: int, inputs: list) -> list:
         """Trial `k`'s inputs as the candidate gets them: as the reference's forward left them (stored with
         the trial when it changed any)."""
-        from .store import CaptureFile
-
-        cap = self.first.file if k == 1 and self.first is not None else CaptureFile.open(self._where(k))
-        left = cap.inputs_left()
-        return input_values(list(inputs), {n: v.to(self.device) for n, v in left.items()})
+        return input_values(list(inputs), self._capture(k).inputs_left())
 
     def output(self, k: int, inputs: list) -> tuple[dict[str, torch.Tensor] | None, str]:
         _, out, err = self._load(k)
@@ -457,11 +464,8 @@ class CapturedTrials:
 
     def rng_after(self, k: int) -> dict:
         """The random generators' states trial `k`'s forward left, as stored with it (empty when not)."""
-        from .store import CaptureFile
-
         try:
-            cap = self.first.file if k == 1 and self.first is not None else CaptureFile.open(self._where(k))
-            return cap.rng_after()
+            return self._capture(k).rng_after()
         except DiffkitError:
             return {}
 
@@ -558,7 +562,7 @@ def _write_outputs_only(path: str, model: torch.nn.Module, inputs: list, seed: i
     """One later trial as KernelBench runs it (seeded, one plain forward), stored as a capture of its inputs
     and output only, with the model's buffers before the forward as its parameters; what it raised, or ""."""
     from .capture import CaptureError, Record, _tensors, input_name
-    from .store import CaptureWriter
+    from .store import CaptureWriter, write_after_forward
 
     writer = CaptureWriter(path, shard_bytes=0)
     writer.set_info({**info, "outputs_only": True})
@@ -567,9 +571,7 @@ def _write_outputs_only(path: str, model: torch.nn.Module, inputs: list, seed: i
     left: dict = {}
     out, err = forward(model, inputs, no_grad, left=left)
     try:
-        writer.add_rng_after(rng_state())
-        if left:
-            writer.add_inputs_left(left)
+        write_after_forward(writer, left, rng_state())
     except ValueError:  # (an input that cannot be saved: the candidate gets the inputs as they came)
         pass
     leaves = [(input_name(pos), "input", t) for pos, t in _tensors(list(inputs))]

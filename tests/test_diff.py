@@ -565,7 +565,7 @@ def test_locating_a_long_chain_of_failing_stages_does_not_recurse():
     # every stage after the first divergence of a deep model fails: deciding which failing stages are left
     # behind walks them all, from the last back, without a call per stage on the stack
     from diffkit.capture import Record
-    from diffkit.locate import locate
+    from diffkit.locate import locate, undone_stages
     from diffkit.measure import Stats
     from diffkit.result import RecordInfo, Stage
 
@@ -580,7 +580,7 @@ def test_locating_a_long_chain_of_failing_stages_does_not_recurse():
         records.append(Record(index=i, name=f"step{i}", kind="op", scope="", label="", function="", file="", line=0,
                               op="torch.add", shape=(4,), dtype=torch.float32, device="cpu", value=None,
                               inputs=[i - 1] if i else [], is_output=i == n - 1))
-    first = locate(stages, records)
+    first = locate(stages, undone_stages(stages, records))
     assert first is stages[0] and all(s.status == "after-divergence" for s in stages[1:])
 
 
