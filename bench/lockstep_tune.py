@@ -1,5 +1,8 @@
 """Time the lockstep streaming diff of the 24-block transformer (CUDA, 40G) for several values of
-pipeline.LOCKSTEP_LOW_WATER given on the command line (bench only)."""
+pipeline.LOCKSTEP_LOW_WATER given on the command line (bench only): the values take turns, REPEAT rounds
+(default 2), then each one's median.  A value past the budget in bytes (e.g. 10**12) makes the low water
+0: the reference runs on as soon as its next record fits (one round trip per record, as before round 15)."""
+import statistics
 import os
 import sys
 import time
@@ -21,11 +24,16 @@ def st():
 plain(); st()
 t = time.perf_counter(); plain(); p = time.perf_counter() - t
 print("plain", round(p, 3))
-for lw in [int(a) for a in sys.argv[1:]]:
-    pipeline.LOCKSTEP_LOW_WATER = lw
-    for _ in range(2):
+times: dict = {}
+for _ in range(int(os.environ.get("REPEAT", 2))):
+    for lw in [int(a) for a in sys.argv[1:]]:
+        pipeline.LOCKSTEP_LOW_WATER = lw
         t = time.perf_counter(); r = st(); s = time.perf_counter() - t
+        times.setdefault(lw, []).append(s)
         print("low_water 1/%d" % lw, round(s, 3), round(s / p, 2), r.verdict, r.meta["lockstep"], r.meta["reference_tiers"], flush=True)
+for lw, ts in times.items():
+    print("low_water 1/%d: median %.3f s (%.2fx two plain forwards), runs %s" % (
+        lw, statistics.median(ts), statistics.median(ts) / p, [round(x, 3) for x in ts]))
 if os.environ.get("PROFILE"):
     import cProfile
     import pstats

@@ -726,9 +726,11 @@ class StreamComparer:
         self.flow.append(rec, self.rename)
         if self.meta is not None:
             self.meta.add(rec)
+        ahead = len(self.deferred)
         self._place(rec, tensor, held=False)
         if self.lockstep is not None and self.lockstep.waiting():
-            self._pace()
+            # (a weight prepared in the forward, `w.t()`, pairs with nothing: it says nothing of the pace)
+            self._pace(caught_up=len(self.deferred) > ahead and not self.flow.derived[rec.index])
 
     def bind_capture(self, cap) -> None:
         if self.lockstep is not None:
@@ -875,7 +877,12 @@ class StreamComparer:
         self._by_inputs_n = max(self._by_inputs_n, n)
         self._touched, self._new_keys = touched, new_keys
 
-    def _pace(self) -> None:
+    def _pace(self, caught_up: bool = True) -> None:
+        """The parked reference waits for `need` bytes: hand control back once they are free and
+        either `low_water` bytes more are too (the reference then makes several records before it
+        parks again: a switch per batch of records, not per record) or the candidate has caught up
+        with it (`caught_up`: its last record found no partner yet, so running on would only hold
+        more of its values)."""
         ls = self.lockstep
         need = ls.waiting()
         if not need:
@@ -884,6 +891,11 @@ class StreamComparer:
             self._stalled += 1
             return
         self._stalled = 0
+        target = min(need + ls.low_water, self.ref_store.device_budget.limit)
+        if not caught_up and self._room() < target:
+            self._evict(target)  # (measured values only, oldest first: as `_make_room` frees them)
+            if self._room() < target:
+                return
         ls.resume_reference()
         self._grew()
         self._retry()

@@ -235,6 +235,53 @@ def test_lockstep_unseeded_random_reference_is_diffed_reference_first():
     assert "lockstep" not in lock.meta and _key(lock) == _key(seq) and lock.verdict == "diverged"
 
 
+def test_lockstep_hands_control_over_per_batch_of_records_not_per_record(monkeypatch):
+    # 48 records of 32 KiB against a budget of 16: once the reference's budget is full, the candidate
+    # frees LOW_WATER's share of it before the reference runs on, so each switch moves a batch of records
+    # (one switch per record past the budget before); the candidate below is written otherwise
+    # (parameter lists, torch.addmm with the weight read transposed)
+    from diffkit import pipeline
+
+    torch.manual_seed(0)
+    width, depth = 64, 48
+
+    class Chain(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.steps = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(depth))
+
+        def forward(self, x):
+            for step in self.steps:
+                x = torch.tanh(step(x))
+            return x
+
+    class ChainNew(torch.nn.Module):
+        def __init__(self, ref):
+            super().__init__()
+            self.w = torch.nn.ParameterList(torch.nn.Parameter(s.weight.detach().clone()) for s in ref.steps)
+            self.b = torch.nn.ParameterList(torch.nn.Parameter(s.bias.detach().clone()) for s in ref.steps)
+
+        def forward(self, h):
+            for w, b in zip(self.w, self.b):
+                h = torch.addmm(b, h, w.t()).tanh()
+            return h
+
+    ref = Chain()
+    x = torch.randn(128, width)
+    row = x.numel() * 4
+    kw = dict(max_memory=16 * row, health=False, rerun=False, trials=1)
+    monkeypatch.setattr(pipeline, "LOCKSTEP_LOW_WATER", 4)  # 4 records' room before the reference runs on
+    lock = diffkit.compare(ref, ChainNew(ref), [x], **kw)
+    seq = diffkit.compare(ref, ChainNew(ref), [x], lockstep=False, **kw)
+    past = 2 * depth - 16  # reference records (linear, tanh) that did not fit at first
+    # a round trip (two switches) per record past the budget before; now one per batch of records (4 freed
+    # less the values the report's window holds): at least three records a round trip
+    assert 2 <= lock.meta["lockstep"]["switches"] <= 2 * past // 3, lock.meta["lockstep"]
+    assert lock.verdict == "match" and _key(lock) == _key(seq)
+    got = {(s.ref_name, s.cand_name): s.stats.max_abs for s in lock.stages if s.stats is not None}
+    assert got == {(s.ref_name, s.cand_name): s.stats.max_abs for s in seq.stages if s.stats is not None}
+
+
 @pytest.mark.parametrize("side", ["ref", "cand"])
 def test_lockstep_a_side_failing_mid_forward_is_reported(tmp_path, side):
     ref, new = _noisy_files(tmp_path, ref_fail=4 if side == "ref" else None, cand_fail=4 if side == "cand" else None)
