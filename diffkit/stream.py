@@ -893,7 +893,7 @@ class StreamComparer:
         self._stalled = 0
         target = min(need + ls.low_water, self.ref_store.device_budget.limit)
         if not caught_up and self._room() < target:
-            self._evict(target)  # (measured values only, oldest first: as `_make_room` frees them)
+            self._evict(target)  # (by `_make_room`'s rule: measured values first, then those no one will read)
             if self._room() < target:
                 return
         ls.resume_reference()
