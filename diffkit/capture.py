@@ -583,7 +583,7 @@ class _State:
         self.filled: set[int] = set()  # the records of pending buffers (results, for `_pend`, not writes)
         # the view a call site made last, (storage, offset, shape, strides): the same view made again (a
         # loop taking `bufs[layer]` each step to write into) is folded, as are the times it was (`views_again`)
-        self.last_view: dict[tuple, tuple] = {}
+        self.last_view: dict[tuple, tuple] = {}  # site -> (weakref of the view's base, storage, offset, shape, strides)
         self.views_again: dict[tuple, int] = {}
         self.unpairable: dict[tuple, int] = {}
         self.lineage: dict[int, tuple[Any, frozenset, frozenset]] = {}
@@ -896,11 +896,18 @@ class _State:
         if t._base is None or t.numel() not in self.fold:
             return False
         key = self.site_key(frame)
+        # the same buffer, alive: a fresh result at the address of the last one, freed since (a call whose
+        # result is a view of new memory, `F.linear` with a bias on a 3-D input, in a loop whose values
+        # are not kept, as a streaming diff's) is new memory, whatever its address
         sig = (_storage_key(t), t.storage_offset(), tuple(t.shape), t.stride())
-        if self.last_view.get(key) == sig:
+        last = self.last_view.get(key)
+        if last is not None and last[1:] == sig and last[0]() is t._base:
             self.views_again[key] = self.views_again.get(key, 0) + 1
             return True
-        self.last_view[key] = sig
+        try:
+            self.last_view[key] = (weakref.ref(t._base), *sig)
+        except TypeError:
+            self.last_view.pop(key, None)
         return False
 
     @staticmethod

@@ -811,7 +811,10 @@ class StreamComparer:
         self.queue.append(_Pending(rec.index, ri, transform, measure_async(refv, cv, a, t), weak,
                                    (refv, cv) if self.stat != "elementwise" else None, relayout))
         self.compared_bytes += 2 * _nbytes(tensor)
-        self.drain(block=self.stop_at_first)
+        # a pair on a reused name is undone when its values disagree, which frees its reference record for
+        # the records after it: decided before the next record is placed, not whenever its metrics arrive
+        # (else which records pair online, and so the stage table, would change from run to run)
+        self.drain(block=self.stop_at_first or weak)
 
     def update(self, rec: Record, tensor: torch.Tensor | None = None) -> None:
         if self.meta is not None:

@@ -29,9 +29,11 @@ def _key(r):
             fd.diagnosis[0].kind if fd is not None and fd.diagnosis else None)
 
 
-@pytest.mark.parametrize("bug", [3, -1])
-def test_streaming_same_answer_as_in_memory(monkeypatch, bug):
-    pair = _pair(monkeypatch, bug)
+@pytest.mark.parametrize("bug,size", [(3, {}), (-1, {}),
+                                      # a size whose freed values' memory comes back to the next block's calls
+                                      (-1, dict(DIFFKIT_SEQ=128, DIFFKIT_DIM=128))])
+def test_streaming_same_answer_as_in_memory(monkeypatch, bug, size):
+    pair = _pair(monkeypatch, bug, **size)
     full = diffkit.compare(pair.ref, pair.cand, pair.ref_inputs, cand_inputs=pair.cand_inputs)
     budget = 64 << 10  # far below the intermediates: most reference values go to disk
     s = diffkit.compare(pair.ref, pair.cand, pair.ref_inputs, cand_inputs=pair.cand_inputs, max_memory=budget)
