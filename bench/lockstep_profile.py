@@ -1,0 +1,94 @@
+"""Where the lockstep streaming diff of the 24-block transformer (CUDA, 40G) spends its time (bench
+only): cProfile of the candidate's (main) thread and of the reference's thread, the synchronising
+calls by source line, and the device's busy time (torch.profiler's kernel time) against the wall time."""
+import collections
+import cProfile
+import io
+import os
+import pstats
+import sys
+import time
+import warnings
+
+import torch
+
+sys.path.insert(0, __file__.rsplit("/bench/", 1)[0])
+os.environ.update(DIFFKIT_DEPTH="24", DIFFKIT_BATCH="4", DIFFKIT_SEQ="2048", DIFFKIT_DIM="1024", DIFFKIT_HEADS="16")
+import diffkit  # noqa: E402
+from diffkit import stream  # noqa: E402
+
+pair = diffkit.load_pair("references/deep_transformer.py", "kernels/deep_transformer_fused.py", device="cuda")
+ref, cand, ri, ci = pair.ref, pair.cand, pair.ref_inputs, pair.cand_inputs
+
+
+def plain():
+    with torch.no_grad():
+        ref(*ri)
+        cand(*ci)
+    torch.cuda.synchronize()
+
+
+def st():
+    r = diffkit.compare(ref, cand, ri, cand_inputs=ci, health=False, rerun=False, streaming=True, max_memory=40 << 30)
+    torch.cuda.synchronize()
+    return r
+
+
+def timed(f):
+    t = time.perf_counter()
+    f()
+    return time.perf_counter() - t
+
+
+plain(), st()
+print("plain", [round(timed(plain), 3) for _ in range(3)], "stream", [round(timed(st), 3) for _ in range(3)], flush=True)
+
+# both threads under cProfile
+profs = {}
+start = stream.Lockstep.start
+
+
+def start_profiled(self, run_reference):
+    def body():
+        pr = profs["ref"] = cProfile.Profile()
+        pr.enable()
+        try:
+            return run_reference()
+        finally:
+            pr.disable()
+    return start(self, body)
+
+
+stream.Lockstep.start = start_profiled
+main = profs["cand"] = cProfile.Profile()
+main.enable()
+st()
+main.disable()
+stream.Lockstep.start = start
+for side, pr in profs.items():
+    s = io.StringIO()
+    ps = pstats.Stats(pr, stream=s)
+    ps.sort_stats("tottime").print_stats(16)
+    ps.sort_stats("cumulative").print_stats(26)
+    print(f"===== {side} thread\n" + "\n".join(line[:170] for line in s.getvalue().splitlines() if line.strip()))
+
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    torch.cuda.set_sync_debug_mode(1)
+    st()
+    torch.cuda.set_sync_debug_mode(0)
+where = collections.Counter(f"{os.path.basename(w.filename)}:{w.lineno}" for w in caught if "synchroniz" in str(w.message))
+print("synchronising calls:", sum(where.values()), where.most_common(12))
+
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+for name, f in (("plain", plain), ("stream", st)):
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        f()
+        wall = time.perf_counter() - t
+    ka = prof.key_averages()
+    dev = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) for e in ka) / 1e6
+    print(f"{name}: wall {wall:.3f} s under the profiler, device busy {dev:.3f} s")
+    if name == "stream":
+        print(ka.table(sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=60))
