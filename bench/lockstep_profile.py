@@ -59,12 +59,13 @@ def start_profiled(self, run_reference):
     return start(self, body)
 
 
-stream.Lockstep.start = start_profiled
+stream.Lockstep.start = start_profiled  # (one profiler at a time in a process: the reference's thread first)
+st()
+stream.Lockstep.start = start
 main = profs["cand"] = cProfile.Profile()
 main.enable()
 st()
 main.disable()
-stream.Lockstep.start = start
 for side, pr in profs.items():
     s = io.StringIO()
     ps = pstats.Stats(pr, stream=s)
