@@ -657,6 +657,22 @@ class _State:
         rec.value = _alias(tensor)
         self.lazy.setdefault(key, []).append((rec, version))
 
+    def hold(self, holder: Any, tensor: torch.Tensor) -> bool:
+        """Keep `tensor` in `holder.value` without copying it (a streaming store's slot: `holder` has
+        `value` and `name`), copied as a record's own value is (`keep`) before anything this capture sees
+        writes into its memory, and at its end if something else still holds that memory.  False where
+        that cannot be promised (the caller copies now)."""
+        key = _storage_key(tensor)
+        if key is None or type(tensor) not in (torch.Tensor, torch.nn.Parameter) or not self.snapshot:
+            return False
+        try:
+            version = tensor._version
+        except (RuntimeError, AttributeError):
+            return False
+        holder.value = _alias(tensor)
+        self.lazy.setdefault(key, []).append((holder, version))
+        return True
+
     def _copy(self, key: int) -> None:
         """Copy the values of the records held on storage `key` (about to be written, or shared)."""
         for rec, version in self.lazy.pop(key, ()):

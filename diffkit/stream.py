@@ -490,10 +490,21 @@ class Pick:
         pass
 
 
+class _Held:
+    """A device-tier value kept without a copy while a capture runs: the capture copies it into `value`
+    before its forward writes into that memory (or sets None if something it could not see did),
+    `_State.hold`; `name` is the record's, for capture's warning about such values."""
+    __slots__ = ("value", "name")
+
+    def __init__(self, name: str):
+        self.value: torch.Tensor | None = None
+        self.name = name
+
+
 @dataclass
 class _Slot:
     tier: str  # "device" | "host" | "disk"
-    value: torch.Tensor | None  # device / host tiers
+    value: "torch.Tensor | _Held | None"  # device / host tiers
     nbytes: int
     path: str = ""
     shape: tuple = ()
@@ -539,12 +550,13 @@ class TieredStore:
         self.slots: dict[int, _Slot] = {}
         self.meta = meta  # a metadata-only CaptureWriter (crash insurance), or None
         self.tiers = collections.Counter()
+        self.capture: Any = None  # the capture whose records are being put (`bind_capture`), while it runs
         self.spilled_bytes = 0
         self._stager: _Stager | None = None
 
     # -- capture sink protocol
     def add(self, rec: Record, tensor: torch.Tensor) -> None:
-        self.put(rec.index, tensor)
+        self.put(rec.index, tensor, rec)
         self.delivered = rec.index + 1  # (a record is in its trace before its value is here)
         if self.meta is not None:
             self.meta.add(rec)
@@ -563,11 +575,25 @@ class TieredStore:
             self.meta.close()
 
     def bind_capture(self, cap) -> None:
+        self.capture = cap
         if self.lockstep is not None:
             self.lockstep.caps["ref"] = cap
 
     # -- values
-    def put(self, key: int, tensor: torch.Tensor) -> None:
+    def _device_value(self, t: torch.Tensor, rec: Record | None) -> "torch.Tensor | _Held":
+        """What the device tier keeps of `t`: the tensor itself, copied only before the running forward
+        writes into it (capture's copy-on-write), where the capture can promise that (an op's or a
+        module's result, `rec`, while the capture `bind_capture` gave runs); else a copy now."""
+        cap = self.capture
+        if rec is not None and rec.kind in ("op", "module") and cap is not None and cap.active:
+            held = _Held(rec.name)
+            if cap.state.hold(held, t):
+                return held
+        return t.clone()
+
+    def put(self, key: int, tensor: torch.Tensor, rec: Record | None = None) -> None:
+        """Keep `tensor` under `key` in the first tier with room (`rec`: the record it is the value of,
+        as it was just made by the capture bound to this store)."""
         self.drop(key)
         t = tensor.detach()
         n = _nbytes(t)
@@ -575,7 +601,7 @@ class TieredStore:
         if self.lockstep is not None and b.used + n > b.limit and n <= b.limit:
             self.lockstep.wait_for_room(n)
         if b.take(n):
-            self.slots[key] = _Slot("device", t.clone(), n)
+            self.slots[key] = _Slot("device", self._device_value(t, rec), n)
         elif t.is_cuda and self.host_budget.take(n):
             if self._stager is None:
                 self._stager = _Stager()
@@ -600,7 +626,9 @@ class TieredStore:
         if s.tier == "disk":
             v = self._spiller.read(s.path, s.shape, s.dtype)
         else:
-            v = s.value
+            v = s.value.value if isinstance(s.value, _Held) else s.value
+            if v is None:
+                return None  # written in place where its capture could not see (capture warns)
         if s.stride is not None:
             v = torch.empty_strided(v.shape, s.stride, dtype=v.dtype, device=v.device).copy_(v)
         return v.to(device, non_blocking=True) if device is not None and v.device != torch.device(device) else v
@@ -612,6 +640,8 @@ class TieredStore:
         s = self.slots.pop(key, None)
         if s is None:
             return
+        if isinstance(s.value, _Held):
+            s.value.value = None  # (the capture's copy-on-write list still has the holder: the memory goes now)
         if s.tier == "device":
             self.device_budget.give(s.nbytes)
         elif s.tier == "host":
@@ -733,6 +763,7 @@ class StreamComparer:
             self._pace(caught_up=len(self.deferred) > ahead and not self.flow.derived[rec.index])
 
     def bind_capture(self, cap) -> None:
+        self.keep.bind_capture(cap)  # (its values are the candidate's records: copied only before a write)
         if self.lockstep is not None:
             self.lockstep.caps["cand"] = cap
 
@@ -741,7 +772,7 @@ class StreamComparer:
 
     def _unpaired(self, rec: Record, tensor: torch.Tensor | None, held: bool) -> None:
         if not held:
-            self.keep.put(rec.index, tensor)  # align by dataflow/order/value afterwards
+            self.keep.put(rec.index, tensor, rec)  # align by dataflow/order/value afterwards
         (self.deferred if self._ref_running() else self.unmatched).append(rec.index)
 
     def _place(self, rec: Record, tensor: torch.Tensor, held: bool) -> None:
@@ -778,7 +809,7 @@ class StreamComparer:
                 # its reference value made room earlier: measured once a re-run has recovered it
                 self._pair(rec, ri, (), via)
                 if not held:
-                    self.keep.put(rec.index, tensor)
+                    self.keep.put(rec.index, tensor, rec)
                 self.late.append(rec.index)
             elif rec.kind != "input":
                 self._unpaired(rec, tensor, held)  # align pairs it, with the value a re-run recovers
@@ -799,7 +830,7 @@ class StreamComparer:
         self._pair(rec, ri, transform, via)
         needed = weak or self.first is None or len(self.diverged) < self.keep_diverged
         if needed and not held:
-            self.keep.put(rec.index, tensor)  # provisional: dropped once its metrics say it is not needed
+            self.keep.put(rec.index, tensor, rec)  # provisional: dropped once its metrics say it is not needed
         elif held and not needed:
             self.keep.drop(rec.index)
         if relayout is not None:
@@ -820,7 +851,7 @@ class StreamComparer:
         if self.meta is not None:
             self.meta.update(rec)
         if rec.is_output and tensor is not None and rec.index not in self.keep:
-            self.keep.put(rec.index, tensor)
+            self.keep.put(rec.index, tensor, rec)
 
     def set_error(self, err) -> None:
         if self.meta is not None:

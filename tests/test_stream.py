@@ -284,6 +284,73 @@ def test_lockstep_hands_control_over_per_batch_of_records_not_per_record(monkeyp
     assert got == {(s.ref_name, s.cand_name): s.stats.max_abs for s in seq.stages if s.stats is not None}
 
 
+_WRITES_LATER_REF = """
+import torch
+
+class Model(torch.nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.inner = torch.nn.Linear(n, n)
+        self.outer = torch.nn.Linear(n, n)
+
+    def forward(self, x):
+        h = self.inner(x)
+        doubled = h * 2.0
+        h.mul_(0.0)  # the recorded value is written over afterwards, in place
+        g = torch.relu(self.outer(doubled))
+        return g + h
+
+def get_inputs():
+    return [torch.randn(16, 48)]
+
+def get_init_inputs():
+    return [48]
+"""
+_WRITES_LATER_NEW = """
+import torch
+import torch.nn.functional as F
+
+class ModelNew(torch.nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.inner = torch.nn.Linear(n, n)
+        self.outer = torch.nn.Linear(n, n)
+
+    def forward(self, inp):
+        pre = F.linear(inp, self.inner.weight, None if DROP_BIAS else self.inner.bias)
+        twice = pre + pre
+        pre.data.zero_()  # written over through .data (another version counter, the same memory)
+        act = F.linear(twice, self.outer.weight, self.outer.bias)
+        act.clamp_(min=0)
+        return act + pre
+"""
+
+
+@pytest.mark.parametrize("drop_bias", [False, True])
+def test_streaming_keeps_values_as_recorded_when_the_forward_writes_over_them_later(tmp_path, drop_bias):
+    # the streaming stores keep a record's tensor without a copy (the capture copies it before a write
+    # into its memory): what is measured and shown must be the value as it was made
+    ref, new = tmp_path / "ref.py", tmp_path / "new.py"
+    ref.write_text(_WRITES_LATER_REF)
+    new.write_text(f"DROP_BIAS = {drop_bias}\n" + _WRITES_LATER_NEW)
+    full = diffkit.diff_files(str(ref), str(new), health=False, rerun=False, trials=1)
+    s = diffkit.diff_files(str(ref), str(new), health=False, rerun=False, trials=1, max_memory=8 << 20)
+    assert s.meta["mode"] == "streaming" and set(s.meta["reference_tiers"]) == {"device"}
+    assert _key(s) == _key(full)
+    fm = {(x.ref_name, x.cand_name): (x.stats.max_abs, x.stats.mismatches) for x in full.stages if x.stats}
+    sm = {(x.ref_name, x.cand_name): (x.stats.max_abs, x.stats.mismatches) for x in s.stages if x.stats}
+    assert fm == sm
+    inner = next(x for x in s.stages if x.ref_name == "inner")
+    assert inner.stats.max_abs > 0 if drop_bias else inner.stats.max_abs == 0
+    if drop_bias:
+        fd = s.first_divergence
+        assert fd.ref_name == "inner" and fd.diagnosis[0].kind == "missing_bias"
+        assert torch.equal(fd.ref_value, full.first_divergence.ref_value)
+        assert torch.equal(fd.cand_value, full.first_divergence.cand_value) and fd.cand_value.abs().sum() > 0
+    else:
+        assert s.verdict == full.verdict == "match"
+
+
 @pytest.mark.parametrize("side", ["ref", "cand"])
 def test_lockstep_a_side_failing_mid_forward_is_reported(tmp_path, side):
     ref, new = _noisy_files(tmp_path, ref_fail=4 if side == "ref" else None, cand_fail=4 if side == "cand" else None)
