@@ -42,8 +42,8 @@ from __future__ import annotations
 import bisect
 import collections
 import functools
-import math
 import itertools
+import math
 from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -373,10 +373,7 @@ def _lcs(a: list, b: list) -> list[tuple[int, int]]:
 
 def record_numel(r: Record) -> int:
     """A record's element count, from its shape (the value may not be held)."""
-    n = 1
-    for s in r.shape:
-        n *= s
-    return n
+    return math.prod(r.shape)
 
 
 def reused_name(c: Record, r: Record) -> bool:
