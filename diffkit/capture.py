@@ -665,10 +665,15 @@ class _State:
         key = _storage_key(tensor)
         if key is None or type(tensor) not in (torch.Tensor, torch.nn.Parameter) or not self.snapshot:
             return False
+        if key in self.param_storage:
+            return False  # a parameter's or buffer's memory: C++ updates running statistics unseen, unversioned
         try:
             version = tensor._version
-        except (RuntimeError, AttributeError):
+            whole = tensor.untyped_storage().nbytes() <= tensor.numel() * tensor.element_size()
+        except (RuntimeError, AttributeError, NotImplementedError):
             return False
+        if not whole:
+            return False  # a view of part of its memory would keep all of it (a budget counts the view's bytes)
         holder.value = _alias(tensor)
         self.lazy.setdefault(key, []).append((holder, version))
         return True

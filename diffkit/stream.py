@@ -493,12 +493,27 @@ class Pick:
 class _Held:
     """A device-tier value kept without a copy while a capture runs: the capture copies it into `value`
     before its forward writes into that memory (or sets None if something it could not see did),
-    `_State.hold`; `name` is the record's, for capture's warning about such values."""
-    __slots__ = ("value", "name")
+    `_State.hold`; `name` is the record's, for capture's warning about such values.  `version`: the
+    value's version counter when it was set (a write the capture did not see moves it: `current`)."""
+    __slots__ = ("_value", "version", "name")
 
     def __init__(self, name: str):
-        self.value: torch.Tensor | None = None
+        self._value: torch.Tensor | None = None
+        self.version: int | None = None
         self.name = name
+
+    @property
+    def value(self) -> torch.Tensor | None:
+        return self._value
+
+    @value.setter
+    def value(self, v: torch.Tensor | None) -> None:
+        self._value, self.version = v, (v._version if v is not None else None)
+
+    def current(self) -> torch.Tensor | None:
+        """The value, or None where it has been written over since (it is lost, as capture then says)."""
+        v = self._value
+        return v if v is not None and v._version == self.version else None
 
 
 @dataclass
@@ -626,7 +641,7 @@ class TieredStore:
         if s.tier == "disk":
             v = self._spiller.read(s.path, s.shape, s.dtype)
         else:
-            v = s.value.value if isinstance(s.value, _Held) else s.value
+            v = s.value.current() if isinstance(s.value, _Held) else s.value
             if v is None:
                 return None  # written in place where its capture could not see (capture warns)
         if s.stride is not None:

@@ -351,6 +351,95 @@ def test_streaming_keeps_values_as_recorded_when_the_forward_writes_over_them_la
         assert s.verdict == full.verdict == "match"
 
 
+_STATS_READ_EARLY_REF = """
+import torch
+
+class Model(torch.nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.norm = torch.nn.BatchNorm1d(width)
+        self.mlp = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(4)])
+        with torch.no_grad():
+            self.norm.running_mean.fill_(0.25)
+
+    def forward(self, x):
+        center = self.norm.running_mean.view(1, -1)  # a view of a buffer, read before the update
+        y = self.norm(x)  # training mode: running_mean is updated in place, unversioned
+        return torch.tanh(self.mlp(y - center))
+
+def get_inputs():
+    return [torch.randn(64, 24) + 3]
+
+def get_init_inputs():
+    return [24]
+"""
+_STATS_READ_EARLY_NEW = """
+import torch
+import torch.nn.functional as F
+
+class ModelNew(torch.nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.norm = torch.nn.BatchNorm1d(width)
+        self.mlp = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(4)])
+        with torch.no_grad():
+            self.norm.running_mean.fill_(0.25)
+
+    def forward(self, x):
+        center = self.norm.running_mean.unsqueeze(0)  # (the same name: paired, and measured, as it is made)
+        z = F.batch_norm(x, self.norm.running_mean, self.norm.running_var, self.norm.weight, self.norm.bias,
+                         training=True, momentum=self.norm.momentum, eps=self.norm.eps) - center
+        for lin in self.mlp:
+            z = F.linear(z, lin.weight, lin.bias)
+        return z.tanh()
+"""
+
+
+@pytest.mark.parametrize("budget", [64 << 20, 20 << 10])
+def test_streaming_a_buffer_view_is_kept_as_read_before_an_unversioned_update(tmp_path, budget):
+    # the stores keep a record's memory without a copy only where the capture sees every write: not a
+    # buffer's, which batch norm's running statistics update from C++ without moving the version
+    ref, new = tmp_path / "ref.py", tmp_path / "new.py"
+    ref.write_text(_STATS_READ_EARLY_REF)
+    new.write_text(_STATS_READ_EARLY_NEW)
+    full = diffkit.diff_files(str(ref), str(new), health=False, rerun=False, trials=1)
+    s = diffkit.diff_files(str(ref), str(new), health=False, rerun=False, trials=1, max_memory=budget)
+    assert s.meta["mode"] == "streaming"
+    assert full.verdict == s.verdict == "match" and not full.diverged_stages and not s.diverged_stages
+    for r in (full, s):
+        center = next(x for x in r.stages if x.ref_name == "forward:center")
+        assert center.cand_name == "forward:center" and center.stats.max_abs == 0
+
+
+def test_streaming_store_holds_no_more_memory_than_its_budget_counts():
+    # a record that is a view of part of a larger result (heads cut out of one projection) is copied:
+    # held as it is, it would keep the whole projection's memory, which the budget does not count
+    from diffkit.pipeline import run_captured
+
+    torch.manual_seed(0)
+    proj = torch.nn.ModuleList(torch.nn.Linear(128, 512) for _ in range(6))
+
+    class Heads(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = proj
+
+        def forward(self, x):
+            acc = torch.zeros(x.shape[0], 16)
+            for p in self.proj:
+                both = p(x)
+                acc = acc + both[:, :16] * both[:, 16:32]
+            return acc
+
+    store = TieredStore(Budget(8 << 20))
+    run_captured(Heads(), [torch.randn(256, 128)], sink=store)
+    held = {}
+    for key in store.slots:
+        st = store.get(key).untyped_storage()
+        held[st.data_ptr()] = st.nbytes()
+    assert len(store.slots) >= 18 and sum(held.values()) <= store.device_budget.used
+
+
 @pytest.mark.parametrize("side", ["ref", "cand"])
 def test_lockstep_a_side_failing_mid_forward_is_reported(tmp_path, side):
     ref, new = _noisy_files(tmp_path, ref_fail=4 if side == "ref" else None, cand_fail=4 if side == "cand" else None)
