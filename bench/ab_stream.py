@@ -5,7 +5,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 
 if len(sys.argv) > 2 or sys.argv[1:] == []:
     for _ in range(int(os.environ.get("ROUNDS", 2))):
@@ -14,35 +13,12 @@ if len(sys.argv) > 2 or sys.argv[1:] == []:
     sys.exit(0)
 root = os.path.abspath(sys.argv[1])
 sys.path.insert(0, root)
-os.environ.update(DIFFKIT_DEPTH="24", DIFFKIT_BATCH="4", DIFFKIT_SEQ="2048", DIFFKIT_DIM="1024", DIFFKIT_HEADS="16")
-import torch  # noqa: E402
+sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))
+from stream_pair import StreamPair, timed  # noqa: E402  (sets the model's size in the environment)
 import diffkit  # noqa: E402
 
-here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-pair = diffkit.load_pair(os.path.join(here, "references/deep_transformer.py"),
-                         os.path.join(here, "kernels/deep_transformer_fused.py"), device="cuda")
-ref, cand, ri, ci = pair.ref, pair.cand, pair.ref_inputs, pair.cand_inputs
-
-
-def plain():
-    with torch.no_grad():
-        ref(*ri)
-        cand(*ci)
-    torch.cuda.synchronize()
-
-
-def st():
-    r = diffkit.compare(ref, cand, ri, cand_inputs=ci, health=False, rerun=False, streaming=True, max_memory=40 << 30)
-    torch.cuda.synchronize()
-    return r
-
-
-def timed(f):
-    t = time.perf_counter()
-    f()
-    return time.perf_counter() - t
-
-
+bench = StreamPair(diffkit)
+plain, st = bench.plain, bench.stream
 plain(), st()
 p = [timed(plain) for _ in range(3)]
 s = [timed(st) for _ in range(int(os.environ.get("REPEAT", 5)))]

@@ -13,33 +13,13 @@ import warnings
 import torch
 
 sys.path.insert(0, __file__.rsplit("/bench/", 1)[0])
-os.environ.update(DIFFKIT_DEPTH="24", DIFFKIT_BATCH="4", DIFFKIT_SEQ="2048", DIFFKIT_DIM="1024", DIFFKIT_HEADS="16")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from stream_pair import StreamPair, timed  # noqa: E402  (sets the model's size in the environment)
 import diffkit  # noqa: E402
 from diffkit import stream  # noqa: E402
 
-pair = diffkit.load_pair("references/deep_transformer.py", "kernels/deep_transformer_fused.py", device="cuda")
-ref, cand, ri, ci = pair.ref, pair.cand, pair.ref_inputs, pair.cand_inputs
-
-
-def plain():
-    with torch.no_grad():
-        ref(*ri)
-        cand(*ci)
-    torch.cuda.synchronize()
-
-
-def st():
-    r = diffkit.compare(ref, cand, ri, cand_inputs=ci, health=False, rerun=False, streaming=True, max_memory=40 << 30)
-    torch.cuda.synchronize()
-    return r
-
-
-def timed(f):
-    t = time.perf_counter()
-    f()
-    return time.perf_counter() - t
-
-
+bench = StreamPair(diffkit)
+plain, st = bench.plain, bench.stream
 plain(), st()
 print("plain", [round(timed(plain), 3) for _ in range(3)], "stream", [round(timed(st), 3) for _ in range(3)], flush=True)
 
