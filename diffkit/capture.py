@@ -613,6 +613,9 @@ class _State:
         self.storage_writes: dict[int, list[int]] = {}  # storage pointer -> record indices, in order
         self.param_ids: dict[int, str] = {}  # id(parameter or buffer) -> qualified name
         self.param_storage: dict[int, list[tuple[int, int, str]]] = {}  # storage pointer -> (start, end, name)
+        # buffers' memory: a forward may update it from C++ without moving its version (batch norm's running
+        # statistics in training mode), so a record there is copied as it is made (`keep`, `hold`)
+        self.buffer_storage: set[int] = set()
         self.module_params: dict[int, tuple[str, ...]] = {}  # id(module) -> what a call of it reads (cached)
         self.derived: dict[int, tuple[str, ...]] = {}  # record index -> params, for records made from parameters only
         self.param_sets: dict[str, frozenset] = {}  # a parameter's name as a one-name lineage (`_lineage_of_tensor`)
@@ -624,6 +627,7 @@ class _State:
                 if key is not None:
                     start = t.data_ptr()
                     self.param_storage.setdefault(key, []).append((start, start + t.numel() * t.element_size(), name))
+            self.buffer_storage = {k for k in (_storage_key(t) for _, t in model.named_buffers()) if k is not None}
         # a what-if run (diffkit.whatif): the mistake planted at one record; `current_call` is the live
         # call whose result is being recorded, (kind, function or module, args, kwargs)
         self.mutator: Any = None
@@ -646,7 +650,7 @@ class _State:
     # -- values held without a copy (see the module docstring)
     def keep(self, rec: Record, tensor: torch.Tensor) -> None:
         key = _storage_key(tensor)
-        if key is None or type(tensor) not in (torch.Tensor, torch.nn.Parameter):
+        if key is None or type(tensor) not in (torch.Tensor, torch.nn.Parameter) or key in self.buffer_storage:
             rec.value = _snapshot(tensor)
             return
         try:
@@ -665,8 +669,8 @@ class _State:
         key = _storage_key(tensor)
         if key is None or type(tensor) not in (torch.Tensor, torch.nn.Parameter) or not self.snapshot:
             return False
-        if key in self.param_storage:
-            return False  # a parameter's or buffer's memory: C++ updates running statistics unseen, unversioned
+        if key in self.buffer_storage:
+            return False  # a buffer's memory: C++ updates running statistics unseen, unversioned
         try:
             version = tensor._version
             whole = tensor.untyped_storage().nbytes() <= tensor.numel() * tensor.element_size()
