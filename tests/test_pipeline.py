@@ -172,3 +172,34 @@ def test_a_reference_stage_right_after_the_inputs_with_no_counterpart_is_listed(
     assert res.verdict == "match"
     lone = [s for s in res.stages if s.ref is not None and s.cand is None]
     assert [s.ref.names()[0] for s in lone] == ["forward:a"] and lone[0].status == "unmatched"
+
+
+def test_the_collector_leaves_objects_older_than_the_diff_alone_while_it_runs_and_only_then():
+    import gc
+
+    from diffkit.pipeline import collector_quiet
+
+    seen = []
+
+    class Probe(torch.nn.Module):
+        def forward(self, x):
+            seen.append(gc.get_freeze_count())
+            return x * 2
+
+    assert gc.get_freeze_count() == 0
+    diffkit.compare(Probe(), Probe(), [torch.randn(4, 4)], health=False, rerun=False)
+    assert seen and min(seen) > 0 and gc.get_freeze_count() == 0  # frozen during the forwards, undone after
+    gc.freeze()  # something else froze objects: left as it is, not undone by the diff
+    try:
+        before = gc.get_freeze_count()
+        with collector_quiet():
+            assert gc.get_freeze_count() == before
+        assert gc.get_freeze_count() == before
+    finally:
+        gc.unfreeze()
+    gc.disable()
+    try:
+        with collector_quiet():
+            assert gc.get_freeze_count() == 0
+    finally:
+        gc.enable()
