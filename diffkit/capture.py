@@ -1441,6 +1441,8 @@ class _Mode(TorchFunctionMode):
             writes = _may_write(name, kwargs, args)
             if writes:
                 st.before_write(args, kwargs, name)
+            elif name in _UNVERSIONED_WRITERS and st.lazy:
+                st.before_write(args[1:], kwargs, name)  # (its running statistics: whatever tensors they are)
         out = func(*args, **kwargs)
         if st.busy or st.opaque:
             return out
@@ -1458,6 +1460,11 @@ class _Mode(TorchFunctionMode):
         return out
 
 
+# functions that update tensor arguments other than their input from C++ without moving their version
+# (batch norm's running statistics in training mode): records held in that memory are copied first
+_UNVERSIONED_WRITERS = frozenset({"batch_norm"})
+
+
 def _is_opaque(module: torch.nn.Module) -> bool:
     cls = type(module)
     return cls.__module__.startswith("torch.") and not isinstance(module, _CONTAINERS)
@@ -1473,6 +1480,17 @@ def _pre_hook(module, args):
     if path is None:
         path = (st.scope + "." if st.scope else "") + type(module).__name__
     opaque = _is_opaque(module)
+    if st.lazy:
+        # a module may update its own buffers unseen (a batch norm's running statistics, also where it is no
+        # submodule of the model, held in a plain list): records held in their memory are copied first
+        st.busy = True
+        try:
+            for t in module.buffers(recurse=False):
+                key = _storage_key(t)
+                if key in st.lazy:
+                    st._copy(key)
+        finally:
+            st.busy = False
     site = None
     if not st.opaque and module is not st.model:  # the model itself is called by the harness, not user code
         f = naming.user_frame(sys._getframe(1))

@@ -144,18 +144,22 @@ Source = ModelSource | CaptureSource | TraceSource
 # ------------------------------------------------------------------------------------------ running
 @contextlib.contextmanager
 def collector_quiet():
-    """While a diff runs, the objects alive before it (the models, torch's and the user's modules) are
-    left out of the cycle collector's passes (`gc.freeze`, undone at the end): a full pass over them took
-    ~0.1 s, at a moment set by the diff's own allocations, a large part of a streaming diff's run-to-run
-    spread.  Nothing is changed where the collector is off or something froze objects already."""
-    if not gc.isenabled() or gc.get_freeze_count():
+    """While a diff runs, the cycle collector makes no full pass (its oldest generation's threshold is
+    raised, and put back at the end): a full pass over everything alive (the models, torch's and the user's
+    modules) took ~0.1 s, at a moment set by the diff's own allocations, a large part of a streaming diff's
+    run-to-run spread.  The young generations are collected as usual, and the first collection after the
+    diff makes the full pass it put off (nothing is kept from it, as `gc.freeze` would keep the garbage of
+    the diffs before).  Nothing is changed where the collector is off."""
+    if not gc.isenabled():
         yield
         return
-    gc.freeze()
+    before = gc.get_threshold()
+    gc.set_threshold(before[0], before[1], max(before[2], 1 << 30))
     try:
         yield
     finally:
-        gc.unfreeze()
+        if gc.get_threshold()[2] == max(before[2], 1 << 30):  # (else changed meanwhile: left as it is)
+            gc.set_threshold(*before)
 
 
 def run_captured(model: torch.nn.Module, inputs: Sequence[Any], *, no_grad: bool = True, only=None,

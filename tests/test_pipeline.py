@@ -174,7 +174,7 @@ def test_a_reference_stage_right_after_the_inputs_with_no_counterpart_is_listed(
     assert [s.ref.names()[0] for s in lone] == ["forward:a"] and lone[0].status == "unmatched"
 
 
-def test_the_collector_leaves_objects_older_than_the_diff_alone_while_it_runs_and_only_then():
+def test_the_collector_makes_no_full_pass_while_a_diff_runs_and_as_usual_after():
     import gc
 
     from diffkit.pipeline import collector_quiet
@@ -183,23 +183,16 @@ def test_the_collector_leaves_objects_older_than_the_diff_alone_while_it_runs_an
 
     class Probe(torch.nn.Module):
         def forward(self, x):
-            seen.append(gc.get_freeze_count())
+            seen.append(gc.get_threshold())
             return x * 2
 
-    assert gc.get_freeze_count() == 0
+    before = gc.get_threshold()
     diffkit.compare(Probe(), Probe(), [torch.randn(4, 4)], health=False, rerun=False)
-    assert seen and min(seen) > 0 and gc.get_freeze_count() == 0  # frozen during the forwards, undone after
-    gc.freeze()  # something else froze objects: left as it is, not undone by the diff
-    try:
-        before = gc.get_freeze_count()
-        with collector_quiet():
-            assert gc.get_freeze_count() == before
-        assert gc.get_freeze_count() == before
-    finally:
-        gc.unfreeze()
+    assert seen and all(t[:2] == before[:2] and t[2] >= 1 << 30 for t in seen)  # young generations as usual
+    assert gc.get_threshold() == before  # put back
     gc.disable()
     try:
         with collector_quiet():
-            assert gc.get_freeze_count() == 0
+            assert gc.get_threshold() == before  # the collector is off: nothing to change
     finally:
         gc.enable()

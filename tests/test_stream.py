@@ -421,6 +421,53 @@ def test_a_buffer_view_is_kept_as_read_before_an_unversioned_update(tmp_path, mo
         assert center.cand_name == "forward:center" and center.stats.max_abs == 0
 
 
+_STATS_ELSEWHERE = """
+import torch
+import torch.nn.functional as F
+
+class {cls}(torch.nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.norms = [torch.nn.BatchNorm1d(width)]  # a plain list: no submodule, its buffers not the model's
+        self.width = width
+
+    def forward(self, x):
+        stats = torch.full((self.width,), 0.25)  # running statistics made in the forward
+        spread = torch.ones(self.width)
+        ahead = stats.view(1, -1)
+        y = F.batch_norm(x, stats, spread, training=True, momentum=0.5)  # updates stats and spread, unversioned
+        norm = self.norms[0]
+        center = norm.running_mean.view(1, -1)
+        z = norm(y * 2 + 1)  # the module updates its running_mean, unversioned
+        shifted = z - center  # (compared, not returned: the list's module keeps its statistics across calls)
+        return shifted * 0 + z + ahead
+
+def get_inputs():
+    return [torch.randn(32, 16) + 2]
+
+def get_init_inputs():
+    return [16]
+"""
+
+
+@pytest.mark.parametrize("isolate", [True, False])
+def test_running_statistics_outside_the_models_buffers_are_kept_as_read(tmp_path, isolate):
+    # what batch norm updates unseen is whatever tensor it is handed (made in the forward, or the buffer of
+    # a module held in a plain list): a record there is copied before the call, as it was when read
+    ref, new = tmp_path / "ref.py", tmp_path / "new.py"
+    ref.write_text(_STATS_ELSEWHERE.format(cls="Model"))
+    new.write_text(_STATS_ELSEWHERE.format(cls="ModelNew"))
+    out = tmp_path / "r.json"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "cli.py"), "diff", str(ref), str(new), "--trials", "1",
+                           "--no-report", "--json", str(out)] + ([] if isolate else ["--no-isolate"]),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    r = diffkit.Result.from_json(out.read_text())
+    assert r.verdict == "match" and not r.diverged_stages and not any("overwritten" in w for w in r.warnings)
+    names = {x.ref_name for x in r.stages if x.stats is not None and x.stats.max_abs == 0}
+    assert {"forward:stats", "forward:ahead", "forward:center"} <= names, [(x.ref_name, x.status) for x in r.stages]
+
+
 def test_streaming_store_holds_no_more_memory_than_its_budget_counts():
     # a record that is a view of part of a larger result (heads cut out of one projection) is copied:
     # held as it is, it would keep the whole projection's memory, which the budget does not count
