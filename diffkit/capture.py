@@ -648,38 +648,42 @@ class _State:
         return name if n == 1 else f"{name}#{n}"
 
     # -- values held without a copy (see the module docstring)
-    def keep(self, rec: Record, tensor: torch.Tensor) -> None:
+    def _lazy_key(self, tensor: torch.Tensor) -> tuple[int, int] | None:
+        """(storage, version) under which `tensor` can be held without a copy (`keep`, `hold`), or None:
+        a tensor subclass or one without storage; a buffer's memory (C++ updates running statistics
+        unseen, unversioned); an inference-mode tensor (it keeps no version)."""
         key = _storage_key(tensor)
         if key is None or type(tensor) not in (torch.Tensor, torch.nn.Parameter) or key in self.buffer_storage:
-            rec.value = _snapshot(tensor)
-            return
+            return None
         try:
-            version = tensor._version
-        except (RuntimeError, AttributeError):  # inference-mode tensors keep no version: copy now
+            return key, tensor._version
+        except (RuntimeError, AttributeError, NotImplementedError):
+            return None
+
+    def keep(self, rec: Record, tensor: torch.Tensor) -> None:
+        held = self._lazy_key(tensor)
+        if held is None:
             rec.value = _snapshot(tensor)
             return
         rec.value = _alias(tensor)
-        self.lazy.setdefault(key, []).append((rec, version))
+        self.lazy.setdefault(held[0], []).append((rec, held[1]))
 
     def hold(self, holder: Any, tensor: torch.Tensor) -> bool:
         """Keep `tensor` in `holder.value` without copying it (a streaming store's slot: `holder` has
         `value` and `name`), copied as a record's own value is (`keep`) before anything this capture sees
         writes into its memory, and at its end if something else still holds that memory.  False where
         that cannot be promised (the caller copies now)."""
-        key = _storage_key(tensor)
-        if key is None or type(tensor) not in (torch.Tensor, torch.nn.Parameter) or not self.snapshot:
+        held = self._lazy_key(tensor) if self.snapshot else None
+        if held is None:
             return False
-        if key in self.buffer_storage:
-            return False  # a buffer's memory: C++ updates running statistics unseen, unversioned
         try:
-            version = tensor._version
             whole = tensor.untyped_storage().nbytes() <= tensor.numel() * tensor.element_size()
-        except (RuntimeError, AttributeError, NotImplementedError):
+        except (RuntimeError, NotImplementedError):
             return False
         if not whole:
             return False  # a view of part of its memory would keep all of it (a budget counts the view's bytes)
         holder.value = _alias(tensor)
-        self.lazy.setdefault(key, []).append((holder, version))
+        self.lazy.setdefault(held[0], []).append((holder, held[1]))
         return True
 
     def _copy(self, key: int) -> None:
@@ -706,6 +710,10 @@ class _State:
                 self.flush_before_write(args, kwargs, fname)
             finally:
                 self.busy = False
+        self.copy_held((args, kwargs))
+
+    def copy_held(self, tensors: Any) -> None:
+        """Copy the values records hold in the memory of the tensors in `tensors` (about to be written)."""
         if not self.lazy:
             return
         self.busy = True  # the copies are diffkit's own ops, not the model's
@@ -716,7 +724,7 @@ class _State:
                     self._copy(key)
                 return t
 
-            _map_tensors(check, (args, kwargs))
+            _map_tensors(check, tensors)
         finally:
             self.busy = False
 
@@ -1483,14 +1491,7 @@ def _pre_hook(module, args):
     if st.lazy:
         # a module may update its own buffers unseen (a batch norm's running statistics, also where it is no
         # submodule of the model, held in a plain list): records held in their memory are copied first
-        st.busy = True
-        try:
-            for t in module.buffers(recurse=False):
-                key = _storage_key(t)
-                if key in st.lazy:
-                    st._copy(key)
-        finally:
-            st.busy = False
+        st.copy_held(tuple(module.buffers(recurse=False)))
     site = None
     if not st.opaque and module is not st.model:  # the model itself is called by the harness, not user code
         f = naming.user_frame(sys._getframe(1))

@@ -154,11 +154,12 @@ def collector_quiet():
         yield
         return
     before = gc.get_threshold()
-    gc.set_threshold(before[0], before[1], max(before[2], 1 << 30))
+    quiet = (before[0], before[1], max(before[2], 1 << 30))
+    gc.set_threshold(*quiet)
     try:
         yield
     finally:
-        if gc.get_threshold()[2] == max(before[2], 1 << 30):  # (else changed meanwhile: left as it is)
+        if gc.get_threshold()[2] == quiet[2]:  # (else changed meanwhile: left as it is)
             gc.set_threshold(*before)
 
 

@@ -936,11 +936,11 @@ class StreamComparer:
         need = ls.waiting()
         if not need:
             return
-        if not self._make_room(need):
+        target = min(need + ls.low_water, self.ref_store.device_budget.limit)
+        if not self._make_room(need, target):
             self._stalled += 1
             return
         self._stalled = 0
-        target = min(need + ls.low_water, self.ref_store.device_budget.limit)
         if not caught_up and self._room() < target:
             self._evict(target)  # (by `_make_room`'s rule: measured values first, then those no one will read)
             if self._room() < target:
@@ -998,11 +998,11 @@ class StreamComparer:
         b = self.ref_store.device_budget
         return b.limit - b.used
 
-    def _make_room(self, need: int) -> bool:
+    def _make_room(self, need: int, target: int) -> bool:
+        """Free `need` bytes of the reference's budget if the candidate can, evicting towards `target`."""
         if self._room() >= need:
             return True
         self.drain()
-        target = min(need + self.lockstep.low_water, self.ref_store.device_budget.limit)
         self._evict(target)
         if self._room() < need and self.queue:
             pending = sum(self.ref_store.slots[p.ref].nbytes for p in self.queue
