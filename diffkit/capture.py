@@ -414,16 +414,24 @@ def path_key(k: Any) -> Any:
     return k
 
 
+def materialized(named: Any) -> list[tuple[str, torch.Tensor]]:
+    """The (name, tensor) pairs of `named_parameters()` / `named_buffers()` that hold values: a lazy
+    module's (`nn.LazyLinear`, `nn.LazyBatchNorm2d`) are placeholders with no shape and no data until its
+    first forward, and any use of one raises."""
+    return [(n, t) for n, t in named if isinstance(t, torch.Tensor) and not torch.nn.parameter.is_lazy(t)]
+
+
 def _storage_key(t: torch.Tensor) -> int | None:
     """The address of the memory a tensor's elements live in (shared by all its views), or None
-    (no memory: empty, sparse, nested or meta tensors).  Computed from the tensor's own address and
-    offset (a storage object costs more to make, and this runs for every argument of every op)."""
+    (no memory: empty, sparse, nested or meta tensors, a lazy module's placeholders).  Computed from the
+    tensor's own address and offset (a storage object costs more to make, and this runs for every argument
+    of every op)."""
     try:
         key = t.data_ptr() - t.storage_offset() * t.element_size()
-    except (RuntimeError, NotImplementedError, AttributeError):
+    except (RuntimeError, NotImplementedError, AttributeError, ValueError):
         try:
             key = t.untyped_storage().data_ptr()
-        except (RuntimeError, NotImplementedError, AttributeError):
+        except (RuntimeError, NotImplementedError, AttributeError, ValueError):
             return None
     return key or None
 
@@ -620,14 +628,15 @@ class _State:
         self.derived: dict[int, tuple[str, ...]] = {}  # record index -> params, for records made from parameters only
         self.param_sets: dict[str, frozenset] = {}  # a parameter's name as a one-name lineage (`_lineage_of_tensor`)
         if model is not None:
-            named = list(model.named_parameters()) + list(model.named_buffers())
+            named = materialized(model.named_parameters()) + materialized(model.named_buffers())
             for name, t in named:
                 self.param_ids.setdefault(id(t), name)
                 key = _storage_key(t)
                 if key is not None:
                     start = t.data_ptr()
                     self.param_storage.setdefault(key, []).append((start, start + t.numel() * t.element_size(), name))
-            self.buffer_storage = {k for k in (_storage_key(t) for _, t in model.named_buffers()) if k is not None}
+            self.buffer_storage = {k for k in (_storage_key(t) for _, t in materialized(model.named_buffers()))
+                                   if k is not None}
         # a what-if run (diffkit.whatif): the mistake planted at one record; `current_call` is the live
         # call whose result is being recorded, (kind, function or module, args, kwargs)
         self.mutator: Any = None

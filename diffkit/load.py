@@ -25,7 +25,7 @@ from typing import Any, Callable
 import torch
 import torch.utils._pytree as pytree
 
-from .capture import _install_extension_import_hook, path_key
+from .capture import _install_extension_import_hook, materialized, path_key
 from .errors import DiffkitError
 
 KERNELBENCH_SEED = 42
@@ -255,8 +255,8 @@ def _pair_unnamed(report: WeightReport, rstate: dict, cstate: dict) -> None:
 
 def _named_state(obj: torch.nn.Module | dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     if isinstance(obj, torch.nn.Module):
-        state = dict(obj.named_parameters())
-        state.update(dict(obj.named_buffers()))
+        state = dict(materialized(obj.named_parameters()))
+        state.update(dict(materialized(obj.named_buffers())))
         return state
     return dict(obj)
 

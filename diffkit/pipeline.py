@@ -21,7 +21,8 @@ import torch
 import torch.utils._pytree as pytree
 
 from .align import Alignment, align, map_params_by_use, param_map, record_numel, to_ref_layout, torch_op
-from .capture import FOLD_AFTER, StopCapture, Trace, capture, input_values, set_rng_state, written_in_place
+from .capture import (FOLD_AFTER, StopCapture, Trace, capture, input_values, materialized, set_rng_state,
+                      written_in_place)
 from .diagnose import diagnose
 from .locate import build_stages, locate, undone_stages
 from .measure import ask_kernelbench, kernelbench_note, measure
@@ -45,8 +46,8 @@ def clone_inputs(obj: Any) -> Any:
 
 def named_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """A model's parameters and buffers by qualified name (what diagnosis checks errors against)."""
-    out = {n: p.detach() for n, p in model.named_parameters()}
-    out.update({n: b.detach() for n, b in model.named_buffers()})
+    out = {n: p.detach() for n, p in materialized(model.named_parameters())}
+    out.update({n: b.detach() for n, b in materialized(model.named_buffers())})
     return out
 
 
@@ -775,7 +776,7 @@ def what_if(result: Result, traces: _Traces, reference: Source, options: Options
     search = whatif.Search(model=src.model, inputs=list(src.inputs), run=run_once, target=fd.ref.index,
                            cand_value=target, atol=fd.stats.atol, rtol=fd.stats.rtol, window=win,
                            budget=options.explain_budget, progress=progress)
-    params = {n: p.detach().clone() for n, p in src.model.named_parameters()}
+    params = {n: p.detach().clone() for n, p in materialized(src.model.named_parameters())}
     try:
         found = whatif.search(search, whatif.model_constants(src.model), records)
     except Exception as e:  # a what-if failure never costs the diff its answer
@@ -785,7 +786,7 @@ def what_if(result: Result, traces: _Traces, reference: Source, options: Options
     finally:
         restore_state(src.model, after)
         with torch.no_grad():
-            for n, p in src.model.named_parameters():
+            for n, p in materialized(src.model.named_parameters()):
                 if n in params and not torch.equal(p, params[n]):
                     p.copy_(params[n])
     result.what_if = [w.to_dict(fd.stats) for w in found[:5]]
@@ -972,7 +973,7 @@ def reference_health(model: torch.nn.Module, inputs: list, trace: Trace, no_grad
                          f"({stochastic_reason(model)}); its output depends on the random draw, so no candidate "
                          f"can match it reliably (KernelBench never calls eval()); --eval turns dropout off")
     # weights (not norm biases, which start at zero by design) that are all zero
-    zero = [n for n, p in model.named_parameters() if p.dim() >= 2 and not bool(p.detach().any())]
+    zero = [n for n, p in materialized(model.named_parameters()) if p.dim() >= 2 and not bool(p.detach().any())]
     if zero:
         notes.append(f"parameters initialised to zero hide the paths through them: {', '.join(zero[:5])}"
                      + (" …" if len(zero) > 5 else "") + " (--reinit-zero gives them random values for the diff)")
@@ -1028,9 +1029,9 @@ def reinit_zero_parameters(ref: torch.nn.Module, cand: torch.nn.Module | None = 
     """Give all-zero parameters of the reference random values (and copy them to the candidate)."""
     g = torch.Generator().manual_seed(seed)
     done = []
-    cparams = dict(cand.named_parameters()) if cand is not None else {}
+    cparams = dict(materialized(cand.named_parameters())) if cand is not None else {}
     with torch.no_grad():
-        for n, p in ref.named_parameters():
+        for n, p in materialized(ref.named_parameters()):
             if p.dim() >= 2 and not bool(p.detach().any()):
                 p.copy_((torch.randn(p.shape, generator=g) * 0.1).to(p))
                 if n in cparams and cparams[n].shape == p.shape:

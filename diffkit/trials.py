@@ -31,7 +31,7 @@ from typing import Any, Callable
 import torch
 import torch.utils._pytree as pytree
 
-from .capture import input_values, rng_state, set_rng_state
+from .capture import input_values, materialized, rng_state, set_rng_state
 from .errors import DiffkitError
 from .measure import ask_kernelbench, measure
 from .options import Options, Tolerance
@@ -159,7 +159,7 @@ def snapshot_state(model: torch.nn.Module | None) -> dict[str, torch.Tensor]:
     restores them afterwards so the trials see the state KernelBench's single run per trial leaves."""
     if model is None:
         return {}
-    return {n: b.detach().clone() for n, b in model.named_buffers() if isinstance(b, torch.Tensor)}
+    return {n: b.detach().clone() for n, b in materialized(model.named_buffers())}
 
 
 def attribute_state(model: torch.nn.Module | None) -> dict[str, Any]:
@@ -186,7 +186,7 @@ def restore_state(model: torch.nn.Module | None, snap: dict[str, torch.Tensor]) 
     if model is None or not snap:
         return
     with torch.no_grad():
-        for n, b in model.named_buffers():
+        for n, b in materialized(model.named_buffers()):
             v = snap.get(n)
             if v is not None and v.shape == b.shape:
                 b.copy_(v)
@@ -566,7 +566,7 @@ def _write_outputs_only(path: str, model: torch.nn.Module, inputs: list, seed: i
 
     writer = CaptureWriter(path, shard_bytes=0)
     writer.set_info({**info, "outputs_only": True})
-    writer.add_parameters({n: b.detach() for n, b in model.named_buffers() if isinstance(b, torch.Tensor)})
+    writer.add_parameters({n: b.detach() for n, b in materialized(model.named_buffers())})
     seed_all(seed)
     left: dict = {}
     out, err = forward(model, inputs, no_grad, left=left)

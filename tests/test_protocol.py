@@ -976,3 +976,110 @@ def test_a_candidate_given_inputs_of_its_own_keeps_them():
     r = diffkit.compare(Halves(), Plus(), [x], cand_inputs=[x * 0.5])
     assert r.verdict == "match", r.summary_line()
     assert any("ran on the inputs it was given" in w for w in r.warnings), r.warnings
+
+
+# lazy modules: placeholders with no shape or data until the first forward (KernelBench runs them as they are)
+LAZY_NORM_REF = '''
+import torch
+from torch import nn
+
+
+class Model(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.conv = nn.Conv2d(3, c, 3, padding=1)
+        self.norm = nn.LazyBatchNorm2d()
+
+    def forward(self, x):
+        return torch.relu(self.norm(self.conv(x)))
+
+
+def get_inputs():
+    return [torch.randn(2, 3, 8, 8)]
+
+
+def get_init_inputs():
+    return [6]
+'''
+
+# batch statistics by hand, no lazy module: the same numbers (training mode, weight 1, bias 0)
+LAZY_NORM_BY_HAND = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class ModelNew(nn.Module):
+    def __init__(self, channels):
+        super().__init__()
+        self.conv = nn.Conv2d(3, channels, 3, padding=1)
+
+    def forward(self, images):
+        h = F.conv2d(images, self.conv.weight, self.conv.bias, padding=1)
+        mu = h.mean(dim=(0, 2, 3), keepdim=True)
+        var = h.var(dim=(0, 2, 3), unbiased=False, keepdim=True)
+        return ((h - mu) * torch.rsqrt(var + 1e-5)).clamp(min=0)
+'''
+
+# the same by hand with the variance's epsilon left out of the square root's argument (a wrong kernel)
+LAZY_NORM_NO_EPS = LAZY_NORM_BY_HAND.replace("torch.rsqrt(var + 1e-5)", "(1.0 / (var.sqrt() + 1e-5))").replace(
+    "h.var(dim=(0, 2, 3), unbiased=False, keepdim=True)", "h.var(dim=(0, 2, 3), unbiased=True, keepdim=True)")
+
+# a lazy projection on both sides: each side's first forward draws its weights from the generator where it
+# finds it (the candidate's after the reference's forward): other weights, as KernelBench finds them
+LAZY_PROJ_REF = '''
+import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def __init__(self, out_features):
+        super().__init__()
+        self.proj = nn.LazyLinear(out_features)
+
+    def forward(self, x):
+        return torch.tanh(self.proj(x))
+
+
+def get_inputs():
+    return [torch.randn(4, 10)]
+
+
+def get_init_inputs():
+    return [5]
+'''
+
+LAZY_PROJ_CAND = '''
+import torch
+import torch.nn as nn
+
+
+class ModelNew(nn.Module):
+    def __init__(self, n_out):
+        super().__init__()
+        self.layers = nn.Sequential(nn.LazyLinear(n_out), nn.Tanh())
+
+    def forward(self, inp):
+        return self.layers(inp)
+'''
+
+
+@pytest.mark.parametrize("ref_src,cand_src", [(LAZY_NORM_REF, LAZY_NORM_BY_HAND), (LAZY_NORM_REF, LAZY_NORM_NO_EPS),
+                                              (LAZY_NORM_REF, LAZY_NORM_REF.replace("class Model", "class ModelNew")),
+                                              (LAZY_PROJ_REF, LAZY_PROJ_CAND)],
+                         ids=["norm-by-hand", "norm-wrong-variance", "norm-same", "lazy-projection"])
+@pytest.mark.parametrize("mode", ["in-process", "isolated"])
+def test_lazy_modules_are_diffed_as_kernelbench_runs_them(tmp_path, ref_src, cand_src, mode):
+    ref, cand = tmp_path / "lazy_ref.py", tmp_path / "lazy_cand.py"
+    ref.write_text(ref_src)
+    cand.write_text(cand_src)
+    expected = kernelbench_passes(str(ref), str(cand))
+    if mode == "isolated":
+        proc, data = _cli(str(ref), str(cand), tmp_path=tmp_path)
+        assert data is not None, proc.stdout[-2000:] + proc.stderr[-2000:]
+        verdict, error = data["verdict"], data.get("error")
+    else:
+        r = diffkit.diff_files(str(ref), str(cand))
+        verdict, error = r.verdict, r.error
+    assert error is None and (verdict == "match") == expected, (mode, verdict, error)
+    assert verdict in ("match", "diverged")
