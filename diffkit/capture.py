@@ -1835,6 +1835,7 @@ class capture:
 
     def __enter__(self) -> Trace:
         _install_extension_import_hook()
+        naming.refresh()
         self.resume()
         self._mode = _Mode(self.state)
         self._mode.__enter__()

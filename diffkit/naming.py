@@ -186,6 +186,25 @@ def _target_name(t: ast.AST, source: str) -> str:
 
 
 _files: dict[str, _FileIndex] = {}
+_stamps: dict[str, tuple[int, int] | None] = {}  # a file's (mtime, size) when its index was made
+
+
+def _stamp(filename: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(filename)
+    except OSError:
+        return None
+    return st.st_mtime_ns, st.st_size
+
+
+def refresh() -> None:
+    """Forget what was read of source files that changed on disk since (a notebook that edits a kernel
+    file and diffs it again runs new code: its names must come from the new text, not the old lines)."""
+    for filename in list(_files):
+        if _stamps.get(filename) != _stamp(filename):
+            _files.pop(filename, None)
+            _stamps.pop(filename, None)
+            linecache.checkcache(filename)
 # (id of a code object, instruction offset) -> (a weak reference to the code object, its Site); an entry goes
 # when its code object does.  Not keyed by the code object: its hash is computed from its whole body each
 # time, and this runs for every recorded op
@@ -206,6 +225,7 @@ def site_of(frame: FrameType) -> Site:
     filename = code.co_filename
     index = _files.get(filename)
     if index is None:
+        _stamps[filename] = _stamp(filename)
         index = _files[filename] = _FileIndex(filename)
     pos = None
     try:

@@ -255,3 +255,88 @@ def test_tensors_in_a_calls_arguments_are_found_at_the_positions_pytree_gives():
                 (x, slice(1, 2), Ellipsis, torch.float32, torch.Size([2, 3])), ({"z": y, "a": x},), (), [[], {}],
                 (x, torch.nn.Parameter(torch.ones(1)))]:
         assert [(p, id(v)) for p, v in _tensors(obj)] == by_pytree(obj), obj
+
+
+EDITED_REF = '''
+import torch
+from torch import nn
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+
+    def forward(self, x):
+        hidden = torch.sigmoid(self.fc(x))
+        return hidden * 3
+
+
+def get_inputs():
+    return [torch.randn(5, 6)]
+
+
+def get_init_inputs():
+    return []
+'''
+
+EDITED_BEFORE = '''
+import torch
+from torch import nn
+
+
+class ModelNew(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+
+    def forward(self, inp):
+        act = self.fc(inp).sigmoid()
+        return act.mul(3)
+'''
+
+# the same file edited (a notebook's next cell): lines moved, the variable renamed to the reference's name
+EDITED_AFTER = '''
+import torch
+from torch import nn
+
+
+def _squash(t):
+    return torch.sigmoid(t)
+
+
+class ModelNew(nn.Module):
+    """edited: the activation through a helper"""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+
+    def forward(self, inp):
+        # one more line above the stage
+        hidden = _squash(self.fc(inp))
+        return 3 * hidden
+'''
+
+
+def test_a_file_edited_between_two_diffs_in_one_process_is_named_from_its_new_text(tmp_path):
+    """Each stage's name quotes the source it was made at: after the file is edited (lines moved, a helper
+    added), the second diff's names quote the new text, not whatever the old file held at those lines."""
+    ref, cand = tmp_path / "ref.py", tmp_path / "cand.py"
+    ref.write_text(EDITED_REF)
+
+    def quoted(result, source):
+        """The stages' candidate names, each checked to quote its own line of `source`."""
+        lines = source.splitlines()
+        rows = [(s.cand_name, s.cand.line) for s in result.stages if s.cand is not None and ":" in s.cand_name]
+        assert rows and all(0 < at <= len(lines) and name.split(":", 1)[1].rstrip("…") in lines[at - 1]
+                            for name, at in rows), (rows, source)
+        return [s.cand_name for s in result.stages if s.cand is not None]
+
+    cand.write_text(EDITED_BEFORE)
+    first = diffkit.diff_files(str(ref), str(cand))
+    assert any("act" in n for n in quoted(first, EDITED_BEFORE))
+    cand.write_text(EDITED_AFTER)
+    second = diffkit.diff_files(str(ref), str(cand))
+    assert not any("act" in n for n in quoted(second, EDITED_AFTER))
+    assert first.verdict == second.verdict == "match"
