@@ -29,8 +29,8 @@ from .measure import ask_kernelbench, kernelbench_note, measure
 from .options import Options
 from .result import ErrorInfo, Finding, Result, Values
 from .rootcause import analyse
-from .trials import Trial, attribute_state, bitwise_difference, changed_attributes, difference_words, \
-    restore_state, seed_all, snapshot_state
+from .trials import WRITTEN_PARAMETER, Trial, attribute_state, bitwise_difference, changed_attributes, \
+    difference_words, parameter_sums, parameter_versions, restore_state, seed_all, snapshot_state, written_parameters
 
 __all__ = ["ModelSource", "CaptureSource", "TraceSource", "run", "judge", "run_captured", "clone_inputs"]
 
@@ -233,6 +233,7 @@ def _run_side(src: ModelSource, options: Options, state: dict, side: str, **capt
     buffers recorded before and after (`state[side]`), since a training-mode forward changes buffers."""
     before = snapshot_state(src.model)
     attrs = attribute_state(src.model)
+    versions = parameter_versions(src.model)
     if src.rng:
         set_rng_state(src.rng)
     elif src.seed is not None:
@@ -240,7 +241,8 @@ def _run_side(src: ModelSource, options: Options, state: dict, side: str, **capt
     trace = run_captured(src.model, clone_inputs(list(src.inputs)), no_grad=options.no_grad, fold=src.fold,
                          fold_writes=src.fold_writes, **capture)
     state[side] = (before, snapshot_state(src.model))
-    state[side + "_attributes"] = changed_attributes(attrs, attribute_state(src.model))
+    state[side + "_attributes"] = (changed_attributes(attrs, attribute_state(src.model))
+                                   + written_parameters(versions, parameter_versions(src.model)))
     return trace
 
 
@@ -1112,13 +1114,19 @@ class _RerunComparer:
 
 
 def _nondeterministic(result: Result, stage, d: dict, drop: bool = True, kept: Sequence[str] = ()) -> None:
-    if kept:  # the forward changed the model's own attributes: a second call is another computation
+    if kept:  # the forward changed the model's own state: a second call is another computation
         if any(f.kind == "stateful" for f in stage.diagnosis):
             return
-        stage.diagnosis.append(Finding(
+        found = Finding(
             "stateful", f"running the candidate twice on the same inputs gives different values here "
-            f"({difference_words(d)}), and its forward changes its own attributes: {', '.join(kept[:3])} -- it "
-            f"computes otherwise from one call to the next (KernelBench calls it once per trial)", 0.8))
+            f"({difference_words(d)}), and its forward changes its own state: {', '.join(kept[:3])} -- it "
+            f"computes otherwise from one call to the next (KernelBench calls it once per trial)", 0.8)
+        if any(k.endswith(WRITTEN_PARAMETER) for k in kept):
+            # its weights moved under it: what the values look like says nothing of a kernel's mistake
+            _drop_statistical(stage)
+            stage.diagnosis.insert(0, found)
+        else:  # (a call counter taking another path: what that path computes is still worth naming)
+            stage.diagnosis.append(found)
         return
     if drop:
         _drop_statistical(stage)  # run-to-run noise is the explanation; a rounding-size guess would be wrong
@@ -1143,10 +1151,16 @@ def _check_nondeterminism(result: Result, ref: Trace, cand_trace: Trace, candida
     restore_state(model, before)
     # a plain second forward first: only when its output differs from the first run's bitwise does the
     # record that first changed matter, and only then is the candidate captured a third time to find it
+    versions = parameter_versions(model)
     if not _second_output_differs(model, inputs, cand_trace, options):
         result.meta["second_run"] = {"differs": 0}
         return None
+    # a forward that writes into its own parameters does so in every run: the later runs' writes are looked
+    # for (by version counter; by value around the captured run that follows, for writes no counter sees:
+    # through `.data`, by a kernel given the pointer), not on the way of every diff
+    written = written_parameters(versions, parameter_versions(model))
     restore_state(model, before)
+    sums = None if written else parameter_sums(model)
     if traces.window is None:
         sink = _RerunComparer(cand_trace)
         run_captured(model, clone_inputs(inputs), no_grad=options.no_grad, sink=sink, fold=candidate.fold,
@@ -1166,6 +1180,8 @@ def _check_nondeterminism(result: Result, ref: Trace, cand_trace: Trace, candida
                              fold_writes=candidate.fold_writes)
         by_name = {r.name: r for r in again.records}
         diffs = {n: (d, by_name[n].value) for n, d in rerun_differences(cand_trace, again, wanted).items()}
+    if sums is not None:
+        written = written_parameters(sums, parameter_sums(model))
     result.meta["second_run"] = {"differs": len(diffs)}
     if not diffs:
         return None
@@ -1174,7 +1190,8 @@ def _check_nondeterminism(result: Result, ref: Trace, cand_trace: Trace, candida
     hit = sorted((by_cand[n] for n in diffs if n in by_cand), key=lambda s: s.index)
     fd = result.first_divergence
     first = hit[0] if hit else None
-    kept = traces.state.get("cand_attributes") or []
+    kept = (traces.state.get("cand_attributes") or [])
+    kept = kept + [w for w in written if w not in kept]
     if first is not None and first.failed:  # a passing stage keeps a clean row: the run-level finding names it
         _nondeterministic(result, first, diffs[first.cand.name][0], drop=first is fd, kept=kept)
     if fd is not None and fd.cand is not None and fd.cand.name in diffs and fd is not first:
@@ -1197,7 +1214,7 @@ def _check_nondeterminism(result: Result, ref: Trace, cand_trace: Trace, candida
         result.meta["second_run"]["output"] = {**out_d, "where": out_name}
     words = (f"running the candidate twice on the same inputs gives different values, first at {where}"
              + (f"; output: {difference_words(out_d)}" if out_d is not None else "; the output is bitwise equal")
-             + (f" -- its forward changes its own attributes ({', '.join(kept[:3])}): it computes otherwise from one "
+             + (f" -- its forward changes its own state ({', '.join(kept[:3])}): it computes otherwise from one "
                 f"call to the next" if kept else " -- a race, an uninitialised read or randomness"))
     result.findings.append(Finding("stateful" if kept else "nondeterministic", words, 0.9))
     if not _output_failed(result.stages) and (second is None or second["allclose"]):

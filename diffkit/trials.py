@@ -176,6 +176,57 @@ def attribute_state(model: torch.nn.Module | None) -> dict[str, Any]:
     return out
 
 
+def parameter_versions(model: torch.nn.Module | None) -> dict[str, int]:
+    """Each parameter's version counter by qualified name: an in-place write into a parameter moves it
+    (a forward that scales or folds its own weights computes otherwise on its next call)."""
+    if model is None:
+        return {}
+    out = {}
+    for n, p in materialized(model.named_parameters()):
+        try:
+            out[n] = p._version
+        except (RuntimeError, AttributeError, NotImplementedError):  # (inference tensors keep no version)
+            continue
+    return out
+
+
+_SAME_SIZE_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def parameter_sums(model: torch.nn.Module | None) -> dict[str, int]:
+    """A checksum of each parameter's bits by qualified name (the sum of its elements read as integers
+    of their size): moves with any write, the ones no version counter sees included (through `.data`,
+    or a kernel handed the parameter's pointer).  One reduction per parameter, one read per device."""
+    if model is None:
+        return {}
+    by_device: dict[Any, tuple[list[str], list[torch.Tensor]]] = {}
+    for n, p in materialized(model.named_parameters()):
+        t = p.detach()
+        as_int = _SAME_SIZE_INT.get(t.element_size())
+        if t.numel() == 0 or t.is_meta or t.is_complex() or as_int is None:
+            continue
+        try:
+            total = t.reshape(-1).view(as_int).sum(dtype=torch.int64)
+        except (RuntimeError, TypeError):
+            continue
+        names, sums = by_device.setdefault(t.device, ([], []))
+        names.append(n)
+        sums.append(total)
+    out: dict[str, int] = {}
+    for names, sums in by_device.values():
+        out.update(zip(names, torch.stack(sums).tolist()))
+    return out
+
+
+WRITTEN_PARAMETER = " (a parameter, written in place)"
+
+
+def written_parameters(before: dict[str, int], after: dict[str, int]) -> list[str]:
+    """Words for the parameters a forward wrote into (`parameter_versions` or `parameter_sums` before
+    and after it)."""
+    return [n + WRITTEN_PARAMETER for n, v in after.items() if n in before and before[n] != v]
+
+
 def changed_attributes(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
     """Words for the attributes whose values differ between two `attribute_state`s: "calls (0 → 1)"."""
     return [f"{n} ({before.get(n)!r:.20} → {after[n]!r:.20})" for n in after
@@ -734,10 +785,13 @@ def _trial_notes(result, outcomes: list[Trial]) -> None:
         return
     first = racy[0].nondeterministic
     which = ", ".join(f"{o.trial} (seed {o.seed})" for o in racy[:4]) + (" …" if len(racy) > 4 else "")
+    # trial 1's runs found the forward changing the model's own state: the later trials' differ for that reason
+    stateful = any(f.kind == "stateful" for f in result.findings)
     words = (f"on trial{'s' if len(racy) > 1 else ''} {which} running the candidate twice on the same inputs gives "
              f"different values in {first.get('where', 'the output')}: {difference_words(first)}"
              + (f" (trial {racy[0].trial}; the others alike)" if len(racy) > 1 else "")
-             + " -- a race, an uninitialised read or randomness")
-    result.findings.append(Finding("nondeterministic", words, 0.9))
+             + (" -- its forward changes its own state, as on trial 1" if stateful
+                else " -- a race, an uninitialised read or randomness"))
+    result.findings.append(Finding("stateful" if stateful else "nondeterministic", words, 0.9))
     if all(o.allclose for o in racy):
         result.warnings.append(words + "; both runs are within tolerance there")

@@ -1083,3 +1083,80 @@ def test_lazy_modules_are_diffed_as_kernelbench_runs_them(tmp_path, ref_src, can
         verdict, error = r.verdict, r.error
     assert error is None and (verdict == "match") == expected, (mode, verdict, error)
     assert verdict in ("match", "diverged")
+
+
+DRIFT_REF = '''
+import torch
+from torch import nn
+
+
+class Model(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.conv = nn.Conv1d(c, c, 3, padding=1)
+
+    def forward(self, x):
+        return torch.tanh(self.conv(x))
+
+
+def get_inputs():
+    return [torch.randn(2, 4, 10)]
+
+
+def get_init_inputs():
+    return [4]
+'''
+
+# writes into its own weight through `.data` (no version counter sees it), a little more every call
+DRIFT_THROUGH_DATA = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class ModelNew(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.conv = nn.Conv1d(c, c, 3, padding=1)
+
+    def forward(self, x):
+        w = self.conv.weight.data
+        w -= 0.01 * w.sign()
+        return F.conv1d(x, self.conv.weight, self.conv.bias, padding=1).tanh()
+'''
+
+# the same through a helper that adds to the bias in place under no_grad
+DRIFT_HELPER = '''
+import torch
+from torch import nn
+
+
+@torch.no_grad()
+def _nudge(p):
+    p.add_(0.05)
+
+
+class ModelNew(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.conv = nn.Conv1d(c, c, 3, padding=1)
+
+    def forward(self, x):
+        _nudge(self.conv.bias)
+        return torch.tanh(self.conv(x))
+'''
+
+
+@pytest.mark.parametrize("cand_src,param", [(DRIFT_THROUGH_DATA, "conv.weight"), (DRIFT_HELPER, "conv.bias")],
+                         ids=["through-data", "helper-under-no-grad"])
+def test_a_forward_that_writes_into_its_own_parameters_is_said_to_keep_state_not_to_race(tmp_path, cand_src, param):
+    ref, cand = tmp_path / "drift_ref.py", tmp_path / "drift_cand.py"
+    ref.write_text(DRIFT_REF)
+    cand.write_text(cand_src)
+    r = diffkit.diff_files(str(ref), str(cand))
+    assert (r.verdict == "match") == kernelbench_passes(str(ref), str(cand)) and r.verdict == "diverged"
+    kinds = [f.kind for f in r.findings]
+    assert "stateful" in kinds and "nondeterministic" not in kinds, kinds
+    assert f"{param} (a parameter, written in place)" in next(f.detail for f in r.findings if f.kind == "stateful")
+    stage_kinds = [f.kind for s in r.stages for f in s.diagnosis]
+    assert "nondeterministic" not in stage_kinds, stage_kinds
