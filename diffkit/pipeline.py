@@ -30,7 +30,8 @@ from .options import Options
 from .result import ErrorInfo, Finding, Result, Values
 from .rootcause import analyse
 from .trials import WRITTEN_PARAMETER, Trial, attribute_state, bitwise_difference, changed_attributes, \
-    difference_words, parameter_sums, parameter_versions, restore_state, seed_all, snapshot_state, written_parameters
+    ParameterGuard, difference_words, parameter_marks, parameter_sums, restore_state, seed_all, snapshot_state, \
+    written_parameters
 
 __all__ = ["ModelSource", "CaptureSource", "TraceSource", "run", "judge", "run_captured", "clone_inputs"]
 
@@ -233,7 +234,7 @@ def _run_side(src: ModelSource, options: Options, state: dict, side: str, **capt
     buffers recorded before and after (`state[side]`), since a training-mode forward changes buffers."""
     before = snapshot_state(src.model)
     attrs = attribute_state(src.model)
-    versions = parameter_versions(src.model)
+    guard = ParameterGuard(src.model)
     if src.rng:
         set_rng_state(src.rng)
     elif src.seed is not None:
@@ -242,7 +243,8 @@ def _run_side(src: ModelSource, options: Options, state: dict, side: str, **capt
                          fold_writes=src.fold_writes, **capture)
     state[side] = (before, snapshot_state(src.model))
     state[side + "_attributes"] = (changed_attributes(attrs, attribute_state(src.model))
-                                   + written_parameters(versions, parameter_versions(src.model)))
+                                   + [n + WRITTEN_PARAMETER for n in guard.after_run()])
+    state[side + "_parameters"] = guard  # (the values it wrote, put back after the reruns)
     return trace
 
 
@@ -673,7 +675,12 @@ def _explain(traces: _Traces, reference: Source, candidate: Source, options: Opt
     fd = result.first_divergence
     second = None
     if options.rerun and isinstance(candidate, ModelSource) and result.error is None and not cand.stopped:
-        second = _check_nondeterminism(result, ref, cand, candidate, options, traces)
+        try:
+            second = _check_nondeterminism(result, ref, cand, candidate, options, traces)
+        finally:  # the parameters its forward wrote, as its first run left them
+            guard = traces.state.get("cand_parameters")
+            if guard is not None:
+                guard.put_back()
     elif isinstance(candidate, CaptureSource) and fd is not None and fd.cand is not None:
         # `diffkit capture` ran the forward twice and kept which records changed between the runs
         d = (candidate.file.info.get("rerun_differs") or {}).get(fd.cand.name)
@@ -1151,14 +1158,14 @@ def _check_nondeterminism(result: Result, ref: Trace, cand_trace: Trace, candida
     restore_state(model, before)
     # a plain second forward first: only when its output differs from the first run's bitwise does the
     # record that first changed matter, and only then is the candidate captured a third time to find it
-    versions = parameter_versions(model)
+    marks = parameter_marks(model)
     if not _second_output_differs(model, inputs, cand_trace, options):
         result.meta["second_run"] = {"differs": 0}
         return None
     # a forward that writes into its own parameters does so in every run: the later runs' writes are looked
     # for (by version counter; by value around the captured run that follows, for writes no counter sees:
     # through `.data`, by a kernel given the pointer), not on the way of every diff
-    written = written_parameters(versions, parameter_versions(model))
+    written = written_parameters(marks, parameter_marks(model))
     restore_state(model, before)
     sums = None if written else parameter_sums(model)
     if traces.window is None:

@@ -176,27 +176,72 @@ def attribute_state(model: torch.nn.Module | None) -> dict[str, Any]:
     return out
 
 
-def parameter_versions(model: torch.nn.Module | None) -> dict[str, int]:
-    """Each parameter's version counter by qualified name: an in-place write into a parameter moves it
-    (a forward that scales or folds its own weights computes otherwise on its next call)."""
+def parameter_marks(model: torch.nn.Module | None) -> dict[str, tuple]:
+    """What shows, at no cost, that a parameter was written: its version counter (an in-place write moves
+    it), its address and shape (`.data` given another tensor), by qualified name.  Not seen: a write through
+    a `.data` alias, or by a kernel handed the pointer (`parameter_sums` sees those, at the cost of a read)."""
     if model is None:
         return {}
     out = {}
     for n, p in materialized(model.named_parameters()):
         try:
-            out[n] = p._version
+            out[n] = (p._version, p.data_ptr(), tuple(p.shape))
         except (RuntimeError, AttributeError, NotImplementedError):  # (inference tensors keep no version)
             continue
     return out
+
+
+class ParameterGuard:
+    """The parameters a run of `model` writes into (`parameter_marks` before and after it), their values as
+    that run left them kept, and put back after the extra runs diffkit makes on the same trial (the second
+    run on the same inputs, a captured rerun): the next trial starts from the weights KernelBench's single
+    run per trial would have left."""
+
+    def __init__(self, model: torch.nn.Module | None):
+        self.model = model
+        self.marks = parameter_marks(model)
+        self.kept: dict[str, torch.Tensor] = {}
+
+    def after_run(self) -> list[str]:
+        """Call once the watched run is over: the parameters it wrote, their values kept."""
+        if self.model is None:
+            return []
+        now = parameter_marks(self.model)
+        params = dict(materialized(self.model.named_parameters()))
+        self.kept = {n: params[n].detach().clone() for n, m in now.items() if n in self.marks and self.marks[n] != m}
+        return list(self.kept)
+
+    def put_back(self) -> None:
+        restore_parameters(self.model, self.kept)
+
+
+def restore_parameters(model: torch.nn.Module | None, kept: dict[str, torch.Tensor]) -> None:
+    """Put the parameters in `kept` (by qualified name) back to those values (one whose `.data` was given
+    a tensor of another shape or kind since gets a copy of the kept one as its `.data`)."""
+    if kept and model is not None:
+        _put_back(materialized(model.named_parameters()), kept, replace=True)
+
+
+def _put_back(named: list[tuple[str, torch.Tensor]], kept: dict[str, torch.Tensor], replace: bool = False) -> None:
+    with torch.no_grad():
+        for n, t in named:
+            v = kept.get(n)
+            if v is None:
+                continue
+            if tuple(t.shape) == tuple(v.shape) and not (replace and (t.dtype, t.device) != (v.dtype, v.device)):
+                t.copy_(v)
+            elif replace:
+                t.data = v.clone()
 
 
 _SAME_SIZE_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def parameter_sums(model: torch.nn.Module | None) -> dict[str, int]:
-    """A checksum of each parameter's bits by qualified name (the sum of its elements read as integers
-    of their size): moves with any write, the ones no version counter sees included (through `.data`,
-    or a kernel handed the parameter's pointer).  One reduction per parameter, one read per device."""
+    """A checksum of each parameter's bits by qualified name (its elements read as integers of their size,
+    each weighted by its position, summed with wrap-around): moves with any write, the ones no version
+    counter sees included (through `.data`, or a kernel handed the parameter's pointer), a permutation of
+    its values too.  One reduction per parameter, one read per device; run only where a rerun differed."""
     if model is None:
         return {}
     by_device: dict[Any, tuple[list[str], list[torch.Tensor]]] = {}
@@ -206,7 +251,8 @@ def parameter_sums(model: torch.nn.Module | None) -> dict[str, int]:
         if t.numel() == 0 or t.is_meta or t.is_complex() or as_int is None:
             continue
         try:
-            total = t.reshape(-1).view(as_int).sum(dtype=torch.int64)
+            bits = t.reshape(-1).view(as_int).to(torch.int64)
+            total = (bits * (torch.arange(bits.numel(), device=bits.device) % 65521 + 1)).sum()
         except (RuntimeError, TypeError):
             continue
         names, sums = by_device.setdefault(t.device, ([], []))
@@ -221,9 +267,9 @@ def parameter_sums(model: torch.nn.Module | None) -> dict[str, int]:
 WRITTEN_PARAMETER = " (a parameter, written in place)"
 
 
-def written_parameters(before: dict[str, int], after: dict[str, int]) -> list[str]:
-    """Words for the parameters a forward wrote into (`parameter_versions` or `parameter_sums` before
-    and after it)."""
+def written_parameters(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
+    """Words for the parameters a forward wrote into (`parameter_marks` or `parameter_sums` before and
+    after it)."""
     return [n + WRITTEN_PARAMETER for n, v in after.items() if n in before and before[n] != v]
 
 
@@ -234,13 +280,9 @@ def changed_attributes(before: dict[str, Any], after: dict[str, Any]) -> list[st
 
 
 def restore_state(model: torch.nn.Module | None, snap: dict[str, torch.Tensor]) -> None:
-    if model is None or not snap:
-        return
-    with torch.no_grad():
-        for n, b in materialized(model.named_buffers()):
-            v = snap.get(n)
-            if v is not None and v.shape == b.shape:
-                b.copy_(v)
+    """Put a model's buffers back to a `snapshot_state` (those of the same shape)."""
+    if model is not None and snap:
+        _put_back(materialized(model.named_buffers()), snap)
 
 
 def _clone(obj: Any) -> Any:
@@ -314,6 +356,7 @@ def check_candidate(model: torch.nn.Module, inputs: list, ref: dict[str, torch.T
     `rng`: the random generators' states its first run starts from (where the reference's forward left
     them, as KernelBench seeds a trial once); without it, the trial's seed."""
     before = snapshot_state(model)
+    guard = ParameterGuard(model) if options.rerun else None
     if rng:
         set_rng_state(rng)
     else:
@@ -327,9 +370,11 @@ def check_candidate(model: torch.nn.Module, inputs: list, ref: dict[str, torch.T
     trial.failed_run = None if ok else 1
     if options.rerun:
         after = snapshot_state(model)
+        guard.after_run()
         restore_state(model, before)
         out2, err2 = forward(model, inputs, options.no_grad)
         restore_state(model, after)
+        guard.put_back()
         if err2:
             trial.error, trial.error_side = f"its second run on the same inputs raised {err2}", "candidate"
             trial.failed_run = trial.failed_run or 2
@@ -395,14 +440,23 @@ class LiveReference:
 
 @dataclass
 class LiveCandidate:
-    """The candidate model in this process, run twice on each trial's inputs."""
+    """The candidate model in this process, run twice on each trial's inputs.  A trial diffed in full
+    starts from the state its run started from: buffers, and the parameters of a forward seen writing
+    into its own (`parameter_marks` moved since this was made)."""
 
     model: torch.nn.Module
     options: Options
     _before: dict = field(default_factory=dict, repr=False)
+    _params_before: dict = field(default_factory=dict, repr=False)
+    _marks: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        self._marks = parameter_marks(self.model)
 
     def check(self, k: int, inputs: list, ref: dict[str, torch.Tensor], trial: Trial, rng: dict | None = None) -> Trial:
         self._before[k] = snapshot_state(self.model)
+        if parameter_marks(self.model) != self._marks:  # its forward writes into its parameters
+            self._params_before[k] = {n: p.detach().clone() for n, p in materialized(self.model.named_parameters())}
         return check_candidate(self.model, inputs, ref, trial, self.options, rng=rng)
 
     def source(self, k: int, inputs: list, seed: int | None):
@@ -410,6 +464,7 @@ class LiveCandidate:
 
         if k in self._before:
             restore_state(self.model, self._before.pop(k))
+        restore_parameters(self.model, self._params_before.pop(k, {}))
         return ModelSource(self.model, inputs, seed=seed)
 
 

@@ -1160,3 +1160,82 @@ def test_a_forward_that_writes_into_its_own_parameters_is_said_to_keep_state_not
     assert f"{param} (a parameter, written in place)" in next(f.detail for f in r.findings if f.kind == "stateful")
     stage_kinds = [f.kind for s in r.stages for f in s.diagnosis]
     assert "nondeterministic" not in stage_kinds, stage_kinds
+
+
+def _kernelbench_trial_errors(ref_path, cand_path, num_trials=5):
+    """KernelBench's trials as it runs them (one candidate call each, on the weights the calls before left):
+    each trial's output max |difference|."""
+    ref = _exec(ref_path)
+    model, new = _kernelbench_models(ref, _exec(cand_path))
+    errors = []
+    with torch.no_grad():
+        for seed in trial_seeds(num_trials):
+            torch.manual_seed(seed)
+            inputs = ref["get_inputs"]()
+            torch.manual_seed(seed)
+            out = model(*inputs)
+            errors.append(float((new(*inputs) - out).abs().max()))
+    return errors
+
+
+# flips its weight's layout on every call (`.data` given the transpose): right on odd calls, wrong on even ones
+FLIP_REF = '''
+import torch
+from torch import nn
+
+
+class Model(nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.proj = nn.Linear(n, n, bias=False)
+
+    def forward(self, x):
+        return self.proj(x).relu()
+
+
+def get_inputs():
+    return [torch.randn(3, 5)]
+
+
+def get_init_inputs():
+    return [5]
+'''
+
+FLIP_CAND = '''
+import torch
+from torch import nn
+
+
+class ModelNew(nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.proj = nn.Linear(n, n, bias=False)
+
+    def forward(self, x):
+        self.proj.weight.data = self.proj.weight.data.t().contiguous()
+        return torch.clamp_min(x @ self.proj.weight, 0.0)
+'''
+
+
+@pytest.mark.parametrize("ref_src,cand_src", [(DRIFT_REF, DRIFT_HELPER), (FLIP_REF, FLIP_CAND)], ids=["drift", "flip"])
+@pytest.mark.parametrize("mode", ["in-process", "isolated"])
+def test_trials_of_a_forward_writing_its_parameters_see_kernelbench_s_weights(tmp_path, ref_src, cand_src, mode):
+    """diffkit runs the candidate more than once per trial (the second run on the same inputs, a captured
+    rerun, a failing trial diffed in full): the parameters its forward writes are put back after those extra
+    runs, so each trial's first run sees the weights KernelBench's single run per trial would."""
+    ref, cand = tmp_path / "w_ref.py", tmp_path / "w_cand.py"
+    ref.write_text(ref_src)
+    cand.write_text(cand_src)
+    expected = _kernelbench_trial_errors(str(ref), str(cand))
+    if mode == "isolated":
+        proc, data = _cli(str(ref), str(cand), tmp_path=tmp_path)
+        assert data is not None, proc.stdout[-2000:] + proc.stderr[-2000:]
+        trials = data["trials"]
+    else:
+        trials = diffkit.diff_files(str(ref), str(cand)).trials
+    assert len(trials) == len(expected), trials
+    for t, kb in zip(trials, expected):
+        first_failed = t.get("failed_run") == 1
+        assert first_failed == (kb > 1e-4), (t, kb)
+        if t.get("failed_run") != 2:  # (a trial failed by its second run reports that run's error)
+            assert t["max_abs"] == pytest.approx(kb, rel=1e-5, abs=1e-7), (t, kb)
