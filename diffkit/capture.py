@@ -159,6 +159,10 @@ class Trace:
     # trial once, so the candidate's forward draws where the reference's stopped
     rng_after: dict = field(default_factory=dict)
     drew_random: bool = False  # whether the generators moved while it was captured (the forward drew numbers)
+    # the parameters the forward wrote into through calls the capture saw (`w.mul_(…)`, `w.data.copy_(…)`,
+    # `out=w`), by qualified name, each as it was before the first such write (a kernel handed the pointer
+    # is not seen)
+    params_written: dict = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.records)
@@ -627,8 +631,10 @@ class _State:
         self.module_params: dict[int, tuple[str, ...]] = {}  # id(module) -> what a call of it reads (cached)
         self.derived: dict[int, tuple[str, ...]] = {}  # record index -> params, for records made from parameters only
         self.param_sets: dict[str, frozenset] = {}  # a parameter's name as a one-name lineage (`_lineage_of_tensor`)
+        self.param_tensor: dict[str, torch.Tensor] = {}  # a parameter (not a buffer) by qualified name
         if model is not None:
-            named = materialized(model.named_parameters()) + materialized(model.named_buffers())
+            self.param_tensor = dict(materialized(model.named_parameters()))
+            named = list(self.param_tensor.items()) + materialized(model.named_buffers())
             for name, t in named:
                 self.param_ids.setdefault(id(t), name)
                 key = _storage_key(t)
@@ -707,6 +713,20 @@ class _State:
                 rec.value = None
             else:
                 rec.value = rec.value.clone()
+
+    def note_param_write(self, args: Any, kwargs: Any) -> None:
+        """A call is about to write into its first argument (or `out=`): when that is a parameter's memory,
+        keep the parameter as it was before the forward's first write into it (`Trace.params_written`)."""
+        target = kwargs.get("out") if kwargs and "out" in kwargs else (args[0] if args else None)
+        name = self.param_of(target) if isinstance(target, torch.Tensor) else None
+        p = self.param_tensor.get(name) if name is not None else None
+        if p is None or name in self.trace.params_written:
+            return
+        self.busy = True  # (the copy is diffkit's own op)
+        try:
+            self.trace.params_written[name] = p.detach().clone()
+        finally:
+            self.busy = False
 
     def before_write(self, args: Any, kwargs: Any = None, fname: str = "") -> None:
         """Called before a call that may write into its tensor arguments: copy what records hold there
@@ -1453,10 +1473,12 @@ class _Mode(TorchFunctionMode):
         kwargs = kwargs or {}
         st = self.state
         name = writes = None
-        if (st.lazy or st.pending) and not st.busy:
+        if (st.lazy or st.pending or st.param_tensor) and not st.busy:
             name = getattr(func, "__name__", "")
             writes = _may_write(name, kwargs, args)
             if writes:
+                if st.param_tensor:
+                    st.note_param_write(args, kwargs)
                 st.before_write(args, kwargs, name)
             elif name in _UNVERSIONED_WRITERS and st.lazy:
                 st.before_write(args[1:], kwargs, name)  # (its running statistics: whatever tensors they are)

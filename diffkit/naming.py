@@ -186,15 +186,19 @@ def _target_name(t: ast.AST, source: str) -> str:
 
 
 _files: dict[str, _FileIndex] = {}
-_stamps: dict[str, tuple[int, int] | None] = {}  # a file's (mtime, size) when its index was made
+_stamps: dict[str, int | None] = {}  # a checksum of a file's text when its index was made
 
 
-def _stamp(filename: str) -> tuple[int, int] | None:
+def _stamp(filename: str) -> int | None:
+    """A checksum of the file's bytes (not its time stamp: an edit within the file system's time resolution,
+    or one that keeps the size, changes it too)."""
+    import zlib
+
     try:
-        st = os.stat(filename)
+        with open(filename, "rb") as fh:
+            return zlib.crc32(fh.read())
     except OSError:
         return None
-    return st.st_mtime_ns, st.st_size
 
 
 def refresh() -> None:

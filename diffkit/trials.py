@@ -197,22 +197,37 @@ class ParameterGuard:
     run on the same inputs, a captured rerun): the next trial starts from the weights KernelBench's single
     run per trial would have left."""
 
-    def __init__(self, model: torch.nn.Module | None):
+    def __init__(self, model: torch.nn.Module | None, known: Any = ()):
         self.model = model
         self.marks = parameter_marks(model)
+        self.known = set(known)  # parameters known to be written (a capture saw the writes) whatever the marks say
         self.kept: dict[str, torch.Tensor] = {}
 
-    def after_run(self) -> list[str]:
-        """Call once the watched run is over: the parameters it wrote, their values kept."""
+    def after_run(self, before: dict[str, torch.Tensor] | None = None) -> list[str]:
+        """Call once the watched run is over: the parameters it wrote, their values kept; those that
+        `before` (values from before the run, where known) shows unchanged are not named."""
         if self.model is None:
             return []
         now = parameter_marks(self.model)
         params = dict(materialized(self.model.named_parameters()))
-        self.kept = {n: params[n].detach().clone() for n, m in now.items() if n in self.marks and self.marks[n] != m}
-        return list(self.kept)
+        names = [n for n, m in now.items() if (n in self.marks and self.marks[n] != m) or n in self.known
+                 or (before and n in before)]
+        self.kept = {n: params[n].detach().clone() for n in names}
+        before = before or {}
+        return [n for n in names if n not in before or not _same_values(before[n], self.kept[n])]
 
     def put_back(self) -> None:
         restore_parameters(self.model, self.kept)
+
+    def moved_since(self, name: str) -> bool:
+        """Whether parameter `name` now holds other values than the watched run left (True when not kept)."""
+        v = self.kept.get(name)
+        p = dict(materialized(self.model.named_parameters())).get(name) if self.model is not None else None
+        return v is None or p is None or not _same_values(v, p.detach())
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return tuple(a.shape) == tuple(b.shape) and a.dtype == b.dtype and bool(torch.equal(a, b.to(a.device)))
 
 
 def restore_parameters(model: torch.nn.Module | None, kept: dict[str, torch.Tensor]) -> None:
@@ -235,6 +250,7 @@ def _put_back(named: list[tuple[str, torch.Tensor]], kept: dict[str, torch.Tenso
 
 
 _SAME_SIZE_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_SUM_CHUNK = 1 << 20
 
 
 def parameter_sums(model: torch.nn.Module | None) -> dict[str, int]:
@@ -251,8 +267,11 @@ def parameter_sums(model: torch.nn.Module | None) -> dict[str, int]:
         if t.numel() == 0 or t.is_meta or t.is_complex() or as_int is None:
             continue
         try:
-            bits = t.reshape(-1).view(as_int).to(torch.int64)
-            total = (bits * (torch.arange(bits.numel(), device=bits.device) % 65521 + 1)).sum()
+            flat = t.reshape(-1).view(as_int)
+            total = torch.zeros((), dtype=torch.int64, device=t.device)
+            for lo in range(0, flat.numel(), _SUM_CHUNK):  # (temporaries of one chunk at a time)
+                part = flat[lo:lo + _SUM_CHUNK].to(torch.int64)
+                total += (part * (torch.arange(lo, lo + part.numel(), device=t.device) % 65521 + 1)).sum()
         except (RuntimeError, TypeError):
             continue
         names, sums = by_device.setdefault(t.device, ([], []))
@@ -271,6 +290,18 @@ def written_parameters(before: dict[str, Any], after: dict[str, Any]) -> list[st
     """Words for the parameters a forward wrote into (`parameter_marks` or `parameter_sums` before and
     after it)."""
     return [n + WRITTEN_PARAMETER for n, v in after.items() if n in before and before[n] != v]
+
+
+def restore_attributes(model: torch.nn.Module | None, snap: dict[str, Any]) -> None:
+    """Put a model's plain attributes back to an `attribute_state` (those that differ)."""
+    if model is None or not snap:
+        return
+    modules = dict(model.named_modules())
+    for qual, v in snap.items():
+        mname, _, attr = qual.rpartition(".")
+        m = modules.get(mname)
+        if m is not None and attr in vars(m) and vars(m)[attr] is not v and vars(m)[attr] != v:
+            setattr(m, attr, v)
 
 
 def changed_attributes(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
@@ -350,13 +381,16 @@ def check_output(trial: Trial, ref: dict[str, torch.Tensor], cand: dict[str, tor
 
 
 def check_candidate(model: torch.nn.Module, inputs: list, ref: dict[str, torch.Tensor], trial: Trial,
-                    options: Options, rng: dict | None = None) -> Trial:
+                    options: Options, rng: dict | None = None, stateful: Any = None,
+                    guard: ParameterGuard | None = None) -> Trial:
     """Run the candidate on one trial's inputs (twice with `options.rerun`, its buffers restored
     between the runs so both start from the same state) and judge its output(s) against `ref`.
     `rng`: the random generators' states its first run starts from (where the reference's forward left
     them, as KernelBench seeds a trial once); without it, the trial's seed."""
     before = snapshot_state(model)
-    guard = ParameterGuard(model) if options.rerun else None
+    if guard is None:
+        guard = ParameterGuard(model, getattr(stateful, "parameters", ()))
+    attrs = attribute_state(model) if options.rerun else {}
     if rng:
         set_rng_state(rng)
     else:
@@ -370,11 +404,20 @@ def check_candidate(model: torch.nn.Module, inputs: list, ref: dict[str, torch.T
     trial.failed_run = None if ok else 1
     if options.rerun:
         after = snapshot_state(model)
-        guard.after_run()
+        # a forward that changes its own state (seen on trial 1, or its parameters written now) makes the second
+        # run another computation: KernelBench never makes that call, so it says how the runs differ, and does
+        # not fail the trial
+        wrote = guard.after_run()
+        attrs_after = attribute_state(model)
+        changed = changed_attributes(attrs, attrs_after)
         restore_state(model, before)
         out2, err2 = forward(model, inputs, options.no_grad)
+        # this trial's first run changed the model's attributes, or its second run moved its parameters again (a
+        # write that moved no value, a no-op "sanitise", is no state)
+        changes_state = bool(changed) or any(guard.moved_since(n) for n in wrote)
         restore_state(model, after)
         guard.put_back()
+        restore_attributes(model, attrs_after)
         if err2:
             trial.error, trial.error_side = f"its second run on the same inputs raised {err2}", "candidate"
             trial.failed_run = trial.failed_run or 2
@@ -384,9 +427,9 @@ def check_candidate(model: torch.nn.Module, inputs: list, ref: dict[str, torch.T
             for key in first:
                 d = bitwise_difference(first[key], second[key]) if key in second else None
                 if d is not None:
-                    trial.nondeterministic = {**d, "where": key}
+                    trial.nondeterministic = {**d, "where": key, **({"stateful": True} if changes_state else {})}
                     break
-            if trial.nondeterministic is not None:
+            if trial.nondeterministic is not None and not changes_state:
                 again = Trial(trial.trial, trial.seed)
                 if not check_output(again, ref, second, options.tolerance) and ok:
                     trial.failed_run, trial.max_abs, trial.mean_abs = 2, again.max_abs, again.mean_abs
@@ -439,25 +482,57 @@ class LiveReference:
 
 
 @dataclass
+class StateChanges:
+    """What a candidate's forward was seen changing of its own state on trial 1 (`Result.meta["stateful"]`):
+    parameters it wrote into, plain attributes it changed."""
+
+    parameters: tuple = ()
+    attributes: tuple = ()
+
+    @property
+    def any(self) -> bool:
+        return bool(self.parameters or self.attributes)
+
+
+@dataclass
 class LiveCandidate:
     """The candidate model in this process, run twice on each trial's inputs.  A trial diffed in full
     starts from the state its run started from: buffers, and the parameters of a forward seen writing
-    into its own (`parameter_marks` moved since this was made)."""
+    into its own (on trial 1, or `parameter_marks` moved since this was made)."""
 
     model: torch.nn.Module
     options: Options
+    stateful: StateChanges | None = None
     _before: dict = field(default_factory=dict, repr=False)
     _params_before: dict = field(default_factory=dict, repr=False)
     _marks: dict = field(default_factory=dict, repr=False)
+    _guard: tuple | None = field(default=None, repr=False)  # (trial, the ParameterGuard of its run)
+    _attrs: tuple | None = field(default=None, repr=False)  # (trial, its attributes before its run)
+    _after_attrs: dict = field(default_factory=dict, repr=False)  # (the attributes its run left)
 
     def __post_init__(self) -> None:
         self._marks = parameter_marks(self.model)
 
+    def learn(self, first: Any) -> None:
+        """What trial 1's diff (a Result) saw the forward change of its own state."""
+        seen = (getattr(first, "meta", None) or {}).get("stateful") or {}
+        self.stateful = StateChanges(tuple(seen.get("parameters", ())), tuple(seen.get("attributes", ())))
+
+    def _writes_parameters(self) -> bool:
+        if self.stateful is not None and self.stateful.parameters:
+            return True
+        now = parameter_marks(self.model)  # (a lazy module's parameters, made by the first forward, aside)
+        return any(now.get(n, m) != m for n, m in self._marks.items())
+
     def check(self, k: int, inputs: list, ref: dict[str, torch.Tensor], trial: Trial, rng: dict | None = None) -> Trial:
         self._before[k] = snapshot_state(self.model)
-        if parameter_marks(self.model) != self._marks:  # its forward writes into its parameters
+        self._params_before.clear()  # (only the trial being run can be the one diffed in full next)
+        if self._writes_parameters():
             self._params_before[k] = {n: p.detach().clone() for n, p in materialized(self.model.named_parameters())}
-        return check_candidate(self.model, inputs, ref, trial, self.options, rng=rng)
+        self._attrs = (k, attribute_state(self.model))
+        self._guard = (k, ParameterGuard(self.model, getattr(self.stateful, "parameters", ())))
+        return check_candidate(self.model, inputs, ref, trial, self.options, rng=rng, stateful=self.stateful,
+                               guard=self._guard[1])
 
     def source(self, k: int, inputs: list, seed: int | None):
         from .pipeline import ModelSource
@@ -465,7 +540,25 @@ class LiveCandidate:
         if k in self._before:
             restore_state(self.model, self._before.pop(k))
         restore_parameters(self.model, self._params_before.pop(k, {}))
+        if self._attrs and self._attrs[0] == k:
+            self._after_attrs = attribute_state(self.model)
+            restore_attributes(self.model, self._attrs[1])
         return ModelSource(self.model, inputs, seed=seed)
+
+    def notes(self, k: int) -> list[str]:
+        """What a full diff of trial `k` should say of the state it started from."""
+        guard = self._guard[1] if self._guard and self._guard[0] == k else None
+        if guard is None or not guard.kept or k in self._params_before:
+            return []
+        return [f"the candidate's forward wrote into its own parameters first on trial {k} "
+                f"({', '.join(list(guard.kept)[:3])}): the full diff of that trial started from the weights its run "
+                f"left, not from those it started with"]
+
+    def after_full(self, k: int) -> None:
+        """A full diff of trial `k` ran the candidate again: its parameters back to what trial `k`'s run left."""
+        if self._guard and self._guard[0] == k:
+            self._guard[1].put_back()
+        restore_attributes(self.model, self._after_attrs)
 
 
 def _trial_dir(capture_path: str, name: Any) -> str | None:
@@ -772,6 +865,8 @@ def run_trials(reference, candidate, first_inputs: list, options: Options, evide
     journal = _TrialJournal(options.stream_dir)
     journal.running(1, seeds[0])
     reported = run(reference.source(1, first_inputs), candidate.source(1, first_inputs, seeds[0]), options)
+    if isinstance(candidate, LiveCandidate):
+        candidate.learn(reported)
     outcomes = [first_trial(reported)]
     outcomes[0].trial, outcomes[0].seed, outcomes[0].captured = 1, seeds[0], True
     journal.finished(outcomes[0])
@@ -812,6 +907,9 @@ def run_trials(reference, candidate, first_inputs: list, options: Options, evide
             full = run(reference.source(k, inputs), candidate.source(k, inputs, trial.seed),
                        options.replace(stream_dir=None))
             full.warnings += getattr(reference, "notes", [])
+            if isinstance(candidate, LiveCandidate):
+                full.warnings += candidate.notes(k)
+                candidate.after_full(k)
             trial.captured = True
             if trial.error and full.error is None:
                 full.error = ErrorInfo("candidate", "forward", f"on trial {k} (seed {trial.seed}) the candidate "
@@ -840,12 +938,13 @@ def _trial_notes(result, outcomes: list[Trial]) -> None:
         return
     first = racy[0].nondeterministic
     which = ", ".join(f"{o.trial} (seed {o.seed})" for o in racy[:4]) + (" …" if len(racy) > 4 else "")
-    # trial 1's runs found the forward changing the model's own state: the later trials' differ for that reason
-    stateful = any(f.kind == "stateful" for f in result.findings)
+    # the forward was seen changing the model's own state: the later trials' runs differ for that reason
+    stateful = any(f.kind == "stateful" for f in result.findings) or bool(result.meta.get("stateful")) or any(
+        o.nondeterministic.get("stateful") for o in racy)
     words = (f"on trial{'s' if len(racy) > 1 else ''} {which} running the candidate twice on the same inputs gives "
              f"different values in {first.get('where', 'the output')}: {difference_words(first)}"
              + (f" (trial {racy[0].trial}; the others alike)" if len(racy) > 1 else "")
-             + (" -- its forward changes its own state, as on trial 1" if stateful
+             + (" -- its forward changes its own state" if stateful
                 else " -- a race, an uninitialised read or randomness"))
     result.findings.append(Finding("stateful" if stateful else "nondeterministic", words, 0.9))
     if all(o.allclose for o in racy):
