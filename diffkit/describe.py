@@ -217,8 +217,7 @@ def _trial_headline(result) -> str:
     asked = (getattr(result, "meta", None) or {}).get("trials", {}).get("asked", len(_trials(result)))
     where = f"on trial {t.get('trial')} of {asked} (seed {t.get('seed')})" if asked > 1 else f"(seed {t.get('seed')})"
     text = f"diffkit: DIVERGED {where}: {trial_outcome(t).removeprefix('FAIL: ')}"
-    if (getattr(result, "meta", None) or {}).get("stateful") or (t.get("nondeterministic") or {}).get("stateful") or any(
-            getattr(f, "kind", "") == "stateful" for f in getattr(result, "findings", ())):
+    if (t.get("nondeterministic") or {}).get("stateful"):
         text += "; the candidate's forward changes its own state (see the findings)"
     elif t.get("failed_run") == 2 or t.get("nondeterministic"):
         text += "; the candidate is nondeterministic (a race, an uninitialised read or randomness)"

@@ -242,7 +242,7 @@ def _run_side(src: ModelSource, options: Options, state: dict, side: str, **capt
     trace = run_captured(src.model, clone_inputs(list(src.inputs)), no_grad=options.no_grad, fold=src.fold,
                          fold_writes=src.fold_writes, **capture)
     state[side] = (before, snapshot_state(src.model))
-    state[side + "_attrs_after"] = attribute_state(src.model)
+    state[side + "_attrs_before"], state[side + "_attrs_after"] = attrs, attribute_state(src.model)
     changed = changed_attributes(attrs, state[side + "_attrs_after"])
     written = guard.after_run(before=trace.params_written)  # (a write that changed no value is not named)
     state[side + "_attributes"] = changed + [n + WRITTEN_PARAMETER for n in written]
@@ -696,6 +696,12 @@ def _explain(traces: _Traces, reference: Source, candidate: Source, options: Opt
         d = (candidate.file.info.get("rerun_differs") or {}).get(fd.cand.name)
         if isinstance(d, dict) and {"elements", "numel", "max_abs"} <= set(d):
             _nondeterministic(result, fd, d)
+    seen = traces.state.get("cand_attributes") or []
+    if seen and not any(f.kind == "stateful" for f in result.findings) and (
+            result.first_divergence is not None or _output_failed(result.stages)):
+        result.findings.append(Finding("stateful", f"the candidate's forward changes its own state ({', '.join(seen[:3])}): "
+                                       f"one call computes otherwise than the next, and KernelBench's trials make one "
+                                       f"call each, on the state the calls before them left", 0.6))
     for s in result.stages:
         if s.failed and result.output is not None and not _output_failed(result.stages) and s is not out:
             result.warnings.append(f"stage {s.index} {s.ref_name} (candidate {s.cand_name}) out of tolerance: "
@@ -1165,21 +1171,29 @@ def _check_nondeterminism(result: Result, ref: Trace, cand_trace: Trace, candida
     {"allclose", "max_abs", "mean_abs"}."""
     model, inputs = candidate.model, list(candidate.inputs)
     before = traces.state.get("cand", ({},))[0]
-    restore_state(model, before)
+    guard = traces.state.get("cand_parameters")
+
+    def from_first_state() -> bool:
+        """The state the first run started from: buffers, plain attributes, and the parameters it wrote where
+        their values from before it are known (False where not: the run then starts from what it left)."""
+        restore_state(model, before)
+        restore_attributes(model, traces.state.get("cand_attrs_before") or {})
+        return guard.restore_before() if guard is not None else True
+
+    same = from_first_state()
     # a plain second forward first: only when its output differs from the first run's bitwise does the
     # record that first changed matter, and only then is the candidate captured a third time to find it
     marks = parameter_marks(model)
     if not _second_output_differs(model, inputs, cand_trace, options):
         result.meta["second_run"] = {"differs": 0}
         return None
-    # a forward that writes into its own parameters does so in every run: the later runs' writes are looked
-    # for (by version counter; by value around the captured run that follows, for writes no counter sees:
-    # through `.data`, by a kernel given the pointer), not on the way of every diff
-    guard = traces.state.get("cand_parameters")
+    # from the same state, a forward that changes its own state repeats itself: a difference is a race, unless
+    # the state could not all be put back (parameters it wrote with no values from before), or it wrote into
+    # its parameters unseen (a kernel given the pointer: found by value around the captured run that follows)
     written = [w for w in written_parameters(marks, parameter_marks(model))  # (a write that moved no value aside)
                if guard is None or guard.moved_since(w[:-len(WRITTEN_PARAMETER)])]
-    restore_state(model, before)
-    sums = None if written else parameter_sums(model)
+    same = from_first_state() and same
+    sums = parameter_sums(model) if same else None
     if traces.window is None:
         sink = _RerunComparer(cand_trace)
         run_captured(model, clone_inputs(inputs), no_grad=options.no_grad, sink=sink, fold=candidate.fold,
@@ -1200,9 +1214,11 @@ def _check_nondeterminism(result: Result, ref: Trace, cand_trace: Trace, candida
         by_name = {r.name: r for r in again.records}
         diffs = {n: (d, by_name[n].value) for n, d in rerun_differences(cand_trace, again, wanted).items()}
     if sums is not None:
-        written = written_parameters(sums, parameter_sums(model))
-    kept = (traces.state.get("cand_attributes") or [])
-    kept = kept + [w for w in written if w not in kept]
+        unseen = written_parameters(sums, parameter_sums(model))
+        kept = unseen  # (the first run wrote them too, and their values from before were not known)
+    else:
+        kept = (traces.state.get("cand_attributes") or [])
+        kept = kept + [w for w in written if w not in kept]
     result.meta["second_run"] = {"differs": len(diffs)}
     if not diffs:
         if kept:  # the second run's output differed, the captured third equals the first: state, not a race

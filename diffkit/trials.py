@@ -192,29 +192,44 @@ def parameter_marks(model: torch.nn.Module | None) -> dict[str, tuple]:
 
 
 class ParameterGuard:
-    """The parameters a run of `model` writes into (`parameter_marks` before and after it), their values as
-    that run left them kept, and put back after the extra runs diffkit makes on the same trial (the second
-    run on the same inputs, a captured rerun): the next trial starts from the weights KernelBench's single
-    run per trial would have left."""
+    """The parameters a run of `model` writes into (`parameter_marks` before and after it): their values from
+    before the run where they can be had (cloned beforehand for the parameters `known` to be written, handed
+    in by a capture that saw the writes, or the tensor `.data` held before it was given another), so that a
+    second run can start from the same state (`restore_before`), and their values as the run left them, put
+    back after diffkit's extra runs (`put_back`): each trial's first run sees what KernelBench's single run
+    per trial would."""
 
     def __init__(self, model: torch.nn.Module | None, known: Any = ()):
         self.model = model
         self.marks = parameter_marks(model)
-        self.known = set(known)  # parameters known to be written (a capture saw the writes) whatever the marks say
+        params = dict(materialized(model.named_parameters())) if model is not None else {}
+        self.known = set(known)  # parameters known to be written (trial 1's capture saw the writes)
+        self.pre = {n: params[n].detach().clone() for n in self.known if n in params}
+        self.held = {n: p.data for n, p in params.items()}  # (costs nothing: what `.data =` would drop)
         self.kept: dict[str, torch.Tensor] = {}
 
     def after_run(self, before: dict[str, torch.Tensor] | None = None) -> list[str]:
-        """Call once the watched run is over: the parameters it wrote, their values kept; those that
-        `before` (values from before the run, where known) shows unchanged are not named."""
+        """Call once the watched run is over: the parameters it wrote, their values kept (`before`: values
+        from before the run a capture kept); those it left as they were are not named."""
         if self.model is None:
             return []
+        for n, v in (before or {}).items():
+            self.pre.setdefault(n, v)
         now = parameter_marks(self.model)
         params = dict(materialized(self.model.named_parameters()))
         names = [n for n, m in now.items() if (n in self.marks and self.marks[n] != m) or n in self.known
-                 or (before and n in before)]
+                 or n in (before or {})]
         self.kept = {n: params[n].detach().clone() for n in names}
-        before = before or {}
-        return [n for n in names if n not in before or not _same_values(before[n], self.kept[n])]
+        for n in names:  # `.data` given another tensor: the one it held is what it was
+            if n not in self.pre and self.marks.get(n, (None, None))[1:] != now[n][1:] and n in self.held:
+                self.pre[n] = self.held[n]
+        return [n for n in names if n not in self.pre or not _same_values(self.pre[n], self.kept[n])]
+
+    def restore_before(self) -> bool:
+        """Put the parameters the run wrote back to their values from before it: whether all of them could
+        be (a second run then starts from the first's state; where not, it starts from what the first left)."""
+        restore_parameters(self.model, {n: self.pre[n] for n in self.kept if n in self.pre})
+        return all(n in self.pre for n in self.kept)
 
     def put_back(self) -> None:
         restore_parameters(self.model, self.kept)
@@ -227,7 +242,13 @@ class ParameterGuard:
 
 
 def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return tuple(a.shape) == tuple(b.shape) and a.dtype == b.dtype and bool(torch.equal(a, b.to(a.device)))
+    """Equal shapes, dtypes and values (NaN where the other holds NaN counts as equal)."""
+    if tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype:
+        return False
+    b = b.to(a.device)
+    if torch.equal(a, b):
+        return True
+    return bool(a.is_floating_point() and ((a == b) | (a.isnan() & b.isnan())).all())
 
 
 def restore_parameters(model: torch.nn.Module | None, kept: dict[str, torch.Tensor]) -> None:
@@ -300,8 +321,12 @@ def restore_attributes(model: torch.nn.Module | None, snap: dict[str, Any]) -> N
     for qual, v in snap.items():
         mname, _, attr = qual.rpartition(".")
         m = modules.get(mname)
-        if m is not None and attr in vars(m) and vars(m)[attr] is not v and vars(m)[attr] != v:
-            setattr(m, attr, v)
+        if m is None or attr not in vars(m):
+            continue
+        now = vars(m)[attr]
+        if now is v or (isinstance(now, (bool, int, float, str, type(None))) and now == v):
+            continue
+        setattr(m, attr, v)  # (whatever it holds now, an array or a tensor made since included)
 
 
 def changed_attributes(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
@@ -404,17 +429,18 @@ def check_candidate(model: torch.nn.Module, inputs: list, ref: dict[str, torch.T
     trial.failed_run = None if ok else 1
     if options.rerun:
         after = snapshot_state(model)
-        # a forward that changes its own state (seen on trial 1, or its parameters written now) makes the second
-        # run another computation: KernelBench never makes that call, so it says how the runs differ, and does
-        # not fail the trial
         wrote = guard.after_run()
         attrs_after = attribute_state(model)
-        changed = changed_attributes(attrs, attrs_after)
+        # the second run starts from the first's state: buffers, plain attributes, and the parameters the first
+        # wrote (where their values from before it can be had): a forward that changes its own state repeats
+        # itself, and a difference is a race, an uninitialised read or randomness
         restore_state(model, before)
+        restore_attributes(model, attrs)
+        same_state = guard.restore_before()
         out2, err2 = forward(model, inputs, options.no_grad)
-        # this trial's first run changed the model's attributes, or its second run moved its parameters again (a
-        # write that moved no value, a no-op "sanitise", is no state)
-        changes_state = bool(changed) or any(guard.moved_since(n) for n in wrote)
+        # (parameters written for the first time on this trial, values from before unknown: the second run
+        # started from what the first left, another computation KernelBench never makes; it fails no trial)
+        changes_state = not same_state and any(guard.moved_since(n) for n in wrote)
         restore_state(model, after)
         guard.put_back()
         restore_attributes(model, attrs_after)
@@ -904,11 +930,11 @@ def run_trials(reference, candidate, first_inputs: list, options: Options, evide
         if trial.failed and all(not o.failed for o in outcomes[:-1]):
             # (no crash insurance of its own: the isolated child's capture file stays trial 1's, which a
             # second run after a failure recaptures first)
+            said = candidate.notes(k) if isinstance(candidate, LiveCandidate) else []  # (before `source` takes the state)
             full = run(reference.source(k, inputs), candidate.source(k, inputs, trial.seed),
                        options.replace(stream_dir=None))
-            full.warnings += getattr(reference, "notes", [])
+            full.warnings += getattr(reference, "notes", []) + said
             if isinstance(candidate, LiveCandidate):
-                full.warnings += candidate.notes(k)
                 candidate.after_full(k)
             trial.captured = True
             if trial.error and full.error is None:
@@ -939,8 +965,8 @@ def _trial_notes(result, outcomes: list[Trial]) -> None:
     first = racy[0].nondeterministic
     which = ", ".join(f"{o.trial} (seed {o.seed})" for o in racy[:4]) + (" …" if len(racy) > 4 else "")
     # the forward was seen changing the model's own state: the later trials' runs differ for that reason
-    stateful = any(f.kind == "stateful" for f in result.findings) or bool(result.meta.get("stateful")) or any(
-        o.nondeterministic.get("stateful") for o in racy)
+    # (a trial's second run could not start from its first's state: its forward wrote parameters it had not before)
+    stateful = any(o.nondeterministic.get("stateful") for o in racy)
     words = (f"on trial{'s' if len(racy) > 1 else ''} {which} running the candidate twice on the same inputs gives "
              f"different values in {first.get('where', 'the output')}: {difference_words(first)}"
              + (f" (trial {racy[0].trial}; the others alike)" if len(racy) > 1 else "")
