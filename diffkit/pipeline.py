@@ -30,8 +30,8 @@ from .options import Options
 from .result import ErrorInfo, Finding, Result, Values
 from .rootcause import analyse
 from .trials import WRITTEN_PARAMETER, Trial, attribute_state, bitwise_difference, changed_attributes, \
-    ParameterGuard, difference_words, parameter_marks, parameter_sums, restore_attributes, restore_state, seed_all, \
-    snapshot_state, written_parameters
+    ParameterGuard, all_parameters, difference_words, parameter_marks, parameter_sums, restore_attributes, \
+    restore_parameters, restore_state, seed_all, snapshot_state, written_parameters
 
 __all__ = ["ModelSource", "CaptureSource", "TraceSource", "run", "judge", "run_captured", "clone_inputs"]
 
@@ -684,12 +684,17 @@ def _explain(traces: _Traces, reference: Source, candidate: Source, options: Opt
     if traces.state.get("cand_stateful"):
         result.meta["stateful"] = traces.state["cand_stateful"]
     if options.rerun and isinstance(candidate, ModelSource) and result.error is None and not cand.stopped:
+        # (attributes put back for the reruns may make them repeat a one-time step, a fold into the weights guarded
+        # by a flag: every parameter as the first run left it is kept then, whoever writes it, a kernel included)
+        whole = all_parameters(candidate.model) if traces.state.get("cand_attrs_before") != traces.state.get(
+            "cand_attrs_after") else {}
         try:
             second = _check_nondeterminism(result, ref, cand, candidate, options, traces)
         finally:  # the parameters its forward wrote and its attributes, as its first run left them
             guard = traces.state.get("cand_parameters")
             if guard is not None:
                 guard.put_back()
+            restore_parameters(candidate.model, whole)
             restore_attributes(candidate.model, traces.state.get("cand_attrs_after") or {})
     elif isinstance(candidate, CaptureSource) and fd is not None and fd.cand is not None:
         # `diffkit capture` ran the forward twice and kept which records changed between the runs

@@ -241,6 +241,13 @@ class ParameterGuard:
         return v is None or p is None or not _same_values(v, p.detach())
 
 
+def all_parameters(model: torch.nn.Module | None) -> dict[str, torch.Tensor]:
+    """A copy of every parameter's values by qualified name."""
+    if model is None:
+        return {}
+    return {n: p.detach().clone() for n, p in materialized(model.named_parameters())}
+
+
 def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal shapes, dtypes and values (NaN where the other holds NaN counts as equal)."""
     if tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype:
@@ -434,6 +441,9 @@ def check_candidate(model: torch.nn.Module, inputs: list, ref: dict[str, torch.T
         # the second run starts from the first's state: buffers, plain attributes, and the parameters the first
         # wrote (where their values from before it can be had): a forward that changes its own state repeats
         # itself, and a difference is a race, an uninitialised read or randomness
+        # (attributes put back may make the second run repeat a one-time step, a fold into the weights guarded by
+        # a flag: every parameter as the first run left it is kept then, whoever writes it, a kernel included)
+        whole = all_parameters(model) if attrs != attrs_after else {}
         restore_state(model, before)
         restore_attributes(model, attrs)
         same_state = guard.restore_before()
@@ -443,6 +453,7 @@ def check_candidate(model: torch.nn.Module, inputs: list, ref: dict[str, torch.T
         changes_state = not same_state and any(guard.moved_since(n) for n in wrote)
         restore_state(model, after)
         guard.put_back()
+        restore_parameters(model, whole)
         restore_attributes(model, attrs_after)
         if err2:
             trial.error, trial.error_side = f"its second run on the same inputs raised {err2}", "candidate"
@@ -554,7 +565,7 @@ class LiveCandidate:
         self._before[k] = snapshot_state(self.model)
         self._params_before.clear()  # (only the trial being run can be the one diffed in full next)
         if self._writes_parameters():
-            self._params_before[k] = {n: p.detach().clone() for n, p in materialized(self.model.named_parameters())}
+            self._params_before[k] = all_parameters(self.model)
         self._attrs = (k, attribute_state(self.model))
         self._guard = (k, ParameterGuard(self.model, getattr(self.stateful, "parameters", ())))
         return check_candidate(self.model, inputs, ref, trial, self.options, rng=rng, stateful=self.stateful,

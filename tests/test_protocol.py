@@ -1277,6 +1277,29 @@ class ModelNew(nn.Module):
 '''
 
 
+# folds a scale into its weight and bias once, behind a flag, writing their memory through numpy (as a kernel
+# handed the pointer would: no torch op, no version counter), and undoes the scale on the output
+UNSEEN_FOLD = '''
+import torch
+from torch import nn
+
+
+class ModelNew(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.conv = nn.Conv1d(c, c, 3, padding=1)
+        self.folded = False
+
+    def forward(self, x):
+        if not self.folded:
+            for p in (self.conv.weight, self.conv.bias):
+                raw = p.detach().numpy()
+                raw *= 0.5
+            self.folded = True
+        return torch.tanh(2.0 * self.conv(x))
+'''
+
+
 def _spike_limit():
     """A bound on max |x| that KernelBench's trial 1 inputs exceed and a later trial's do not."""
     maxima = []
@@ -1289,8 +1312,8 @@ def _spike_limit():
 
 
 @pytest.mark.parametrize("ref_src,cand_src", [(DRIFT_REF, DRIFT_HELPER), (FLIP_REF, FLIP_CAND), (DRIFT_REF, CREEP_CAND),
-                                              (DRIFT_REF, None), (DRIFT_REF, COUNTER_CAND)],
-                         ids=["drift", "flip", "creep-through-data", "spike", "call-counter"])
+                                              (DRIFT_REF, None), (DRIFT_REF, COUNTER_CAND), (DRIFT_REF, UNSEEN_FOLD)],
+                         ids=["drift", "flip", "creep-through-data", "spike", "call-counter", "unseen-fold-once"])
 @pytest.mark.parametrize("mode", ["in-process", "isolated"])
 def test_trials_of_a_forward_changing_its_own_state_see_kernelbench_s_state(tmp_path, ref_src, cand_src, mode):
     """diffkit runs the candidate more than once per trial (the second run on the same inputs, a captured
