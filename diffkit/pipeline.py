@@ -686,8 +686,8 @@ def _explain(traces: _Traces, reference: Source, candidate: Source, options: Opt
     if options.rerun and isinstance(candidate, ModelSource) and result.error is None and not cand.stopped:
         # (attributes put back for the reruns may make them repeat a one-time step, a fold into the weights guarded
         # by a flag: every parameter as the first run left it is kept then, whoever writes it, a kernel included)
-        whole = all_parameters(candidate.model) if traces.state.get("cand_attrs_before") != traces.state.get(
-            "cand_attrs_after") else {}
+        whole = traces.state["cand_whole"] = all_parameters(candidate.model) if traces.state.get(
+            "cand_attrs_before") != traces.state.get("cand_attrs_after") else {}
         try:
             second = _check_nondeterminism(result, ref, cand, candidate, options, traces)
         finally:  # the parameters its forward wrote and its attributes, as its first run left them
@@ -1189,7 +1189,19 @@ def _check_nondeterminism(result: Result, ref: Trace, cand_trace: Trace, candida
     # a plain second forward first: only when its output differs from the first run's bitwise does the
     # record that first changed matter, and only then is the candidate captured a third time to find it
     marks = parameter_marks(model)
-    if not _second_output_differs(model, inputs, cand_trace, options):
+    differs = _second_output_differs(model, inputs, cand_trace, options)
+    whole = traces.state.get("cand_whole") or {}
+    if differs and (whole or (guard is not None and guard.kept)):
+        # the state put back may be one the model is never in (weights unfolded, the flag that guards the fold
+        # kept): once more from where the first run left it (buffers put back); the same output then says the
+        # difference was the state, not a race
+        restore_state(model, before)
+        if guard is not None:
+            guard.put_back()
+        restore_parameters(model, whole)
+        restore_attributes(model, traces.state.get("cand_attrs_after") or {})
+        differs = _second_output_differs(model, inputs, cand_trace, options)
+    if not differs:
         result.meta["second_run"] = {"differs": 0}
         return None
     # from the same state, a forward that changes its own state repeats itself: a difference is a race, unless

@@ -169,11 +169,17 @@ def attribute_state(model: torch.nn.Module | None) -> dict[str, Any]:
         return {}
     out: dict[str, Any] = {}
     for mname, m in model.named_modules():
+        if type(m).__module__.startswith("torch."):
+            continue  # torch's own modules: configuration (a lazy module's sizes, set by its first call), not state
         for k, v in vars(m).items():
-            if k.startswith("_") or k == "training" or not isinstance(v, (bool, int, float, str, type(None))):
-                continue
+            if k in _MODULE_OWN or k.startswith("__") or not isinstance(v, (bool, int, float, str, type(None))):
+                continue  # (a private `_folded` flag counts; nn.Module's own bookkeeping does not)
             out[f"{mname}.{k}" if mname else k] = v
     return out
+
+
+_MODULE_OWN = frozenset(vars(torch.nn.Module())) | {"training"}
+_MISSING = object()
 
 
 def parameter_marks(model: torch.nn.Module | None) -> dict[str, tuple]:
@@ -321,25 +327,32 @@ def written_parameters(before: dict[str, Any], after: dict[str, Any]) -> list[st
 
 
 def restore_attributes(model: torch.nn.Module | None, snap: dict[str, Any]) -> None:
-    """Put a model's plain attributes back to an `attribute_state` (those that differ)."""
-    if model is None or not snap:
+    """Put a model's plain attributes back to an `attribute_state` (those that differ; those made since go)."""
+    if model is None:
         return
     modules = dict(model.named_modules())
+    for qual in set(attribute_state(model)) - set(snap):  # made since (a flag set by the first call): gone again
+        mname, _, attr = qual.rpartition(".")
+        try:
+            delattr(modules[mname], attr)
+        except (KeyError, AttributeError):
+            pass
     for qual, v in snap.items():
         mname, _, attr = qual.rpartition(".")
         m = modules.get(mname)
-        if m is None or attr not in vars(m):
+        if m is None:
             continue
-        now = vars(m)[attr]
+        now = vars(m).get(attr, _MISSING)
         if now is v or (isinstance(now, (bool, int, float, str, type(None))) and now == v):
             continue
-        setattr(m, attr, v)  # (whatever it holds now, an array or a tensor made since included)
+        setattr(m, attr, v)  # (whatever it holds now, an array or a tensor made since included, or nothing)
 
 
 def changed_attributes(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
     """Words for the attributes whose values differ between two `attribute_state`s: "calls (0 → 1)"."""
-    return [f"{n} ({before.get(n)!r:.20} → {after[n]!r:.20})" for n in after
-            if n in before and before[n] != after[n] and not (before[n] != before[n] and after[n] != after[n])]
+    return [f"{n} ({before[n]!r:.20} → {after[n]!r:.20})" if n in before else f"{n} (made: {after[n]!r:.20})"
+            for n in after if n not in before or (before[n] != after[n] and not (before[n] != before[n]
+                                                                                and after[n] != after[n]))]
 
 
 def restore_state(model: torch.nn.Module | None, snap: dict[str, torch.Tensor]) -> None:
@@ -412,6 +425,15 @@ def check_output(trial: Trial, ref: dict[str, torch.Tensor], cand: dict[str, tor
     return ok
 
 
+def _first_difference(first: dict[str, torch.Tensor], second: dict[str, torch.Tensor]) -> tuple[str, dict] | None:
+    """The first output leaf (and how) two runs' outputs differ bitwise in, or None."""
+    for key in first:
+        d = bitwise_difference(first[key], second[key]) if key in second else None
+        if d is not None:
+            return key, d
+    return None
+
+
 def check_candidate(model: torch.nn.Module, inputs: list, ref: dict[str, torch.Tensor], trial: Trial,
                     options: Options, rng: dict | None = None, stateful: Any = None,
                     guard: ParameterGuard | None = None) -> Trial:
@@ -444,6 +466,13 @@ def check_candidate(model: torch.nn.Module, inputs: list, ref: dict[str, torch.T
         # (attributes put back may make the second run repeat a one-time step, a fold into the weights guarded by
         # a flag: every parameter as the first run left it is kept then, whoever writes it, a kernel included)
         whole = all_parameters(model) if attrs != attrs_after else {}
+
+        def from_where_it_left() -> None:
+            restore_state(model, after)
+            guard.put_back()
+            restore_parameters(model, whole)
+            restore_attributes(model, attrs_after)
+
         restore_state(model, before)
         restore_attributes(model, attrs)
         same_state = guard.restore_before()
@@ -451,21 +480,26 @@ def check_candidate(model: torch.nn.Module, inputs: list, ref: dict[str, torch.T
         # (parameters written for the first time on this trial, values from before unknown: the second run
         # started from what the first left, another computation KernelBench never makes; it fails no trial)
         changes_state = not same_state and any(guard.moved_since(n) for n in wrote)
-        restore_state(model, after)
-        guard.put_back()
-        restore_parameters(model, whole)
-        restore_attributes(model, attrs_after)
+        from_where_it_left()
+        second = None if err2 else output_leaves(out2)
+        if second is not None and (whole or wrote) and _first_difference(first, second) is not None:
+            # the state put back may be one the model is never in (weights unfolded, the flag that guards the
+            # fold kept): run once more from where the first run left it (buffers put back); the same output
+            # then says the difference was the state, not a race
+            restore_state(model, before)
+            out3, err3 = forward(model, inputs, options.no_grad)
+            from_where_it_left()
+            if not err3 and _first_difference(first, output_leaves(out3)) is None:
+                second = output_leaves(out3)
         if err2:
             trial.error, trial.error_side = f"its second run on the same inputs raised {err2}", "candidate"
             trial.failed_run = trial.failed_run or 2
             ok = False
         else:
-            second = output_leaves(out2)
-            for key in first:
-                d = bitwise_difference(first[key], second[key]) if key in second else None
-                if d is not None:
-                    trial.nondeterministic = {**d, "where": key, **({"stateful": True} if changes_state else {})}
-                    break
+            found = _first_difference(first, second)
+            if found is not None:
+                key, d = found
+                trial.nondeterministic = {**d, "where": key, **({"stateful": True} if changes_state else {})}
             if trial.nondeterministic is not None and not changes_state:
                 again = Trial(trial.trial, trial.seed)
                 if not check_output(again, ref, second, options.tolerance) and ok:

@@ -1300,6 +1300,64 @@ class ModelNew(nn.Module):
 '''
 
 
+# a reference whose output channels are scaled by a learned gain
+GAIN_REF = '''
+import torch
+from torch import nn
+
+
+class Model(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.conv = nn.Conv1d(c, c, 3, padding=1)
+        self.gain = nn.Parameter(torch.rand(c) + 0.5)
+
+    def forward(self, x):
+        return torch.tanh(self.conv(x) * self.gain.view(1, -1, 1))
+
+
+def get_inputs():
+    return [torch.randn(2, 4, 10)]
+
+
+def get_init_inputs():
+    return [4]
+'''
+
+# computes with the gain, then folds it into its weight and bias once (in place) behind a private flag: the same
+# ops either way, so a second run from unfolded weights with the flag left set would be off
+PRIVATE_FOLD = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class ModelNew(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.conv = nn.Conv1d(c, c, 3, padding=1)
+        self.gain = nn.Parameter(torch.rand(c) + 0.5)
+        self.register_buffer("unit", torch.ones(c))
+        self._ready = False
+
+    def forward(self, x):
+        g = self.unit if self._ready else self.gain
+        y = torch.tanh(F.conv1d(x, self.conv.weight, None, padding=1) * g.view(1, -1, 1)
+                       + (self.conv.bias * g).view(1, -1, 1))
+        if not self._ready:
+            with torch.no_grad():
+                self.conv.weight.mul_(self.gain.view(-1, 1, 1))
+                self.conv.bias.mul_(self.gain)
+            self._ready = True
+        return y
+'''
+
+# the same behind a flag the first call creates (no attribute before it)
+CREATED_FLAG = PRIVATE_FOLD.replace("        self._ready = False\n", "").replace(
+    "self.unit if self._ready else self.gain", "self.unit if getattr(self, 'ready', False) else self.gain").replace(
+    "if not self._ready:", "if not getattr(self, 'ready', False):").replace("self._ready = True", "self.ready = True")
+
+
 def _spike_limit():
     """A bound on max |x| that KernelBench's trial 1 inputs exceed and a later trial's do not."""
     maxima = []
@@ -1312,8 +1370,10 @@ def _spike_limit():
 
 
 @pytest.mark.parametrize("ref_src,cand_src", [(DRIFT_REF, DRIFT_HELPER), (FLIP_REF, FLIP_CAND), (DRIFT_REF, CREEP_CAND),
-                                              (DRIFT_REF, None), (DRIFT_REF, COUNTER_CAND), (DRIFT_REF, UNSEEN_FOLD)],
-                         ids=["drift", "flip", "creep-through-data", "spike", "call-counter", "unseen-fold-once"])
+                                              (DRIFT_REF, None), (DRIFT_REF, COUNTER_CAND), (DRIFT_REF, UNSEEN_FOLD),
+                                              (GAIN_REF, PRIVATE_FOLD), (GAIN_REF, CREATED_FLAG)],
+                         ids=["drift", "flip", "creep-through-data", "spike", "call-counter", "unseen-fold-once",
+                              "private-flag", "flag-made-by-the-first-call"])
 @pytest.mark.parametrize("mode", ["in-process", "isolated"])
 def test_trials_of_a_forward_changing_its_own_state_see_kernelbench_s_state(tmp_path, ref_src, cand_src, mode):
     """diffkit runs the candidate more than once per trial (the second run on the same inputs, a captured
