@@ -30,8 +30,8 @@ from .options import Options
 from .result import ErrorInfo, Finding, Result, Values
 from .rootcause import analyse
 from .trials import WRITTEN_PARAMETER, Trial, attribute_state, bitwise_difference, changed_attributes, \
-    ParameterGuard, all_parameters, difference_words, parameter_marks, parameter_sums, restore_attributes, \
-    restore_parameters, restore_state, seed_all, snapshot_state, written_parameters
+    ParameterGuard, all_parameters, difference_words, parameter_marks, parameter_sums, restore_state, seed_all, \
+    snapshot_state, to_first_state, to_where_it_left, written_parameters
 
 __all__ = ["ModelSource", "CaptureSource", "TraceSource", "run", "judge", "run_captured", "clone_inputs"]
 
@@ -673,9 +673,9 @@ def _explain(traces: _Traces, reference: Source, candidate: Source, options: Opt
                                          state=traces.state.get("ref", ({},))[0],
                                          rerun=result.first_divergence is not None or _output_failed(result.stages)
                                          or may_be_random(reference.model, ref))
-        if traces.state.get("ref_parameters") is not None:  # (a reference changing its own state: as its run left it)
-            traces.state["ref_parameters"].put_back()
-        restore_attributes(reference.model, traces.state.get("ref_attrs_after") or {})
+        # (a reference changing its own state: as its run left it)
+        to_where_it_left(reference.model, None, traces.state.get("ref_parameters"), {},
+                         traces.state.get("ref_attrs_after"))
     elif isinstance(reference, CaptureSource) and options.health:
         health = reference.file.info.get("health")  # measured in the reference's own process
         result.health = [str(h) for h in health] if isinstance(health, list) else []
@@ -691,11 +691,8 @@ def _explain(traces: _Traces, reference: Source, candidate: Source, options: Opt
         try:
             second = _check_nondeterminism(result, ref, cand, candidate, options, traces)
         finally:  # the parameters its forward wrote and its attributes, as its first run left them
-            guard = traces.state.get("cand_parameters")
-            if guard is not None:
-                guard.put_back()
-            restore_parameters(candidate.model, whole)
-            restore_attributes(candidate.model, traces.state.get("cand_attrs_after") or {})
+            to_where_it_left(candidate.model, None, traces.state.get("cand_parameters"), whole,
+                             traces.state.get("cand_attrs_after"))
     elif isinstance(candidate, CaptureSource) and fd is not None and fd.cand is not None:
         # `diffkit capture` ran the forward twice and kept which records changed between the runs
         d = (candidate.file.info.get("rerun_differs") or {}).get(fd.cand.name)
@@ -1179,11 +1176,7 @@ def _check_nondeterminism(result: Result, ref: Trace, cand_trace: Trace, candida
     guard = traces.state.get("cand_parameters")
 
     def from_first_state() -> bool:
-        """The state the first run started from: buffers, plain attributes, and the parameters it wrote where
-        their values from before it are known (False where not: the run then starts from what it left)."""
-        restore_state(model, before)
-        restore_attributes(model, traces.state.get("cand_attrs_before") or {})
-        return guard.restore_before() if guard is not None else True
+        return to_first_state(model, before, traces.state.get("cand_attrs_before"), guard)
 
     same = from_first_state()
     # a plain second forward first: only when its output differs from the first run's bitwise does the
@@ -1195,11 +1188,7 @@ def _check_nondeterminism(result: Result, ref: Trace, cand_trace: Trace, candida
         # the state put back may be one the model is never in (weights unfolded, the flag that guards the fold
         # kept): once more from where the first run left it (buffers put back); the same output then says the
         # difference was the state, not a race
-        restore_state(model, before)
-        if guard is not None:
-            guard.put_back()
-        restore_parameters(model, whole)
-        restore_attributes(model, traces.state.get("cand_attrs_after") or {})
+        to_where_it_left(model, before, guard, whole, traces.state.get("cand_attrs_after"))
         differs = _second_output_differs(model, inputs, cand_trace, options)
     if not differs:
         result.meta["second_run"] = {"differs": 0}

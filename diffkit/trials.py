@@ -348,6 +348,31 @@ def restore_attributes(model: torch.nn.Module | None, snap: dict[str, Any]) -> N
         setattr(m, attr, v)  # (whatever it holds now, an array or a tensor made since included, or nothing)
 
 
+def to_first_state(model: torch.nn.Module, buffers: dict, attrs: dict | None, guard: ParameterGuard | None) -> bool:
+    """Put a model back to the state its first run started from (before a second run of the same trial):
+    buffers (`snapshot_state`), plain attributes (`attribute_state`), and the parameters that run wrote where
+    their values from before it are known -- whether all of them were (`attrs` None: left as they are)."""
+    restore_state(model, buffers)
+    if attrs is not None:
+        restore_attributes(model, attrs)
+    return guard.restore_before() if guard is not None else True
+
+
+def to_where_it_left(model: torch.nn.Module, buffers: dict | None, guard: ParameterGuard | None, whole: dict,
+                     attrs: dict | None) -> None:
+    """Put a model back to the state its first run left (after diffkit's extra runs of the same trial): its
+    buffers (`buffers`; None: left as they are), the parameters it wrote (`guard`), every parameter where its
+    attributes moved (`whole`: a run from its first state may have repeated a one-time step) and its plain
+    attributes (None where they were not recorded: left as they are, not all removed)."""
+    if buffers is not None:
+        restore_state(model, buffers)
+    if guard is not None:
+        guard.put_back()
+    restore_parameters(model, whole)
+    if attrs is not None:
+        restore_attributes(model, attrs)
+
+
 def changed_attributes(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
     """Words for the attributes whose values differ between two `attribute_state`s: "calls (0 → 1)"."""
     return [f"{n} ({before[n]!r:.20} → {after[n]!r:.20})" if n in before else f"{n} (made: {after[n]!r:.20})"
@@ -435,15 +460,14 @@ def _first_difference(first: dict[str, torch.Tensor], second: dict[str, torch.Te
 
 
 def check_candidate(model: torch.nn.Module, inputs: list, ref: dict[str, torch.Tensor], trial: Trial,
-                    options: Options, rng: dict | None = None, stateful: Any = None,
-                    guard: ParameterGuard | None = None) -> Trial:
+                    options: Options, rng: dict | None = None, guard: ParameterGuard | None = None) -> Trial:
     """Run the candidate on one trial's inputs (twice with `options.rerun`, its buffers restored
     between the runs so both start from the same state) and judge its output(s) against `ref`.
     `rng`: the random generators' states its first run starts from (where the reference's forward left
     them, as KernelBench seeds a trial once); without it, the trial's seed."""
     before = snapshot_state(model)
     if guard is None:
-        guard = ParameterGuard(model, getattr(stateful, "parameters", ()))
+        guard = ParameterGuard(model)
     attrs = attribute_state(model) if options.rerun else {}
     if rng:
         set_rng_state(rng)
@@ -466,21 +490,12 @@ def check_candidate(model: torch.nn.Module, inputs: list, ref: dict[str, torch.T
         # (attributes put back may make the second run repeat a one-time step, a fold into the weights guarded by
         # a flag: every parameter as the first run left it is kept then, whoever writes it, a kernel included)
         whole = all_parameters(model) if attrs != attrs_after else {}
-
-        def from_where_it_left() -> None:
-            restore_state(model, after)
-            guard.put_back()
-            restore_parameters(model, whole)
-            restore_attributes(model, attrs_after)
-
-        restore_state(model, before)
-        restore_attributes(model, attrs)
-        same_state = guard.restore_before()
+        same_state = to_first_state(model, before, attrs, guard)
         out2, err2 = forward(model, inputs, options.no_grad)
         # (parameters written for the first time on this trial, values from before unknown: the second run
         # started from what the first left, another computation KernelBench never makes; it fails no trial)
         changes_state = not same_state and any(guard.moved_since(n) for n in wrote)
-        from_where_it_left()
+        to_where_it_left(model, after, guard, whole, attrs_after)
         second = None if err2 else output_leaves(out2)
         if second is not None and (whole or wrote) and _first_difference(first, second) is not None:
             # the state put back may be one the model is never in (weights unfolded, the flag that guards the
@@ -488,7 +503,7 @@ def check_candidate(model: torch.nn.Module, inputs: list, ref: dict[str, torch.T
             # then says the difference was the state, not a race
             restore_state(model, before)
             out3, err3 = forward(model, inputs, options.no_grad)
-            from_where_it_left()
+            to_where_it_left(model, after, guard, whole, attrs_after)
             if not err3 and _first_difference(first, output_leaves(out3)) is None:
                 second = output_leaves(out3)
         if err2:
@@ -553,19 +568,6 @@ class LiveReference:
 
 
 @dataclass
-class StateChanges:
-    """What a candidate's forward was seen changing of its own state on trial 1 (`Result.meta["stateful"]`):
-    parameters it wrote into, plain attributes it changed."""
-
-    parameters: tuple = ()
-    attributes: tuple = ()
-
-    @property
-    def any(self) -> bool:
-        return bool(self.parameters or self.attributes)
-
-
-@dataclass
 class LiveCandidate:
     """The candidate model in this process, run twice on each trial's inputs.  A trial diffed in full
     starts from the state its run started from: buffers, and the parameters of a forward seen writing
@@ -573,7 +575,7 @@ class LiveCandidate:
 
     model: torch.nn.Module
     options: Options
-    stateful: StateChanges | None = None
+    written: tuple = ()  # the parameters trial 1's diff saw its forward write into (`learn`)
     _before: dict = field(default_factory=dict, repr=False)
     _params_before: dict = field(default_factory=dict, repr=False)
     _marks: dict = field(default_factory=dict, repr=False)
@@ -587,10 +589,10 @@ class LiveCandidate:
     def learn(self, first: Any) -> None:
         """What trial 1's diff (a Result) saw the forward change of its own state."""
         seen = (getattr(first, "meta", None) or {}).get("stateful") or {}
-        self.stateful = StateChanges(tuple(seen.get("parameters", ())), tuple(seen.get("attributes", ())))
+        self.written = tuple(seen.get("parameters", ()))
 
     def _writes_parameters(self) -> bool:
-        if self.stateful is not None and self.stateful.parameters:
+        if self.written:
             return True
         now = parameter_marks(self.model)  # (a lazy module's parameters, made by the first forward, aside)
         return any(now.get(n, m) != m for n, m in self._marks.items())
@@ -601,9 +603,8 @@ class LiveCandidate:
         if self._writes_parameters():
             self._params_before[k] = all_parameters(self.model)
         self._attrs = (k, attribute_state(self.model))
-        self._guard = (k, ParameterGuard(self.model, getattr(self.stateful, "parameters", ())))
-        return check_candidate(self.model, inputs, ref, trial, self.options, rng=rng, stateful=self.stateful,
-                               guard=self._guard[1])
+        self._guard = (k, ParameterGuard(self.model, self.written))
+        return check_candidate(self.model, inputs, ref, trial, self.options, rng=rng, guard=self._guard[1])
 
     def source(self, k: int, inputs: list, seed: int | None):
         from .pipeline import ModelSource
