@@ -26,6 +26,9 @@ AFTER_ENV = "DIFFKIT_AFTER"  # the file an isolated diff's candidate child waits
 HANDOVER_ENV = "DIFFKIT_HANDOVER"  # set for an isolated diff's reference child: on a GPU, keep the values and hand
 # them over (diffkit.handoff); it then writes HELD and stays alive until released
 HELD = "ref-held"
+DETACH_ENV = "DIFFKIT_DETACHED"  # set for an isolated diff's candidate child whose answer ends the diff when given:
+# the parent does not wait for its exit, and nothing reads its reference's capture after it (see _drop_own_reference)
+ANSWER_POLL_S = 0.005  # how often an isolated diff looks for its candidate process's answer while it runs
 RELEASE_WAIT_S = 30.0  # how long a released reference process gets to exit before it is stopped
 CAUGHT_UP = "was stopped once it had got as far as the first"
 HUNG = "did not finish within"  # how a child stopped at its time limit is described (`why`)
@@ -256,7 +259,7 @@ def _diff(ref_path, cand_path, atol, rtol, seed, device, json_path, csv_path, st
                               outputs_only_trials=True)  # (the candidate's process reruns a failing trial)
         except DiffkitError as e:
             out.write(error_result(e, ref_path, cand_path, options), error=e)
-            _done(stream_dir)  # a load error is a finished answer, not a crash
+            _done(stream_dir, 2)  # a load error is a finished answer, not a crash
             sys.exit(2)
         with open(os.path.join(stream_dir, "ref-done"), "w") as fh:
             fh.write("ok")
@@ -275,7 +278,7 @@ def _diff(ref_path, cand_path, atol, rtol, seed, device, json_path, csv_path, st
         result.ref_path = ref_path
     except DiffkitError as e:
         out.write(error_result(e, ref_path, cand_path, options), error=e)
-        _done(stream_dir)
+        _done(stream_dir, 2)
         sys.exit(2)
     except Exception as e:
         if not _is_users_fault(e):
@@ -290,8 +293,11 @@ def _diff(ref_path, cand_path, atol, rtol, seed, device, json_path, csv_path, st
         written = out.write(result)
     except Exception as e:  # writing diffkit's own answer failed: never the candidate's fault
         _internal_exit(e, stream_dir)
-    _done(stream_dir)
-    sys.exit(EXIT[result.verdict] if written else 2)
+    code = EXIT[result.verdict] if written else 2
+    if os.environ.get(DETACH_ENV) == "1" and insured != "again":  # (a second run's parent reads the captures)
+        _drop_own_reference(ref_capture, stream_dir, options)
+    _done(stream_dir, code)
+    sys.exit(code)
 
 
 def _internal_exit(e: BaseException, stream_dir: str | None) -> None:
@@ -408,11 +414,54 @@ def _sanitizer_evidence():
     return attach_logged
 
 
-def _done(stream_dir) -> None:
-    """Tell the isolating parent that this child finished and wrote its own result."""
+def _done(stream_dir, code: int) -> None:
+    """Tell the isolating parent that this child finished, wrote its own result (flushed first: the parent may
+    return before this process has exited) and exits with `code`."""
     if stream_dir:
-        with open(os.path.join(stream_dir, "done"), "w") as fh:
-            fh.write("ok")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        path = os.path.join(stream_dir, "done")
+        with open(path + ".part", "w") as fh:
+            fh.write(str(code))
+        os.replace(path + ".part", path)  # (the parent never reads half of it)
+
+
+def _drop_own_reference(ref_capture: str | None, stream_dir: str | None, options: Options) -> None:
+    """An isolated diff's candidate process that has its answer, with no GPU in play: the capture its
+    reference's process wrote for it (in this diff's own directory, never a capture the user gave) is
+    removed here while this process still maps it, so its memory goes back as this process exits (which
+    the isolating parent does not wait for), not in the parent's clean-up."""
+    if not (ref_capture and stream_dir and _host_only(options.device)):
+        return
+    own = os.path.join(os.path.abspath(stream_dir), "ref.dkt")
+    if os.path.abspath(ref_capture) == own:
+        import shutil
+
+        shutil.rmtree(own, ignore_errors=True)
+
+
+def _finished_code(tmp: str) -> int | None:
+    """The exit code an isolated diff's child wrote with its "done" marker (see _done); None without one."""
+    try:
+        with open(os.path.join(tmp, "done"), encoding="utf-8") as fh:
+            text = fh.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.lstrip("-").isdigit() else None
+
+
+def _reap_later(proc) -> None:
+    """A child that has given its answer and is still exiting (its memory given back, its interpreter torn
+    down): waited for on a thread of its own, so that this process does not wait for it nor leaves a zombie."""
+    import threading
+
+    def reap():
+        try:
+            proc.wait()
+        except Exception:
+            pass
+
+    threading.Thread(target=reap, name="diffkit-reap", daemon=True).start()
 
 
 def _stop(proc) -> None:
@@ -674,7 +723,8 @@ def _isolated(argv, ref_path, cand_path, options: Options, timeout, out: _Output
     from .pipeline import CaptureSource, TraceSource, run
     from .capture import Trace
 
-    with tempfile.TemporaryDirectory(prefix="diffkit-", dir=_handoff_dir(options)) as tmp:
+    # (errors ignored at its removal: a candidate's process left exiting may still be closing files in it)
+    with tempfile.TemporaryDirectory(prefix="diffkit-", dir=_handoff_dir(options), ignore_cleanup_errors=True) as tmp:
         env = dict(os.environ, CUDA_LAUNCH_BLOCKING="1", DIFFKIT_BREADCRUMB=os.path.join(tmp, "breadcrumb"))
         base = [sys.executable, "-m", "diffkit.cli", *argv, "--no-isolate", "--stream-dir", tmp]
         given = is_capture(ref_path)
@@ -726,12 +776,28 @@ def _isolated(argv, ref_path, cand_path, options: Options, timeout, out: _Output
                 return subprocess.Popen(cmd, env=cenv, stderr=err_fh, start_new_session=True,
                                         stdout=subprocess.DEVNULL if quiet else None)
 
-        def finish(proc, cmd, log, limit, enough=None, stop=True):
+        def finish(proc, cmd, log, limit, enough=None, stop=True, answered=False):
             """Wait for a child to end (or `limit` seconds, or until `enough()` says it has done what it was
             run for, then stopped unless `stop` is False): its exit code, why it failed (None when it ended by
-            itself or was left running), its stderr."""
+            itself or was left running), its stderr.  `answered`: a candidate's process that has written its
+            answer and its exit code (its "done" marker) is not waited for while it exits (see _reap_later)."""
             try:
-                if enough is None:
+                if answered:
+                    end = time.monotonic() + limit if limit else None
+                    while True:
+                        try:
+                            code = proc.wait(timeout=ANSWER_POLL_S)
+                            break
+                        except subprocess.TimeoutExpired:
+                            pass
+                        got = _finished_code(tmp)
+                        if got is not None:
+                            detached.append(proc)
+                            _reap_later(proc)
+                            return got, None, open(log, encoding="utf-8", errors="replace").read()
+                        if end is not None and time.monotonic() >= end:
+                            raise subprocess.TimeoutExpired(cmd, limit)
+                elif enough is None:
                     code = proc.wait(timeout=limit or None)
                 else:
                     end = time.monotonic() + limit if limit else None
@@ -757,6 +823,13 @@ def _isolated(argv, ref_path, cand_path, options: Options, timeout, out: _Output
         def run_step(cmd, cenv, limit, enough=None):
             return finish(launch(cmd, cenv, errlog), cmd, errlog, limit, enough)
 
+        # with no GPU in play, the candidate's process is not waited for once it has given its answer: its
+        # exit (hundreds of MB given back, the reference's capture unmapped) goes on while this one returns
+        detach = _host_only(options.device) and not sanitize
+        detached: list = []
+        if detach:
+            cand_env[DETACH_ENV] = "1"
+
         # the candidate's process starts with the reference's: it runs its file (its extensions built or
         # loaded, its imports done) while the reference is captured, then waits for that capture
         ahead = holder = None
@@ -769,7 +842,7 @@ def _isolated(argv, ref_path, cand_path, options: Options, timeout, out: _Output
         try:
             for cmd, cenv, marker in steps:
                 if marker == "done" and ahead is not None:
-                    code, why, err_text = finish(ahead, cmd, errlog, timeout)
+                    code, why, err_text = finish(ahead, cmd, errlog, timeout, answered=detach)
                 else:
                     if ahead is None:
                         started = time.monotonic()
@@ -778,8 +851,8 @@ def _isolated(argv, ref_path, cand_path, options: Options, timeout, out: _Output
                     held = os.path.join(tmp, HELD)
                     code, why, err_text = finish(proc, cmd, log, timeout, stop=False,
                                                  enough=(lambda: os.path.exists(held)) if hand and marker == "ref-done"
-                                                 else None)
-                    if proc.poll() is None:  # it holds the values the candidate reads
+                                                 else None, answered=detach and marker == "done")
+                    if proc not in detached and proc.poll() is None:  # it holds the values the candidate reads
                         holder = proc
                 if marker == "ref-done" and os.path.exists(os.path.join(tmp, marker)):
                     # its capture is complete and closed (a failure after that, at exit, is not the diff's) and
@@ -793,7 +866,8 @@ def _isolated(argv, ref_path, cand_path, options: Options, timeout, out: _Output
                 _let_go(holder, ref_dkt, dump=not (code in (0, 1, 2) and os.path.exists(os.path.join(tmp, "done"))),
                         limit=timeout)
         finally:
-            if ahead is not None and ahead.poll() is None:  # the reference failed: its partner is not needed
+            if ahead is not None and ahead not in detached and ahead.poll() is None:
+                # the reference failed: its partner is not needed
                 _stop(ahead)
             if holder is not None and holder.poll() is None:
                 _stop(holder)

@@ -1058,10 +1058,12 @@ class StreamComparer:
             return
         frontier = max(self.paired, default=-1)  # the latest reference record paired
         loose_numels = {record_numel(self.records[ci]) for ci in (*self.deferred, *self.unmatched)}
-        loose = sorted((ri for ri in on_device if ri in store.slots and ri not in self.paired and ri < frontier),
-                       key=lambda ri: (record_numel(records[ri]) in loose_numels, -store.slots[ri].nbytes, ri))
+        # (each record's element count once: this runs on every hand-over while the budget is full)
+        keyed = sorted((record_numel(records[ri]) in loose_numels, -store.slots[ri].nbytes, ri)
+                       for ri in on_device if ri in store.slots and ri not in self.paired and ri < frontier)
+        loose = [k[2] for k in keyed]
         # align will ask for an unpaired value of an element count some unpaired candidate record has
-        later = {ri for ri in loose if record_numel(records[ri]) in loose_numels}
+        later = {k[2] for k in keyed if k[0]}
         measured = [ri for ri in measured if ri in store.slots]
         drop([ri for ri in loose if ri not in pins and ri not in later]
              + [ri for ri in measured + loose if ri in pins and ri not in later]

@@ -3,6 +3,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -508,6 +509,88 @@ def test_a_reference_process_dying_after_its_capture_is_complete_still_gives_one
     data = json.loads((tmp_path / "r.json").read_text())
     assert data["verdict"] == "match" and data.get("error") is None
     assert out.stdout.count("diffkit: MATCH") == 1, out.stdout
+
+
+SLOW_EXIT_CAND = """
+import atexit, os, sys, time
+import torch
+
+_marker = os.environ.get("EXITED_MARKER")
+
+
+def _slow_exit():  # its answer is given: what is left is this process's own exit (a big model's memory freed)
+    if "--ref-capture" in sys.argv and _marker:
+        time.sleep(4)
+        with open(_marker, "w") as fh:
+            fh.write("exited")
+    {crash}
+
+
+atexit.register(_slow_exit)
+
+
+class ModelNew(torch.nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        torch.manual_seed(0)
+        self.w = torch.nn.Parameter(torch.randn(n, n))
+
+    def forward(self, x):
+        return torch.sigmoid(x.matmul(self.w))
+"""
+
+SLOW_EXIT_REF = """
+import torch
+
+
+class Model(torch.nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        torch.manual_seed(0)
+        self.w = torch.nn.Parameter(torch.randn(n, n))
+
+    def forward(self, x):
+        return torch.sigmoid(x @ self.w)
+
+
+def get_init_inputs():
+    return [12]
+
+
+def get_inputs():
+    return [torch.randn(3, 12)]
+"""
+
+
+@pytest.mark.parametrize("crash", [False, True])
+def test_the_answer_does_not_wait_for_the_candidate_process_to_exit(tmp_path, monkeypatch, crash):
+    """With no GPU in play, an isolated diff returns once its candidate's process has written its answer,
+    while that process is still exiting (it is reaped later); a crash at that exit, after the answer, is
+    not the diff's (one answer, its exit code, no crash report and no second run)."""
+    ref, cand = tmp_path / "ref.py", tmp_path / "cand.py"
+    ref.write_text(SLOW_EXIT_REF)
+    cand.write_text(SLOW_EXIT_CAND.replace("{crash}", "os.abort()" if crash else "pass"))
+    marker = tmp_path / "exited"
+    monkeypatch.setenv("DIFFKIT_NO_FORK", "1")  # fresh interpreters: atexit handlers run as the process ends
+    monkeypatch.setenv("EXITED_MARKER", str(marker))
+    log = tmp_path / "stdout"
+    with open(log, "w") as fh:  # (not a pipe: a pipe stays open, and read, until every process holding it exits)
+        out = subprocess.run([sys.executable, os.path.join(ROOT, "cli.py"), "diff", str(ref), str(cand), "--trials",
+                              "1", "--no-report", "--json", str(tmp_path / "r.json"), "--device", "cpu"],
+                             stdout=fh, stderr=subprocess.PIPE, text=True, cwd=ROOT, timeout=300)
+    returned_before_exit = not marker.exists()
+    text = log.read_text()
+    assert out.returncode == 0, text + out.stderr
+    assert returned_before_exit, "the diff waited for its candidate's process to exit"
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["verdict"] == "match" and data.get("error") is None
+    assert text.count("diffkit: MATCH") == 1, text
+    assert "second time" not in out.stderr + text
+    for _ in range(300):  # the candidate's process does exit, by itself
+        if marker.exists():
+            break
+        time.sleep(0.1)
+    assert marker.exists()
 
 
 @pytest.mark.parametrize("kind", ["zeros", "random", "inplace"])
