@@ -28,7 +28,7 @@ HANDOVER_ENV = "DIFFKIT_HANDOVER"  # set for an isolated diff's reference child:
 HELD = "ref-held"
 DETACH_ENV = "DIFFKIT_DETACHED"  # set for an isolated diff's candidate child whose answer ends the diff when given:
 # the parent does not wait for its exit, and nothing reads its reference's capture after it (see _drop_own_reference)
-ANSWER_POLL_S = 0.005  # how often an isolated diff looks for its candidate process's answer while it runs
+ANSWER_POLL_S = 0.01  # how often an isolated diff looks for its candidate process's answer while it runs
 RELEASE_WAIT_S = 30.0  # how long a released reference process gets to exit before it is stopped
 CAUGHT_UP = "was stopped once it had got as far as the first"
 HUNG = "did not finish within"  # how a child stopped at its time limit is described (`why`)
@@ -429,7 +429,7 @@ def _done(stream_dir, code: int) -> None:
 def _drop_own_reference(ref_capture: str | None, stream_dir: str | None, options: Options) -> None:
     """An isolated diff's candidate process that has its answer, with no GPU in play: the capture its
     reference's process wrote for it (in this diff's own directory, never a capture the user gave) is
-    removed here while this process still maps it, so its memory goes back as this process exits (which
+    removed here while this process still maps it, so its memory goes back as this process ends (which
     the isolating parent does not wait for), not in the parent's clean-up."""
     if not (ref_capture and stream_dir and _host_only(options.device)):
         return
@@ -450,10 +450,18 @@ def _finished_code(tmp: str) -> int | None:
     return int(text) if text.lstrip("-").isdigit() else None
 
 
-def _reap_later(proc) -> None:
-    """A child that has given its answer and is still exiting (its memory given back, its interpreter torn
-    down): waited for on a thread of its own, so that this process does not wait for it nor leaves a zombie."""
+def _let_answered_go(proc) -> None:
+    """A child that has given its answer (printed, its files written and closed, its exit code in its done
+    marker): stopped at once, with whatever it started (SIGKILL to its process group: nothing of it is
+    needed any more, and what is left of its exit cannot hang or outlive the diff), and reaped on a thread
+    of its own, so that this process waits neither for the memory it gives back nor for its zombie."""
+    import signal
     import threading
+
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
     def reap():
         try:
@@ -780,21 +788,23 @@ def _isolated(argv, ref_path, cand_path, options: Options, timeout, out: _Output
             """Wait for a child to end (or `limit` seconds, or until `enough()` says it has done what it was
             run for, then stopped unless `stop` is False): its exit code, why it failed (None when it ended by
             itself or was left running), its stderr.  `answered`: a candidate's process that has written its
-            answer and its exit code (its "done" marker) is not waited for while it exits (see _reap_later)."""
+            answer and its exit code (its "done" marker) is stopped, not waited for (see _let_answered_go)."""
             try:
                 if answered:
                     end = time.monotonic() + limit if limit else None
                     while True:
                         try:
                             code = proc.wait(timeout=ANSWER_POLL_S)
-                            break
                         except subprocess.TimeoutExpired:
-                            pass
+                            code = None
                         got = _finished_code(tmp)
-                        if got is not None:
-                            detached.append(proc)
-                            _reap_later(proc)
+                        if got is not None:  # its answer is given: how its process ends is not the diff's
+                            if code is None:
+                                detached.append(proc)
+                                _let_answered_go(proc)
                             return got, None, open(log, encoding="utf-8", errors="replace").read()
+                        if code is not None:
+                            break
                         if end is not None and time.monotonic() >= end:
                             raise subprocess.TimeoutExpired(cmd, limit)
                 elif enough is None:
@@ -823,8 +833,9 @@ def _isolated(argv, ref_path, cand_path, options: Options, timeout, out: _Output
         def run_step(cmd, cenv, limit, enough=None):
             return finish(launch(cmd, cenv, errlog), cmd, errlog, limit, enough)
 
-        # with no GPU in play, the candidate's process is not waited for once it has given its answer: its
-        # exit (hundreds of MB given back, the reference's capture unmapped) goes on while this one returns
+        # with no GPU in play, the candidate's process is not waited for once it has given its answer: it is
+        # stopped, and its exit (hundreds of MB given back, the reference's capture unmapped) goes on while
+        # this one returns
         detach = _host_only(options.device) and not sanitize
         detached: list = []
         if detach:
