@@ -384,9 +384,9 @@ def packed_batch(pairs: list[tuple[torch.Tensor, torch.Tensor]], atol: float, rt
             partials[(first[k + 1] - first[k],)](refs[k], cands[k], none, none, out, redo, float(atol), float(rtol),
                                                  P, numels[k], first[k], SEARCH=1, DIRECT=True, REDO=False, **const)
     # the address table goes over in one small copy (pinned and asynchronous on a GPU)
-    host = torch.tensor([[r.data_ptr() for r in refs], [c.data_ptr() for c in cands], numels, order, first[:-1]],
-                        dtype=torch.int64).reshape(-1)
-    host = torch.cat([host, torch.tensor(first[-1:], dtype=torch.int64)])
+    # (one flat list, one tensor: every torch call here costs host time per batch, a batch per pair when streaming)
+    host = torch.tensor([r.data_ptr() for r in refs] + [c.data_ptr() for c in cands] + numels + order + first,
+                        dtype=torch.int64)
     if dev.type == "cuda":
         host = host.pin_memory()
     sent = host.to(dev, non_blocking=True)
