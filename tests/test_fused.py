@@ -33,7 +33,7 @@ CATALOGUE = {"drop_bias", "extra_bias", "running_stats", "batch_stats", "unbiase
 EXCLUDED = {
     "invariant_point_attention_crash.py": "crashes (the inverse frame kernel rejects un-flattened points)",
     "transformer_block_racy_softmax.py": "nondeterministic by design (run-dependent noise)",
-    "axial_attention_cuda_race.py": "a race (missing __syncthreads): nondeterministic",
+    "axial_attention_cuda_race.py": "a race (missing __syncthreads): shown by racecheck, by two runs on some cards",
     "row_softmax_cuda_race.py": "a race (shared accumulator read then overwritten): nondeterministic",
     "triangle_multiplicative_update_cuda_race.py": "a race, seen only under racecheck: nondeterministic",
     "axial_attention_cuda_smem.py": "GPU-only shared-memory overflow: undefined behaviour, no deterministic output",
