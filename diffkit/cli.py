@@ -26,8 +26,6 @@ AFTER_ENV = "DIFFKIT_AFTER"  # the file an isolated diff's candidate child waits
 HANDOVER_ENV = "DIFFKIT_HANDOVER"  # set for an isolated diff's reference child: on a GPU, keep the values and hand
 # them over (diffkit.handoff); it then writes HELD and stays alive until released
 HELD = "ref-held"
-DETACH_ENV = "DIFFKIT_DETACHED"  # set for an isolated diff's candidate child whose answer ends the diff when given:
-# the parent does not wait for its exit, and nothing reads its reference's capture after it (see _drop_own_reference)
 ANSWER_POLL_S = 0.01  # how often an isolated diff looks for its candidate process's answer while it runs
 RELEASE_WAIT_S = 30.0  # how long a released reference process gets to exit before it is stopped
 CAUGHT_UP = "was stopped once it had got as far as the first"
@@ -104,7 +102,18 @@ def _options(atol, rtol, tolerance, **rest) -> Options:
         raise click.UsageError(str(e))
 
 
-@click.group()
+class _Main(click.Group):
+    """The command group, keeping the arguments it was run with: an isolated diff passes them on to its children,
+    also when it was called from Python (`main.main(args=[...])`, whose arguments are not `sys.argv`)."""
+
+    argv: list[str] | None = None
+
+    def main(self, args=None, *rest, **kwargs):
+        self.argv = [str(a) for a in args] if args is not None else sys.argv[1:]
+        return super().main(args, *rest, **kwargs)
+
+
+@click.group(cls=_Main)
 @click.version_option(package_name="diffkit")
 def main() -> None:
     """diffkit: find the first stage where a hand-written kernel stops matching its PyTorch reference."""
@@ -242,7 +251,8 @@ def _diff(ref_path, cand_path, atol, rtol, seed, device, json_path, csv_path, st
             raise click.UsageError("--tolerance auto runs the reference again in float64 beside the candidate, in "
                                    "one process: add --no-isolate")
     if not no_isolate and not is_capture(cand_path):
-        argv = sys.argv[1:] if sys.argv[1:2] == ["diff"] else ["diff", *sys.argv[1:]]
+        given = main.argv if main.argv is not None else sys.argv[1:]
+        argv = list(given) if given[:1] == ["diff"] else ["diff", *given]
         if sanitize:
             argv = [a for i, a in enumerate(argv) if a != "--sanitize" and not (i and argv[i - 1] == "--sanitize")
                     and not a.startswith("--sanitize=")]
@@ -294,8 +304,6 @@ def _diff(ref_path, cand_path, atol, rtol, seed, device, json_path, csv_path, st
     except Exception as e:  # writing diffkit's own answer failed: never the candidate's fault
         _internal_exit(e, stream_dir)
     code = EXIT[result.verdict] if written else 2
-    if os.environ.get(DETACH_ENV) == "1" and insured != "again":  # (a second run's parent reads the captures)
-        _drop_own_reference(ref_capture, stream_dir, options)
     _done(stream_dir, code)
     sys.exit(code)
 
@@ -426,20 +434,6 @@ def _done(stream_dir, code: int) -> None:
         os.replace(path + ".part", path)  # (the parent never reads half of it)
 
 
-def _drop_own_reference(ref_capture: str | None, stream_dir: str | None, options: Options) -> None:
-    """An isolated diff's candidate process that has its answer, with no GPU in play: the capture its
-    reference's process wrote for it (in this diff's own directory, never a capture the user gave) is
-    removed here while this process still maps it, so its memory goes back as this process ends (which
-    the isolating parent does not wait for), not in the parent's clean-up."""
-    if not (ref_capture and stream_dir and _host_only(options.device)):
-        return
-    own = os.path.join(os.path.abspath(stream_dir), "ref.dkt")
-    if os.path.abspath(ref_capture) == own:
-        import shutil
-
-        shutil.rmtree(own, ignore_errors=True)
-
-
 def _finished_code(tmp: str) -> int | None:
     """The exit code an isolated diff's child wrote with its "done" marker (see _done); None without one."""
     try:
@@ -450,11 +444,17 @@ def _finished_code(tmp: str) -> int | None:
     return int(text) if text.lstrip("-").isdigit() else None
 
 
+_REAPING: list = []  # the threads reaping answered children (see _let_answered_go), joined at this process's exit
+REAP_AT_EXIT_S = 30.0  # at most this long in all (a killed process ends once the kernel has taken its memory back)
+
+
 def _let_answered_go(proc) -> None:
     """A child that has given its answer (printed, its files written and closed, its exit code in its done
     marker): stopped at once, with whatever it started (SIGKILL to its process group: nothing of it is
     needed any more, and what is left of its exit cannot hang or outlive the diff), and reaped on a thread
-    of its own, so that this process waits neither for the memory it gives back nor for its zombie."""
+    of its own, so that the diff returns without waiting for the memory it gives back.  This process waits
+    for it only when it exits itself (`_reap_at_exit`): no child is left a zombie for another to reap."""
+    import atexit
     import signal
     import threading
 
@@ -469,7 +469,17 @@ def _let_answered_go(proc) -> None:
         except Exception:
             pass
 
-    threading.Thread(target=reap, name="diffkit-reap", daemon=True).start()
+    thread = threading.Thread(target=reap, name="diffkit-reap", daemon=True)
+    thread.start()
+    if not _REAPING:
+        atexit.register(_reap_at_exit)
+    _REAPING[:] = [t for t in _REAPING if t.is_alive()] + [thread]
+
+
+def _reap_at_exit() -> None:
+    end = time.monotonic() + REAP_AT_EXIT_S
+    for thread in _REAPING:
+        thread.join(max(0.0, end - time.monotonic()))
 
 
 def _stop(proc) -> None:
@@ -834,12 +844,10 @@ def _isolated(argv, ref_path, cand_path, options: Options, timeout, out: _Output
             return finish(launch(cmd, cenv, errlog), cmd, errlog, limit, enough)
 
         # with no GPU in play, the candidate's process is not waited for once it has given its answer: it is
-        # stopped, and its exit (hundreds of MB given back, the reference's capture unmapped) goes on while
-        # this one returns
+        # stopped, and its end (hundreds of MB given back, the reference's capture unmapped: removing that
+        # capture here is then cheap, its pages go back with that process's) goes on while this one returns
         detach = _host_only(options.device) and not sanitize
         detached: list = []
-        if detach:
-            cand_env[DETACH_ENV] = "1"
 
         # the candidate's process starts with the reference's: it runs its file (its extensions built or
         # loaded, its imports done) while the reference is captured, then waits for that capture
@@ -896,7 +904,7 @@ def _isolated(argv, ref_path, cand_path, options: Options, timeout, out: _Output
 
         judged, running = read_trials_journal(tmp)  # (before a second run adds to it)
         again = ""
-        if insure and os.path.exists(os.path.join(tmp, "ref-done") if not given else ref_dkt):
+        if insure and os.path.exists(os.path.join(tmp, "ref-done") if not given else ref_dkt) and is_capture(ref_dkt):
             again = _run_again(tmp, cand_cmd, cand_env, run_step, timeout, time.monotonic() - started,
                                hung=bool(why and why.startswith(HUNG)))
         # a child crashed or hung: diff what both capture files hold, with the failure as the error
@@ -911,7 +919,10 @@ def _isolated(argv, ref_path, cand_path, options: Options, timeout, out: _Output
         # the reference's process failed if it never said its capture was done (a later trial it runs after
         # trial 1's capture is complete can crash it too); else the candidate's did
         ref_done = given or os.path.exists(os.path.join(tmp, "ref-done"))
-        side = "candidate" if ref_done and isinstance(ref_src, CaptureSource) and ref_src.file.complete else "reference"
+        # (its own reference's process said its capture was complete: whatever became of the capture since -- a
+        # candidate's process that removed it as it answered, then stalled -- the reference did not fail)
+        complete = isinstance(ref_src, CaptureSource) and ref_src.file.complete
+        side = "candidate" if ref_done and (complete or not given) else "reference"
         crumb = ""
         if os.path.exists(os.path.join(tmp, "breadcrumb")):
             crumb = open(os.path.join(tmp, "breadcrumb"), encoding="utf-8").read().strip()

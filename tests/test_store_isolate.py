@@ -618,6 +618,59 @@ def test_the_answer_does_not_wait_for_the_candidate_process_to_exit(tmp_path, mo
     assert not marker.exists()  # (stopped before the rest of its exit ran: nothing waited for it)
 
 
+REAPED_DRIVER = """
+import ctypes, os, subprocess, sys
+ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: orphans of what it runs come to it
+subprocess.run([sys.executable, {inner!r}], check=True)
+zombies = 0
+while True:
+    try:
+        pid, _ = os.waitpid(-1, os.WNOHANG)
+    except ChildProcessError:
+        break
+    if pid == 0:  # (still running: wait for it to end, then count it)
+        pid, _ = os.waitpid(-1, 0)
+    zombies += 1
+print("ORPHANS", zombies)
+"""
+
+REAPED_INNER = """
+import sys, threading, time
+sys.path.insert(0, {root!r})
+import diffkit.cli as cli
+
+for cls in (cli._Forked, __import__("subprocess").Popen):
+    def slow(self, timeout=None, _orig=cls.wait):
+        if threading.current_thread().name == "diffkit-reap":
+            time.sleep(1.0)  # a killed candidate whose memory takes a while to go back
+        return _orig(self, timeout) if timeout is not None else _orig(self)
+    cls.wait = slow
+try:
+    cli.main.main(args=["diff", {ref!r}, {cand!r}, "--trials", "1", "--no-report", "--device", "cpu"],
+                  standalone_mode=False)
+except SystemExit:
+    pass
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_CHILD_SUBREAPER is Linux's")
+def test_an_answered_candidate_process_is_reaped_before_diffkit_exits(tmp_path):
+    """The candidate's process stopped once it answered is reaped by diffkit before diffkit's own process
+    exits, however long it takes to end: none is left to whoever adopts orphans (a container's first process
+    that never reaps would collect a zombie per diff)."""
+    ref, cand = tmp_path / "ref.py", tmp_path / "cand.py"
+    ref.write_text(SLOW_EXIT_REF)
+    cand.write_text(SLOW_EXIT_CAND.replace("{how!r}", repr("slow")))
+    inner, driver = tmp_path / "inner.py", tmp_path / "driver.py"
+    inner.write_text(REAPED_INNER.format(root=ROOT, ref=str(ref), cand=str(cand)))
+    driver.write_text(REAPED_DRIVER.format(inner=str(inner)))
+    out = subprocess.run([sys.executable, str(driver)], capture_output=True, text=True, cwd=str(tmp_path),
+                         timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "diffkit: MATCH" in out.stdout, out.stdout
+    assert "ORPHANS 0" in out.stdout, out.stdout + out.stderr
+
+
 @pytest.mark.parametrize("kind", ["zeros", "random", "inplace"])
 def test_a_reference_capture_is_written_through_and_keeps_its_health_checks(tmp_path, kind):
     """The reference's process keeps no captured value (each is written as it is recorded): the file holds
