@@ -372,8 +372,8 @@ class _Outputs:
 
         if self.silent:
             return True
-        click.echo(f"diffkit: ERROR: {error}" if error is not None else text_report(result, color=self.color,
-                                                                                  full=self.full))
+        # the files first: a reader of the printed answer that stops early (`| head`) costs none of them
+        written, notes = True, []
         try:
             for path in (self.json_path, self.csv_path):
                 if path and os.path.dirname(path):
@@ -386,7 +386,7 @@ class _Outputs:
             if not self.no_report:
                 paths = report.write_report(result, self.report_dir or os.path.join(
                     self.cwd, report.default_report_dir(result)))
-                click.echo(f"report: {paths['html']}", err=True)
+                notes.append(f"report: {paths['html']}")
             if self.html_path:
                 report.write_html(result, self.html_path)
             if self.md_path:
@@ -394,9 +394,27 @@ class _Outputs:
             if self.junit_path:
                 report.write_junit(result, self.junit_path)
         except OSError as e:
-            click.echo(f"diffkit: ERROR: could not write {e.filename or 'the report'}: {e.strerror or e}", err=True)
-            return False
-        return True
+            notes.append(f"diffkit: ERROR: could not write {e.filename or 'the report'}: {e.strerror or e}")
+            written = False
+        try:
+            click.echo(f"diffkit: ERROR: {error}" if error is not None else text_report(result, color=self.color,
+                                                                                      full=self.full))
+        except BrokenPipeError:  # the reader has gone: nothing more goes to it (the exit code still tells)
+            _stdout_gone()
+        for note in notes:
+            click.echo(note, err=True)
+        return written
+
+
+def _stdout_gone() -> None:
+    """Standard output's reader has closed it: point it at the null device, so that no later write or flush
+    (this process's own at exit included) fails again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):
+        pass
 
 
 def _sanitizer_evidence():
@@ -426,7 +444,10 @@ def _done(stream_dir, code: int) -> None:
     """Tell the isolating parent that this child finished, wrote its own result (flushed first: the parent may
     return before this process has exited) and exits with `code`."""
     if stream_dir:
-        sys.stdout.flush()
+        try:
+            sys.stdout.flush()
+        except BrokenPipeError:
+            _stdout_gone()
         sys.stderr.flush()
         path = os.path.join(stream_dir, "done")
         with open(path + ".part", "w") as fh:

@@ -519,7 +519,7 @@ _marker = os.environ.get("EXITED_MARKER")
 
 
 def _at_exit():  # its answer is given: what is left is this process's own exit
-    if "--ref-capture" not in sys.argv:
+    if "--ref-capture" not in sys.argv or not _marker:
         return
     how = {how!r}
     if how == "slow":  # (a big model's memory given back, an interpreter torn down)
@@ -669,6 +669,27 @@ def test_an_answered_candidate_process_is_reaped_before_diffkit_exits(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     assert "diffkit: MATCH" in out.stdout, out.stdout
     assert "ORPHANS 0" in out.stdout, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("isolate", [True, False])
+def test_a_reader_that_stops_reading_costs_no_file_and_no_verdict(tmp_path, isolate):
+    """`diffkit diff … --json r.json | head -1`: the reader closes the pipe before the answer is printed; the
+    files asked for are written all the same and the exit code is the verdict's, not an internal error."""
+    ref, cand = tmp_path / "ref.py", tmp_path / "cand.py"
+    ref.write_text(SLOW_EXIT_REF)
+    cand.write_text(SLOW_EXIT_CAND.replace("{how!r}", repr("slow")).replace("x.matmul(self.w)", "x.matmul(self.w) + 1"))
+    args = [sys.executable, os.path.join(ROOT, "cli.py"), "diff", str(ref), str(cand), "--trials", "1", "--no-report",
+            "--full", "--json", str(tmp_path / "r.json"), "--csv", str(tmp_path / "r.csv"), "--device", "cpu"]
+    proc = subprocess.Popen(args + ([] if isolate else ["--no-isolate"]), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, cwd=ROOT)
+    proc.stdout.close()  # (before anything is printed)
+    err = proc.stderr.read().decode(errors="replace")
+    code = proc.wait(timeout=300)
+    assert code == 1, err
+    assert "INTERNAL ERROR" not in err and "Traceback" not in err, err
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["verdict"] == "diverged"
+    assert (tmp_path / "r.csv").read_text().count("\n") > 1
 
 
 @pytest.mark.parametrize("kind", ["zeros", "random", "inplace"])
