@@ -815,20 +815,21 @@ def _isolated(argv, ref_path, cand_path, options: Options, timeout, out: _Output
                 return subprocess.Popen(cmd, env=cenv, stderr=err_fh, start_new_session=True,
                                         stdout=subprocess.DEVNULL if quiet else None)
 
-        def finish(proc, cmd, log, limit, enough=None, stop=True, answered=False):
+        def finish(proc, cmd, log, limit, enough=None, stop=True, answered=None):
             """Wait for a child to end (or `limit` seconds, or until `enough()` says it has done what it was
             run for, then stopped unless `stop` is False): its exit code, why it failed (None when it ended by
-            itself or was left running), its stderr.  `answered`: a candidate's process that has written its
-            answer and its exit code (its "done" marker) is stopped, not waited for (see _let_answered_go)."""
+            itself or was left running), its stderr.  `answered()`: the exit code a child has given with its
+            marker once it has done its part (a candidate's answer, its "done"; a reference's complete capture,
+            its "ref-done"), else None: it is then stopped, not waited for (see _let_answered_go)."""
             try:
-                if answered:
+                if answered is not None:
                     end = time.monotonic() + limit if limit else None
                     while True:
                         try:
                             code = proc.wait(timeout=ANSWER_POLL_S)
                         except subprocess.TimeoutExpired:
                             code = None
-                        got = _finished_code(tmp)
+                        got = answered()
                         if got is not None:  # its answer is given: how its process ends is not the diff's
                             if code is None:
                                 detached.append(proc)
@@ -870,6 +871,12 @@ def _isolated(argv, ref_path, cand_path, options: Options, timeout, out: _Output
         detach = _host_only(options.device) and not sanitize
         detached: list = []
 
+        def answer() -> int | None:  # the candidate's, with its exit code
+            return _finished_code(tmp)
+
+        def captured() -> int | None:  # the reference's capture is complete (its process may hang at exit: stopped)
+            return 0 if os.path.exists(os.path.join(tmp, "ref-done")) else None
+
         # the candidate's process starts with the reference's: it runs its file (its extensions built or
         # loaded, its imports done) while the reference is captured, then waits for that capture
         ahead = holder = None
@@ -882,7 +889,7 @@ def _isolated(argv, ref_path, cand_path, options: Options, timeout, out: _Output
         try:
             for cmd, cenv, marker in steps:
                 if marker == "done" and ahead is not None:
-                    code, why, err_text = finish(ahead, cmd, errlog, timeout, answered=detach)
+                    code, why, err_text = finish(ahead, cmd, errlog, timeout, answered=answer if detach else None)
                 else:
                     if ahead is None:
                         started = time.monotonic()
@@ -891,7 +898,8 @@ def _isolated(argv, ref_path, cand_path, options: Options, timeout, out: _Output
                     held = os.path.join(tmp, HELD)
                     code, why, err_text = finish(proc, cmd, log, timeout, stop=False,
                                                  enough=(lambda: os.path.exists(held)) if hand and marker == "ref-done"
-                                                 else None, answered=detach and marker == "done")
+                                                 else None, answered=None if not detach else answer
+                                                 if marker == "done" else captured)
                     if proc not in detached and proc.poll() is None:  # it holds the values the candidate reads
                         holder = proc
                 if marker == "ref-done" and os.path.exists(os.path.join(tmp, marker)):

@@ -653,6 +653,30 @@ except SystemExit:
 """
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
+def test_a_reference_process_hanging_at_exit_does_not_hold_the_diff(tmp_path, monkeypatch):
+    """With no GPU in play, the reference's process that hangs as it exits, after saying its capture is
+    complete, is stopped then: the diff answers at once, not after --timeout, and leaves no process behind."""
+    ref, cand = tmp_path / "ref.py", tmp_path / "cand.py"
+    ref.write_text("import atexit, sys, time\n"
+                   "if '--side-only' in sys.argv:\n"
+                   "    atexit.register(lambda: [time.sleep(1) for _ in iter(int, 1)])\n" + SLOW_EXIT_REF)
+    cand.write_text(SLOW_EXIT_CAND.replace("{how!r}", repr("slow")))
+    monkeypatch.setenv("DIFFKIT_NO_FORK", "1")  # fresh interpreters: atexit handlers run as the process ends
+    started = time.monotonic()
+    out = _cli("diff", str(ref), str(cand), "--trials", "1", "--no-report", "--device", "cpu", "--timeout", "100")
+    took = time.monotonic() - started
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.count("diffkit: MATCH") == 1, out.stdout
+    assert took < 50, f"the diff waited {took:.0f} s for its reference's process to exit"
+    for _ in range(100):
+        left = _running(str(ref))
+        if not left:
+            break
+        time.sleep(0.1)
+    assert not left, f"processes of the diff left running: {left}"
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_CHILD_SUBREAPER is Linux's")
 def test_an_answered_candidate_process_is_reaped_before_diffkit_exits(tmp_path):
     """The candidate's process stopped once it answered is reaped by diffkit before diffkit's own process
