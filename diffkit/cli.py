@@ -26,7 +26,7 @@ AFTER_ENV = "DIFFKIT_AFTER"  # the file an isolated diff's candidate child waits
 HANDOVER_ENV = "DIFFKIT_HANDOVER"  # set for an isolated diff's reference child: on a GPU, keep the values and hand
 # them over (diffkit.handoff); it then writes HELD and stays alive until released
 HELD = "ref-held"
-ANSWER_POLL_S = 0.01  # how often an isolated diff looks for its candidate process's answer while it runs
+ANSWER_POLL_S = 0.01  # how often an isolated diff looks for a child's marker (its answer, its complete capture)
 RELEASE_WAIT_S = 30.0  # how long a released reference process gets to exit before it is stopped
 CAUGHT_UP = "was stopped once it had got as far as the first"
 HUNG = "did not finish within"  # how a child stopped at its time limit is described (`why`)
@@ -762,7 +762,7 @@ def _isolated(argv, ref_path, cand_path, options: Options, timeout, out: _Output
     from .pipeline import CaptureSource, TraceSource, run
     from .capture import Trace
 
-    # (errors ignored at its removal: a candidate's process left exiting may still be closing files in it)
+    # (errors ignored at its removal: a child stopped once it answered may still have had files open in it)
     with tempfile.TemporaryDirectory(prefix="diffkit-", dir=_handoff_dir(options), ignore_cleanup_errors=True) as tmp:
         env = dict(os.environ, CUDA_LAUNCH_BLOCKING="1", DIFFKIT_BREADCRUMB=os.path.join(tmp, "breadcrumb"))
         base = [sys.executable, "-m", "diffkit.cli", *argv, "--no-isolate", "--stream-dir", tmp]
