@@ -871,11 +871,10 @@ def _isolated(argv, ref_path, cand_path, options: Options, timeout, out: _Output
         detach = _host_only(options.device) and not sanitize
         detached: list = []
 
-        def answer() -> int | None:  # the candidate's, with its exit code
-            return _finished_code(tmp)
-
-        def captured() -> int | None:  # the reference's capture is complete (its process may hang at exit: stopped)
-            return 0 if os.path.exists(os.path.join(tmp, "ref-done")) else None
+        # what says a child has done its part (see finish's `answered`), by the marker its step waits for: the
+        # candidate's answer with its exit code; the reference's complete capture (its process may hang at exit)
+        answered_by = {"done": lambda: _finished_code(tmp),
+                       "ref-done": lambda: 0 if os.path.exists(os.path.join(tmp, "ref-done")) else None} if detach else {}
 
         # the candidate's process starts with the reference's: it runs its file (its extensions built or
         # loaded, its imports done) while the reference is captured, then waits for that capture
@@ -889,7 +888,7 @@ def _isolated(argv, ref_path, cand_path, options: Options, timeout, out: _Output
         try:
             for cmd, cenv, marker in steps:
                 if marker == "done" and ahead is not None:
-                    code, why, err_text = finish(ahead, cmd, errlog, timeout, answered=answer if detach else None)
+                    code, why, err_text = finish(ahead, cmd, errlog, timeout, answered=answered_by.get(marker))
                 else:
                     if ahead is None:
                         started = time.monotonic()
@@ -898,8 +897,7 @@ def _isolated(argv, ref_path, cand_path, options: Options, timeout, out: _Output
                     held = os.path.join(tmp, HELD)
                     code, why, err_text = finish(proc, cmd, log, timeout, stop=False,
                                                  enough=(lambda: os.path.exists(held)) if hand and marker == "ref-done"
-                                                 else None, answered=None if not detach else answer
-                                                 if marker == "done" else captured)
+                                                 else None, answered=answered_by.get(marker))
                     if proc not in detached and proc.poll() is None:  # it holds the values the candidate reads
                         holder = proc
                 if marker == "ref-done" and os.path.exists(os.path.join(tmp, marker)):
@@ -948,8 +946,8 @@ def _isolated(argv, ref_path, cand_path, options: Options, timeout, out: _Output
         # the reference's process failed if it never said its capture was done (a later trial it runs after
         # trial 1's capture is complete can crash it too); else the candidate's did
         ref_done = given or os.path.exists(os.path.join(tmp, "ref-done"))
-        # (its own reference's process said its capture was complete: whatever became of the capture since -- a
-        # candidate's process that removed it as it answered, then stalled -- the reference did not fail)
+        # (its own reference's process said its capture was complete: whatever became of that capture since, the
+        # reference did not fail)
         complete = isinstance(ref_src, CaptureSource) and ref_src.file.complete
         side = "candidate" if ref_done and (complete or not given) else "reference"
         crumb = ""
