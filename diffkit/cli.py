@@ -431,12 +431,17 @@ def _sanitizer_evidence():
                 torch.cuda.synchronize()
         except Exception:
             pass
-        from .sanitize import attach, built_sources, candidate_sources, parse
+        from .sanitize import attach, built_sources, candidate_sources, failure_words, internal_failure, parse
 
         text = open(log, encoding="utf-8", errors="replace").read() if os.path.exists(log) else ""
         cand = os.environ.get("DIFFKIT_SANITIZER_CANDIDATE", "")
         sources = built_sources() + ([t for _, t in candidate_sources(cand)] if os.path.isfile(cand) else [])
         attach(result, parse(text, tool), sources=sources)
+        failed = internal_failure(text)
+        if failed and result.error is not None and result.error.side == "candidate":  # the error followed it
+            result.error.message = f"{result.error.message}, {failure_words(tool, failed)}"
+        elif failed:  # it went on: what it reported stands, what it did not may be missing
+            result.warnings.insert(0, failure_words(tool, failed, crashed=False))
     return attach_logged
 
 
@@ -964,19 +969,28 @@ def _isolated(argv, ref_path, cand_path, options: Options, timeout, out: _Output
         if later:  # trial 1's captured forward is behind it: its capture's stages are all there, as judged
             where = (f"trial {running[0]}'s forward (the trials after the first run uncaptured, as KernelBench runs "
                      f"them)")
-        error = ErrorInfo(side, "forward", (f"on trial {running[0]} (seed {running[1]}) " if later else "")
-                          + f"the {side} process {why}", where, err_text[-6000:] + again)
+        what = f"the {side} process {why}"
+        san_text = open(san_log, encoding="utf-8", errors="replace").read() if sanitize and os.path.exists(san_log) \
+            else None
+        if san_text is not None and side == "candidate":
+            from .sanitize import failure_words, internal_failure
+
+            failed = internal_failure(san_text)
+            if failed:  # the sanitizer broke first: the crash that followed is its doing, not the candidate's
+                what = f"{what}, {failure_words(sanitize, failed)}"
+        error = ErrorInfo(side, "forward", (f"on trial {running[0]} (seed {running[1]}) " if later else "") + what,
+                          where, err_text[-6000:] + again)
         evidence = None
-        if sanitize and os.path.exists(san_log):
+        if san_text is not None:
             def evidence(result):
                 from .sanitize import attach, parse
 
-                attach(result, parse(open(san_log, encoding="utf-8", errors="replace").read(), sanitize))
+                attach(result, parse(san_text, sanitize))
         result = run(ref_src, cand_src, options.replace(stream_dir=None, health=False, rerun=False, explain=False),
                      known=read_journal(os.path.join(tmp, "stats.jsonl")), error=error, evidence=evidence)
         result.ref_path, result.cand_path = ref_path, cand_path
         if side == "candidate" and (judged or running):
-            _trials_before_the_failure(result, judged, running, f"the candidate process {why}")
+            _trials_before_the_failure(result, judged, running, what)
         out.write(result)
         return 2
 

@@ -288,6 +288,31 @@ def parse(text: str, tool: str) -> list[SanitizerReport]:
     return reports
 
 
+_INTERNAL = re.compile(r"^=+\s*Internal Sanitizer Error:?\s*(.*)$", re.M)
+
+
+def internal_failure(text: str) -> str | None:
+    """What compute-sanitizer said of its own failure ("The Sanitizer failed to handle a hardware exception."),
+    or None when its log has no "Internal Sanitizer Error".  After one, the process it watches goes on in a
+    state the sanitizer left: a CUDA error there is the sanitizer's, not evidence against the candidate."""
+    m = _INTERNAL.search(text)
+    if m is None:
+        return None
+    return m.group(1).strip().rstrip(".") or "an internal sanitizer error"
+
+
+def failure_words(tool: str, failed: str, crashed: bool = True) -> str:
+    """What a result says when compute-sanitizer failed on its own (see `internal_failure`): `crashed`, the words
+    that follow the candidate's error ("… after compute-sanitizer racecheck failed on its own …"); else a warning
+    for a run that went on to its answer."""
+    if crashed:
+        return (f"after compute-sanitizer {tool} failed on its own inside the candidate's process ({failed}): what "
+                f"that process did after it is not evidence against the candidate; diff without --sanitize for the "
+                f"candidate's own verdict")
+    return (f"compute-sanitizer {tool} failed on its own inside the candidate's process ({failed}); its reports may "
+            f"be incomplete, and what ran after it is suspect")
+
+
 def kernel_launchers() -> dict[str, str]:
     """kernel name → host function that launches it, from the CUDA sources of the extensions built
     in this process (torch keeps load_inline's sources in the extension's build directory)."""

@@ -60,3 +60,117 @@ def test_unmatched_report_becomes_warning_and_launcher_map_used(result):
     assert len(result.warnings) > before and "tile_kernel" in result.warnings[-1] + result.warnings[0]
     # the kernel→host-function map (read from the extension's CUDA source) bridges a kernel name
     assert attach(result, parse(RACECHECK, "racecheck"), launchers={"tile_kernel": "softmax_lastdim"}) == 1
+
+
+# ----------------------------------------------------------------------------- compute-sanitizer failing on its own
+INTERNAL = """========= COMPUTE-SANITIZER
+========= Error: Race reported between Write access at 0x100 in /tmp/ext/cuda.cu:120:tile_kernel(const float *, float *, int)
+=========     and Read access at 0x1f0 in /tmp/ext/cuda.cu:123:tile_kernel(const float *, float *, int) [1024 hazards]
+=========
+========= Internal Sanitizer Error: The Sanitizer failed to handle a hardware exception.
+=========
+========= Target application returned an error
+========= RACECHECK SUMMARY: 1 hazard displayed (1 error, 0 warnings)
+"""
+
+# a stand-in for compute-sanitizer: writes LOG_TEXT to its --log-file, then runs the command it wraps
+FAKE_SANITIZER = '''#!{python}
+import os, sys
+args = sys.argv[1:]
+with open(args[args.index("--log-file") + 1], "w") as fh:
+    fh.write(os.environ["FAKE_SANITIZER_LOG"])
+cmd = args[args.index({python!r}):]
+os.execv(cmd[0], cmd)
+'''
+
+# on its second trial, a CUDA error (what a process left in a state the sanitizer broke raises), or its process ends
+BROKEN_AFTER = '''import os
+import sys
+
+import torch
+import torch.nn as nn
+
+
+class ModelNew(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls > 1 and os.environ.get("HOW") != "none":  # (the first trial's forward: captured, run twice)
+            if os.environ.get("HOW") == "exit":
+                print("RuntimeError: CUDA error: an illegal memory access was encountered", file=sys.stderr)
+                sys.stderr.flush()
+                os._exit(1)
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return x * 2 + 1
+'''
+REF_2X1 = '''import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def forward(self, x):
+        return x * 2 + 1
+
+
+def get_inputs():
+    return [torch.randn(4, 8)]
+
+
+def get_init_inputs():
+    return []
+'''
+
+
+# the error caught in the child's trial, or the process ends; or no error at all
+@pytest.mark.parametrize("how", ["raise", "exit", "none"])
+@pytest.mark.parametrize("log", ["internal", "plain"])
+def test_a_crash_after_the_sanitizer_s_own_failure_is_not_pinned_on_the_candidate(tmp_path, monkeypatch, log, how):
+    """compute-sanitizer that fails on its own ("Internal Sanitizer Error") leaves the process it watches broken:
+    the error that ends it is said to follow the sanitizer's failure, with the reports from before it kept."""
+    import json
+    import stat
+    import sys
+
+    from diffkit import sanitize
+    from diffkit.cli import main
+
+    fake = tmp_path / "compute-sanitizer"
+    fake.write_text(FAKE_SANITIZER.format(python=sys.executable))
+    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setattr(sanitize, "find_tool", lambda: str(fake))
+    monkeypatch.setattr(sanitize, "tool_version", lambda exe: (2025, 1))
+    monkeypatch.setenv("FAKE_SANITIZER_LOG", INTERNAL if log == "internal" else RACECHECK)
+    monkeypatch.setenv("HOW", how)
+    (tmp_path / "ref.py").write_text(REF_2X1)
+    (tmp_path / "cand.py").write_text(BROKEN_AFTER)
+    out = tmp_path / "r.json"
+    with pytest.raises(SystemExit) as e:
+        main.main(args=["diff", str(tmp_path / "ref.py"), str(tmp_path / "cand.py"), "--json", str(out), "--no-report",
+                        "--sanitize", "racecheck", "--timeout", "120", "--trials", "2"], standalone_mode=True)
+    data = json.loads(out.read_text())
+    assert any("tile_kernel" in w for w in data["warnings"])  # the race it reported before failing is kept
+    if how == "none":  # it went on to the answer: the race fails the diff, the sanitizer's failure is a warning
+        assert e.value.code == 1 and data["verdict"] == "diverged" and data["error"] is None
+        said = [w for w in data["warnings"] if "failed on its own" in w]
+        assert bool(said) == (log == "internal") and all("its reports may be incomplete" in w for w in said)
+        return
+    assert e.value.code == 2 and data["verdict"] == "error", data["error"]
+    message = data["error"]["message"]
+    assert "illegal memory access" in message  # the process's own end, as it was
+    if log == "internal":
+        assert "after compute-sanitizer racecheck failed on its own" in message and \
+            "failed to handle a hardware exception" in message and "diff without --sanitize" in message
+        assert not any("failed on its own" in w for w in data["warnings"])  # said once, with the error
+    else:  # a plain crash stays the candidate's
+        assert "sanitizer" not in message
+
+
+def test_internal_failure_is_read_from_the_log():
+    from diffkit.sanitize import internal_failure
+
+    assert internal_failure(INTERNAL) == "The Sanitizer failed to handle a hardware exception"
+    assert internal_failure(RACECHECK) is None and internal_failure(MEMCHECK) is None
+    assert len(parse(INTERNAL, "racecheck")) == 1  # (not a report of its own)
