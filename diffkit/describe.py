@@ -316,6 +316,14 @@ def _finding_line(f) -> str:
     return f"  diagnosis [{f.kind}, confidence {fmt(f.confidence, '.2f')}]: {f.detail}"
 
 
+def run_findings(result) -> list[str]:
+    """The findings about the whole run (the candidate's second run differing, its forward changing its own state),
+    in words, less any a stage's diagnosis already says word for word."""
+    shown = {f.detail for s in getattr(result, "stages", ()) for f in s.diagnosis}
+    return [f"{f.kind} (confidence {fmt(f.confidence, '.2f')}): {f.detail}" for f in getattr(result, "findings", ())
+            if f.detail not in shown]
+
+
 def notes(result) -> list[str]:
     """What the reader should know of how the diff ran that is no warning: loop results folded."""
     fold = result.meta.get("cand_folded")

@@ -90,6 +90,7 @@ def text_report(result, color: bool = False, full: bool = False) -> str:
         out.append("weights: " + result.weights.summary())
     out.append(format_table(result, color=color, full=full))
     out += describe.divergence_lines(result)
+    out += [f"finding: {f}" for f in describe.run_findings(result)]
     out += [f"warning: {w}" for w in result.warnings]
     out += [f"reference health: {h}" for h in result.health]
     out += [f"note: {n}" for n in describe.notes(result)]
@@ -195,7 +196,7 @@ def stage_html(stage) -> str:
 
 def notices(result) -> list[str]:
     """What an HTML page lists under its banner: warnings, the reference's health, notes."""
-    return list(result.warnings) + list(result.health) + describe.notes(result)
+    return describe.run_findings(result) + list(result.warnings) + list(result.health) + describe.notes(result)
 
 
 def result_html(result) -> str:
@@ -280,6 +281,9 @@ def summary_markdown(result, limit: int = 15) -> str:
         if len(failed) > limit:
             lines.append(f"\n… and {len(failed) - limit} more stages out of tolerance")
         lines.append("")
+    found = describe.run_findings(result)
+    if found:
+        lines += ["### Findings", ""] + [f"- {md_escape(f)}" for f in found] + [""]
     lines += [f"> ⚠️ {md_escape(w)}" for w in list(result.warnings) + list(result.health)]
     lines += [f"> ℹ️ {md_escape(n)}" for n in describe.notes(result)]
     return "\n".join(lines).rstrip() + "\n"

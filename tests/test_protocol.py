@@ -665,6 +665,14 @@ def test_a_forward_that_changes_its_own_attribute_is_said_to_keep_state_not_to_r
     kinds = [f.kind for f in r.findings]
     assert "stateful" in kinds and "nondeterministic" not in kinds, kinds
     assert "seen (0 → 1)" in next(f.detail for f in r.findings if f.kind == "stateful")
+    # the finding is the answer's cause: every surface a reader sees says it (not only the JSON)
+    from diffkit.render import notices, summary_markdown, text_report
+
+    said = next(f.detail for f in r.findings if f.kind == "stateful")
+    assert any(ln.startswith("finding: stateful") and said in ln for ln in text_report(r).splitlines())
+    md = summary_markdown(r)
+    assert "### Findings" in md and "seen (0 → 1)" in md.split("### Findings", 1)[1]
+    assert any(said in n for n in notices(r))  # (the HTML report's and the notebook's list under the banner)
 
 
 def test_weights_stored_in_another_layout_are_the_same_weights():
