@@ -7,6 +7,7 @@ load or build, a crash, a bad flag), 3 an internal error of diffkit (its traceba
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import sys
@@ -155,7 +156,7 @@ def main() -> None:
               help="run in this process (default: a child process per side, so a crashing kernel cannot take the "
                    "answer with it)")
 @click.option("--timeout", type=click.FloatRange(min=0), default=DEFAULT_TIMEOUT, show_default=True,
-              help="stop a side that runs longer than this (seconds; 0: never)")
+              help="stop a side that runs longer than this (seconds; 0: never; with --no-isolate, the whole diff)")
 @click.option("--max-memory", "max_memory", default=None, metavar="SIZE",
               help="streaming diff: hold at most SIZE (e.g. 512M, 4G) of captured values on the device (CPU: in "
                    "memory); the rest goes to pinned host memory, then disk. Default without the flag: in-memory diff")
@@ -257,55 +258,58 @@ def _diff(ref_path, cand_path, atol, rtol, seed, device, json_path, csv_path, st
             argv = [a for i, a in enumerate(argv) if a != "--sanitize" and not (i and argv[i - 1] == "--sanitize")
                     and not a.startswith("--sanitize=")]
         sys.exit(_isolated(argv, ref_path, cand_path, options, timeout, out, sanitize))
-    if side_only == "ref":  # an isolated diff's reference process: capture, then leave the rest to the other
-        from .handoff import Holder
+    # in this process (--no-isolate, a captured candidate): --timeout bounds the whole diff here (a child of an
+    # isolated diff is timed by its parent)
+    with _deadline(0 if stream_dir else timeout, ref_path, cand_path, options, out):
+        if side_only == "ref":  # an isolated diff's reference process: capture, then leave the rest to the other
+            from .handoff import Holder
 
-        parent = os.getppid()
-        holder = Holder(os.path.join(stream_dir, "ref.dkt")) if os.environ.get(HANDOVER_ENV) else None
+            parent = os.getppid()
+            holder = Holder(os.path.join(stream_dir, "ref.dkt")) if os.environ.get(HANDOVER_ENV) else None
+            try:
+                capture_reference(ref_path, os.path.join(stream_dir, "ref.dkt"), options,
+                                  on_init=lambda init: _publish_init(stream_dir, init),
+                                  hand_over=holder.hand_over if holder is not None else None,
+                                  outputs_only_trials=True)  # (the candidate's process reruns a failing trial)
+            except DiffkitError as e:
+                out.write(error_result(e, ref_path, cand_path, options), error=e)
+                _done(stream_dir, 2)  # a load error is a finished answer, not a crash
+                sys.exit(2)
+            with open(os.path.join(stream_dir, "ref-done"), "w") as fh:
+                fh.write("ok")
+            if holder is not None and holder.holding:  # its values stay on the GPU until the candidate is done
+                with open(os.path.join(stream_dir, HELD), "w") as fh:
+                    fh.write(str(os.getpid()))
+                holder.serve(parent)
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(0)  # (no teardown: the driver takes the device memory back; the handles' users are gone)
+            sys.exit(0)
         try:
-            capture_reference(ref_path, os.path.join(stream_dir, "ref.dkt"), options,
-                              on_init=lambda init: _publish_init(stream_dir, init),
-                              hand_over=holder.hand_over if holder is not None else None,
-                              outputs_only_trials=True)  # (the candidate's process reruns a failing trial)
+            if ref_capture:  # the capture this diff's own reference child wrote
+                options = options.replace(trusted_capture=True)
+            result = diff_files(ref_capture or ref_path, cand_path, options=options, evidence=_sanitizer_evidence())
+            result.ref_path = ref_path
         except DiffkitError as e:
             out.write(error_result(e, ref_path, cand_path, options), error=e)
-            _done(stream_dir, 2)  # a load error is a finished answer, not a crash
+            _done(stream_dir, 2)
             sys.exit(2)
-        with open(os.path.join(stream_dir, "ref-done"), "w") as fh:
-            fh.write("ok")
-        if holder is not None and holder.holding:  # its values stay on the GPU until the candidate is done
-            with open(os.path.join(stream_dir, HELD), "w") as fh:
-                fh.write(str(os.getpid()))
-            holder.serve(parent)
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(0)  # (no teardown: the driver takes the device memory back; the handles' users are gone)
-        sys.exit(0)
-    try:
-        if ref_capture:  # the capture this diff's own reference child wrote
-            options = options.replace(trusted_capture=True)
-        result = diff_files(ref_capture or ref_path, cand_path, options=options, evidence=_sanitizer_evidence())
-        result.ref_path = ref_path
-    except DiffkitError as e:
-        out.write(error_result(e, ref_path, cand_path, options), error=e)
-        _done(stream_dir, 2)
-        sys.exit(2)
-    except Exception as e:
-        if not _is_users_fault(e):
+        except Exception as e:
+            if not _is_users_fault(e):
+                _internal_exit(e, stream_dir)
+            if stream_dir:  # a CUDA error that poisoned the context after the forward: the parent diffs the captures
+                raise
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            err = DiffkitError("candidate", "forward", f"{type(e).__name__}: {first}")
+            out.write(error_result(err, ref_path, cand_path, options), error=err)
+            sys.exit(2)
+        try:
+            written = out.write(result)
+        except Exception as e:  # writing diffkit's own answer failed: never the candidate's fault
             _internal_exit(e, stream_dir)
-        if stream_dir:  # a CUDA error that poisoned the context after the forward: the parent diffs the captures
-            raise
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        err = DiffkitError("candidate", "forward", f"{type(e).__name__}: {first}")
-        out.write(error_result(err, ref_path, cand_path, options), error=err)
-        sys.exit(2)
-    try:
-        written = out.write(result)
-    except Exception as e:  # writing diffkit's own answer failed: never the candidate's fault
-        _internal_exit(e, stream_dir)
-    code = EXIT[result.verdict] if written else 2
-    _done(stream_dir, code)
-    sys.exit(code)
+        code = EXIT[result.verdict] if written else 2
+        _done(stream_dir, code)
+        sys.exit(code)
 
 
 def _internal_exit(e: BaseException, stream_dir: str | None) -> None:
@@ -351,6 +355,72 @@ def _build_ahead(cand_path: str, init_file: str) -> None:
     build_candidate_ahead(cand_path, enc)
 
 
+# a --no-isolate diff past its --timeout whose Python cannot run (code holding the interpreter's lock) is ended by
+# the kernel (SIGALRM) this many seconds later
+DEADLINE_GRACE_S = 10.0
+
+
+def _hung_at(frame, ref_path: str, cand_path: str) -> tuple[str, str]:
+    """The side whose file the innermost frame of `frame`'s stack belongs to, and where: ("candidate",
+    "cand.py:12 in forward"); ("", "") when neither model's file is on the stack."""
+    files = {}
+    for side, path in (("candidate", cand_path), ("reference", ref_path)):
+        try:
+            files[os.path.realpath(path)] = side
+        except (OSError, TypeError, ValueError):
+            continue
+    while frame is not None:
+        code = frame.f_code
+        side = files.get(os.path.realpath(code.co_filename)) if code.co_filename else None
+        if side:
+            return side, f"{os.path.basename(code.co_filename)}:{frame.f_lineno} in {code.co_name}"
+        frame = frame.f_back
+    return "", ""
+
+
+@contextlib.contextmanager
+def _deadline(limit: float, ref_path: str, cand_path: str, options: Options, out: "_Outputs"):
+    """A diff in this process (--no-isolate) past `limit` seconds (0: none): its answer is an error naming the side
+    and the line its forward was at, written as every answer is, and the process exits 2 (nothing else can stop
+    a forward that does not return).  Where its Python cannot run, SIGALRM ends the process DEADLINE_GRACE_S later."""
+    import signal
+    import threading
+
+    if not limit:
+        yield
+        return
+    main_thread = threading.current_thread()
+    done = threading.Event()
+
+    def expire() -> None:
+        if done.wait(limit) or out.answering:
+            return
+        side, where = _hung_at(sys._current_frames().get(main_thread.ident), ref_path, cand_path)
+        whose = f"the {side}" if side else "the diff (in neither model's file: diffkit's own work or a library's)"
+        err = DiffkitError(side, "forward", f"{whose} did not finish within {limit:g} s and was stopped (--no-isolate: "
+                           f"both models ran in diffkit's process, so what they computed is lost; without "
+                           f"--no-isolate only the side that hangs is stopped and what it captured is diffed)", where)
+        try:
+            out.write(error_result(err, ref_path, cand_path, options), error=err)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(2)
+
+    threading.Thread(target=expire, name="diffkit-deadline", daemon=True).start()
+    alarm = hasattr(signal, "setitimer") and main_thread is threading.main_thread()
+    if alarm:
+        before = signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        signal.setitimer(signal.ITIMER_REAL, limit + DEADLINE_GRACE_S)
+    try:
+        yield
+    finally:
+        done.set()
+        if alarm:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, before)
+
+
 class _Outputs:
     """Where a diff's answer goes: the terminal, --json/--csv, the report directory and single files."""
 
@@ -364,9 +434,11 @@ class _Outputs:
         self.cwd = os.getcwd()
         self.color, self.full = color, full
         self.silent = silent  # an isolated diff's second candidate run: the parent writes the answer
+        self.answering = False  # write has begun (a --no-isolate deadline then leaves the answer to it)
 
     def write(self, result: Result, error: DiffkitError | None = None) -> bool:
         """Print the answer and write every artifact asked for; False when one could not be written."""
+        self.answering = True
         from . import report
         from .render import text_report
 

@@ -1034,3 +1034,87 @@ def test_a_candidate_process_that_dies_on_a_later_trial_is_reported_on_that_tria
     assert [(t["trial"], t["allclose"]) for t in data["trials"]] == [(1, True), (2, True), (3, False)], data["trials"]
     assert data["trials"][2]["seed"] == 2197670066 and data["trials"][2]["error"]
     assert "on trial 3 (seed 2197670066)" in data["error"]["message"]
+
+
+# ----------------------------------------------------------------------------- --no-isolate keeps to --timeout
+HANG_REF = '''import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def forward(self, x):
+        return torch.tanh(x) * 3
+
+
+def get_inputs():
+    return [torch.randn(4, 6)]
+
+
+def get_init_inputs():
+    return []
+'''
+HANG_CAND = '''import re
+import torch
+import torch.nn as nn
+
+
+class ModelNew(nn.Module):
+    def forward(self, x):
+        y = torch.tanh(x)
+        if {python_loop}:
+            while float(y.sum()) > -1e30:  # waits for a convergence that never comes
+                y = y * 1.0
+        else:  # C code that keeps the interpreter's lock: no Python runs until it returns
+            re.match(r"(a+)+$", "a" * 64 + "b")
+        return y * 3
+'''
+
+
+@pytest.mark.parametrize("python_loop", [True, False], ids=["python-loop", "holds-the-interpreter-lock"])
+def test_no_isolate_stops_a_hanging_forward_at_the_timeout(tmp_path, python_loop):
+    """--no-isolate: a forward that never returns is stopped at --timeout with an answer naming the side and its
+    line (Python that runs), or ended by the kernel (SIGALRM) a grace period later (C code holding the lock)."""
+    import signal
+
+    from diffkit.cli import DEADLINE_GRACE_S
+
+    (tmp_path / "ref.py").write_text(HANG_REF)
+    (tmp_path / "cand.py").write_text(HANG_CAND.format(python_loop=python_loop))
+    out = tmp_path / "r.json"
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "cli.py"), "diff", str(tmp_path / "ref.py"),
+                           str(tmp_path / "cand.py"), "--no-isolate", "--timeout", "3", "--json", str(out),
+                           "--no-report"], capture_output=True, text=True, timeout=120)
+    took = time.monotonic() - t0
+    if python_loop:
+        data = json.loads(out.read_text())
+        assert proc.returncode == 2 and data["verdict"] == "error", proc.stdout[-2000:] + proc.stderr[-2000:]
+        assert data["error"]["side"] == "candidate" and data["error"]["stage"] in ("cand.py:10 in forward",
+                                                                                 "cand.py:11 in forward")  # the loop
+        assert "did not finish within 3 s" in data["error"]["message"] and took < 3 + 30
+    else:
+        assert proc.returncode == -signal.SIGALRM and took < 3 + DEADLINE_GRACE_S + 30, (proc.returncode, took)
+
+
+def test_an_in_process_diff_within_its_timeout_leaves_no_timer_behind(tmp_path):
+    """The deadline of a --no-isolate diff run from Python ends with it: no alarm set, SIGALRM's handler as before,
+    no watchdog thread left."""
+    import signal
+    import threading
+
+    from diffkit.cli import main
+
+    (tmp_path / "ref.py").write_text(HANG_REF)
+    (tmp_path / "cand.py").write_text(HANG_REF.replace("class Model(", "class ModelNew("))
+    mine = lambda signum, frame: None  # noqa: E731
+    before = signal.signal(signal.SIGALRM, mine)
+    try:
+        with pytest.raises(SystemExit) as e:
+            main.main(args=["diff", str(tmp_path / "ref.py"), str(tmp_path / "cand.py"), "--no-isolate", "--timeout",
+                            "60", "--no-report", "--trials", "1"], standalone_mode=True)
+        assert e.value.code == 0
+        assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0) and signal.getsignal(signal.SIGALRM) is mine
+        time.sleep(0.05)
+        assert not any(t.name == "diffkit-deadline" and t.is_alive() for t in threading.enumerate())
+    finally:
+        signal.signal(signal.SIGALRM, before)
