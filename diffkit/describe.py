@@ -360,6 +360,13 @@ def what_if_lines(result, limit: int = 3) -> list[str]:
     return out
 
 
+def divergence_label(result) -> str:
+    """What the first stage out of tolerance is called: the first divergence, unless the output matches (an
+    intermediate the candidate computes another way, or an error that never reaches the output)."""
+    return "first stage out of tolerance (the output matches)" if getattr(result, "verdict", "") == "match" \
+        else "first divergence"
+
+
 def divergence_lines(result) -> list[str]:
     """The terminal's detail block under the stage table: the first divergence (records, layout,
     numbers, worst element, NaN/Inf, re-run, diagnosis), the root cause and the error.  Each block
@@ -367,7 +374,7 @@ def divergence_lines(result) -> list[str]:
     out: list[str] = []
     fd = result.first_divergence
     if fd is not None:
-        out += ["", f"first divergence: stage {fd.index}",
+        out += ["", f"{divergence_label(result)}: stage {fd.index}",
                 f"  reference: {fd.ref_name}  {shape_text(fd.ref_shape)}  {op(fd.ref)}  {where(fd.ref)}",
                 f"  candidate: {fd.cand_name}  {shape_text(fd.cand_shape)}  {op(fd.cand)}  {where(fd.cand)}"]
         if transform_text(fd):

@@ -60,6 +60,7 @@ def format_table(result, color: bool = False, full: bool = False) -> str:
              f"{'mean_abs':>9}  status"]
     rows = list(range(len(result.stages))) if full else fold_rows(result)
     fd = result.first_divergence
+    label = "first out of tolerance (the output matches)" if result.verdict == "match" else "first divergence"
     for i in rows:
         if i is None:
             lines.append(style(f"{'…':>4}  {'(rows folded; --full shows all)':<56}", dim=True))
@@ -75,7 +76,7 @@ def format_table(result, color: bool = False, full: bool = False) -> str:
         line = (f"{s.index:>4}  {name:<56} {shape:<16} {s.paired_by or '-':<6} "
                 f"{fmt(st.max_abs if st else None):>9} {fmt(st.mean_abs if st else None):>9}  {s.status}")
         if fd is not None and s is fd:
-            line = style(line + "   <-- first divergence", fg="red", bold=True)
+            line = style(line + f"   <-- {label}", fg="red", bold=True)
         elif TERMINAL_COLOUR.get(s.status):
             line = style(line, fg=TERMINAL_COLOUR[s.status])
         lines.append(line)
@@ -145,7 +146,8 @@ def banner(result) -> dict:
                       f"{describe.tolerance_text(tol['atol'], tol['rtol'], tol.get('stat'))}")
     return {"verdict": result.verdict, "colour": VERDICT_COLOUR.get(result.verdict, "#555"), "fd": fd,
             "rc": rc if rc is not None and rc is not fd else None, "error": result.error,
-            "all_within": all_within, "headline": describe.headline(result)}
+            "all_within": all_within, "headline": describe.headline(result),
+            "fd_label": describe.divergence_label(result)}
 
 
 def stage_table(result, page: int = TABLE_PAGE) -> dict:
@@ -153,13 +155,14 @@ def stage_table(result, page: int = TABLE_PAGE) -> dict:
     divergence open, else the first), unmatched stages apart."""
     paired = [s for s in result.stages if s.status != "unmatched"]
     fd = result.first_divergence
+    called = describe.divergence_label(result)
     pages = []
     for start in range(0, len(paired), page):
         chunk = paired[start:start + page]
         has_fd = fd is not None and any(s is fd for s in chunk)
-        label = f"stages {chunk[0].index}–{chunk[-1].index}" + (" (first divergence)" if has_fd else "")
+        label = f"stages {chunk[0].index}–{chunk[-1].index}" + (f" ({called})" if has_fd else "")
         pages.append({"open": has_fd or (start == 0 and fd is None), "label": label,
-                      "rows": [(s, "  ◀ first divergence" if s is fd else "") for s in chunk]})
+                      "rows": [(s, f"  ◀ {called}" if s is fd else "") for s in chunk]})
     return {"pages": pages, "unmatched": [s for s in result.stages if s.status == "unmatched"]}
 
 
@@ -248,7 +251,7 @@ def summary_markdown(result, limit: int = 15) -> str:
     fd = result.first_divergence
     if fd is not None:
         numbers = describe.stats_summary(fd.stats) if fd.stats is not None else describe.not_compared_reason(fd)
-        lines += ["### First divergence", "",
+        lines += [f"### {describe.divergence_label(result).capitalize()}", "",
                   f"- stage {fd.index}: reference {md_code(fd.ref_name)} ({md_escape(describe.where(fd.ref))}), "
                   f"candidate {md_code(fd.cand_name)} ({md_escape(describe.where(fd.cand))})",
                   f"- {md_escape(numbers)}"]

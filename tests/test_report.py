@@ -166,3 +166,38 @@ def test_junit_fails_a_divergence_that_no_stage_row_carries():
     assert suite.get("failures") == "1" and suite.find("testcase[@name='verdict']/failure") is not None
     ok = ET.fromstring(junit_xml(diffkit.compare(Ref(), Ref(), [x]))).find("testsuite")
     assert ok.get("failures") == "0" and ok.find("testcase[@name='verdict']") is None
+
+
+def test_a_match_calls_its_first_stage_out_of_tolerance_no_divergence():
+    """A candidate that applies a scale earlier than the reference: an intermediate differs, the output matches.
+    The stage is shown, but not as a divergence: every surface says the output matches."""
+    import torch
+
+    from diffkit.render import banner, format_table, summary_markdown, text_report
+
+    class Ref(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            q = self.lin(x)
+            return (q @ q.transpose(0, 1)) * 0.25
+
+    class Early(Ref):
+        def forward(self, x):
+            q = self.lin(x) * 0.5
+            return q @ q.transpose(0, 1)
+
+    torch.manual_seed(0)
+    ref = Ref()
+    cand = Early()
+    cand.load_state_dict(ref.state_dict())
+    r = diffkit.compare(ref, cand, [torch.randn(5, 8)])
+    assert r.verdict == "match" and r.first_divergence is not None
+    text = text_report(r)
+    assert "first divergence" not in text
+    assert f"first stage out of tolerance (the output matches): stage {r.first_divergence.index}" in text
+    assert "<-- first out of tolerance (the output matches)" in format_table(r)
+    assert "### First stage out of tolerance (the output matches)" in summary_markdown(r)
+    assert banner(r)["fd_label"].startswith("first stage out of tolerance")
