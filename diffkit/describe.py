@@ -298,6 +298,10 @@ def _diverged_headline(result, fd) -> str:
     else:
         numbers = f"{not_compared_reason(fd)};"
     kind = f"; looks like {KIND_WORDS.get(fd.diagnosis[0].kind, fd.diagnosis[0].kind)}" if fd.diagnosis else ""
+    best = next((w for w in (getattr(result, "what_if", None) or []) if isinstance(w, dict)), None)
+    if best is not None and best.get("explains") and best.get("detail"):
+        # a run of the reference with that mistake planted gives the candidate's values: stronger than a pattern
+        kind = f"; the reference gives the candidate's values with {best['detail']} (what-if)"
     rc = result.root_cause
     if rc is not None and rc is not fd:
         kind += (f"; root cause: stage {rc.index} {rc.ref_name or rc.cand_name or '?'} introduces the error"

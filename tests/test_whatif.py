@@ -259,6 +259,9 @@ def test_explain_flags_through_the_cli(tmp_path):
     fused = os.path.join(FUSED, "transformer_block_mlp_bias.py")
     d, text = run(fused)
     assert d["what_if"][0]["kind"] == "drop_bias" and "what-if" in text and "without its bias" in text
+    # the one-line answer names what the what-if run found (the strongest evidence), not a pattern's guess
+    headline = text.strip().splitlines()[-1]
+    assert headline.startswith("diffkit: DIVERGED") and f"with {d['what_if'][0]['detail']} (what-if)" in headline
     d, text = run(fused, "--no-explain")
     assert d["what_if"] == [] and "what-if" not in text
     # the unfused candidate's divergent kernel is the output projection alone: one reference stage
