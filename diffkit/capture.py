@@ -337,13 +337,21 @@ def input_values(inputs: Any, values: dict[str, torch.Tensor]) -> Any:
     replaced by a copy of those values: the reference's inputs as its forward left them, for the candidate."""
     if not values:
         return inputs
-    flat, spec = pytree.tree_flatten_with_path(inputs)
+    from .inputs import copy_inputs
+
+    # written into a copy of the inputs, so that one the reference changed through another (`[x, x]`, a view) and
+    # the layout of each stay as they were; a value that cannot be written so (overlapping memory) replaces its input
+    flat, spec = pytree.tree_flatten_with_path(copy_inputs(inputs))
     leaves = []
     for path, v in flat:
         name = input_name(tuple(path_key(k) for k in path)) if isinstance(v, torch.Tensor) else None
         got = values.get(name) if name is not None else None
         if got is not None and tuple(got.shape) == tuple(v.shape) and got.dtype == v.dtype:
-            v = got.detach().to(v.device).clone()
+            try:
+                with torch.no_grad():
+                    v.copy_(got.detach().to(v.device))
+            except RuntimeError:
+                v = got.detach().to(v.device).clone()
         leaves.append(v)
     return pytree.tree_unflatten(leaves, spec)
 

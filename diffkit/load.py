@@ -27,6 +27,7 @@ import torch.utils._pytree as pytree
 
 from .capture import _install_extension_import_hook, materialized, path_key
 from .errors import DiffkitError
+from .inputs import as_made, copy_inputs, layout_matters
 
 KERNELBENCH_SEED = 42
 
@@ -289,8 +290,7 @@ class LoadedPair:
         return _move(inputs, self.device) if self.device else inputs
 
 
-def _clone(obj: Any) -> Any:
-    return pytree.tree_map(lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v, obj)
+_clone = copy_inputs  # (a copy that keeps what KernelBench's input objects are: diffkit.inputs)
 
 
 def _move(obj: Any, device: str | torch.device) -> Any:
@@ -465,6 +465,9 @@ class ModelSide:
         return {"source": os.path.abspath(self.path), "class": self.class_name, "seed": self.seed,
                 "inputs_source": os.path.abspath(self.inputs_source or self.path),
                 "init_inputs": encode_values(self.init_inputs), "inputs": encode_values(self.inputs, tensors=True),
+                # the inputs' values alone do not rebuild them (one tensor twice, shared memory, strides): a reader
+                # runs get_inputs() again (`inputs_as_made`)
+                "inputs_layout": layout_matters(self.inputs),
                 "device": self.device(), "training": self.model.training, "eval": self.eval_mode}
 
 
@@ -677,6 +680,7 @@ def load_candidate_for_capture(cand_path: str, capture: Any, *, seed: int = KERN
     except (KeyError, ValueError, IndexError) as e:
         raise DiffkitError("reference", "read", f"the capture's inputs cannot be rebuilt: {e}",
                            getattr(capture, "path", "")) from e
+    inputs = inputs_as_made(inputs, info, info.get("input_seed"))
     dev = device or info.get("device") or "cpu"
     if dev != "cpu" or device:
         model = model.to(dev)
@@ -687,6 +691,33 @@ def load_candidate_for_capture(cand_path: str, capture: Any, *, seed: int = KERN
         model.eval()
     return ModelSide(model, _clone(inputs), init, cand_path, "ModelNew", seed, module,
                      info.get("inputs_source", ""), eval_mode=eval_mode), weights
+
+
+_MADE_BY: dict[str, types.ModuleType] = {}  # reference files run to make inputs again, by path
+
+
+def inputs_as_made(captured: list[Any], info: dict, seed: Any) -> list[Any]:
+    """A captured reference's inputs (their stored values) for the candidate's forward.  Where the reference's
+    inputs were objects their values alone do not rebuild (one tensor at two places, tensors sharing memory, a
+    transposed or expanded one: the capture's `inputs_layout`), its get_inputs() is run again under the trial's
+    `seed` and what it makes is used when it holds exactly the stored values; otherwise the stored values."""
+    from .capture import rng_state, set_rng_state
+
+    source = info.get("inputs_source")
+    if not info.get("inputs_layout") or not isinstance(seed, int) or not source or not os.path.exists(source):
+        return captured
+    state = rng_state()
+    try:
+        module = _MADE_BY.get(source) or _MADE_BY.setdefault(source, exec_file(source, "reference"))
+        made = _inputs(module, source, seed, "reference")
+        devices = [t.device for t in pytree.tree_leaves(captured) if isinstance(t, torch.Tensor)]
+        if devices:
+            made = _move(made, devices[0])  # (where the stored values are, as a live side's inputs_for does)
+    except Exception:  # the file does not run again here: its stored values, as before
+        return captured
+    finally:
+        set_rng_state(state)
+    return as_made(captured, made)
 
 
 def _capture_inputs(capture: Any, info: dict) -> list[Any]:

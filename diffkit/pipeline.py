@@ -24,6 +24,7 @@ from .align import Alignment, align, map_params_by_use, param_map, record_numel,
 from .capture import (FOLD_AFTER, StopCapture, Trace, capture, input_values, materialized, set_rng_state,
                       written_in_place)
 from .diagnose import diagnose
+from .inputs import copy_inputs
 from .locate import build_stages, locate, undone_stages
 from .measure import ask_kernelbench, kernelbench_note, measure
 from .options import Options
@@ -40,9 +41,8 @@ LOCKSTEP_LOW_WATER = 8  # a lockstep diff frees 1/8 of the reference's budget be
 LOCKSTEP_RECOVERIES = 2  # re-runs of the reference that recover evicted values align asks for
 
 
-def clone_inputs(obj: Any) -> Any:
-    """A fresh copy of every tensor in a nested structure of inputs (other leaves shared)."""
-    return pytree.tree_map(lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v, obj)
+# a fresh copy of a forward's inputs for each run, keeping what KernelBench's objects are (diffkit.inputs)
+clone_inputs = copy_inputs
 
 
 def named_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -33,6 +33,7 @@ import torch.utils._pytree as pytree
 
 from .capture import input_values, materialized, rng_state, set_rng_state
 from .errors import DiffkitError
+from .inputs import copy_inputs
 from .measure import ask_kernelbench, measure
 from .options import Options, Tolerance
 
@@ -386,8 +387,7 @@ def restore_state(model: torch.nn.Module | None, snap: dict[str, torch.Tensor]) 
         _put_back(materialized(model.named_buffers()), snap)
 
 
-def _clone(obj: Any) -> Any:
-    return pytree.tree_map(lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v, obj)
+_clone = copy_inputs  # (a copy that keeps what KernelBench's input objects are: diffkit.inputs)
 
 
 def forward(model: torch.nn.Module, inputs: list, no_grad: bool = True,
@@ -718,6 +718,10 @@ class CapturedTrials:
             raise DiffkitError("reference", "read", f"trial {k}'s inputs cannot be rebuilt: {e}", where) from e
         err = cap.index.get("error") or {}
         error = f"{err.get('type', 'Error')}: {err.get('message', '')}" if err else ""
+        from .load import inputs_as_made
+
+        seeds = self.seeds
+        inputs = inputs_as_made(inputs, self.info, seeds[k - 1] if 0 < k <= len(seeds) else None)
         move = (lambda v: v.to(self.device) if isinstance(v, torch.Tensor) else v)
         return pytree.tree_map(move, inputs), {n: v.to(self.device) for n, v in outputs.items()}, error
 
