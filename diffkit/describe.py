@@ -203,6 +203,10 @@ def trials_summary(result) -> str:
     asked = (getattr(result, "meta", None) or {}).get("trials", {}).get("asked", len(trials))
     failed = [t for t in trials if not t.get("allclose", True)]
     if not failed:
+        form = (getattr(result, "meta", None) or {}).get("reference_returns")
+        if form:  # compared tensor by tensor: KernelBench's own evaluator fails any candidate of this reference
+            return (f"passes {len(trials)} of {asked} trials tensor by tensor (KernelBench's evaluator fails every "
+                    f"candidate of a reference returning a {form})")
         return f"passes {len(trials)} of {asked} KernelBench trials"
     first = failed[0]
     return (f"diverges on trial {first.get('trial')} of {asked} (seed {first.get('seed')}), fails {len(failed)} of "

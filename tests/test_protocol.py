@@ -591,6 +591,9 @@ def test_both_returning_the_same_container_are_compared_tensor_by_tensor(tmp_pat
     proc, data = _cli(str(ref), str(cand), tmp_path=tmp_path)
     assert proc.returncode == 0 and data["verdict"] == "match", proc.stdout[-2000:] + proc.stderr[-2000:]
     assert any("reference returns a tuple" in w and "KernelBench" in w for w in data["warnings"])
+    # the one-line answer does not say KernelBench passes it: its evaluator fails every candidate of this reference
+    headline = proc.stdout.strip().splitlines()[-1]
+    assert "KernelBench trials" not in headline and "trials tensor by tensor (KernelBench's evaluator fails" in headline
 
 
 def test_the_output_form_survives_two_captures(tmp_path):
