@@ -418,7 +418,27 @@ def forward(model: torch.nn.Module, inputs: list, no_grad: bool = True,
         except Exception:  # (an exception whose message cannot be made)
             text = ""
         first = text.splitlines()[0] if text else ""
-        return None, f"{type(e).__name__}: {first}"[:500]
+        where = raised_at(e)
+        return None, f"{type(e).__name__}: {first}"[:480] + (f" (at {where})" if where else "")
+
+
+def raised_at(e: BaseException) -> str:
+    """Where in the user's code `e` was raised: the innermost frame of its traceback outside torch, diffkit and
+    Python's own library ("ref.py:8 in forward"); "" when there is none."""
+    import sysconfig
+    import traceback
+
+    skip = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (torch, pytree) if m.__file__)
+    skip += (os.path.dirname(os.path.abspath(__file__)) + os.sep, sysconfig.get_paths()["stdlib"] + os.sep)
+    try:
+        frames = traceback.extract_tb(e.__traceback__)
+    except Exception:
+        return ""
+    for fr in reversed(frames):
+        path = os.path.abspath(fr.filename) if fr.filename and not fr.filename.startswith("<") else ""
+        if path and not path.startswith(skip):
+            return f"{os.path.basename(path)}:{fr.lineno} in {fr.name}"
+    return ""
 
 
 def check_output(trial: Trial, ref: dict[str, torch.Tensor], cand: dict[str, torch.Tensor],
@@ -968,7 +988,7 @@ def run_trials(reference, candidate, first_inputs: list, options: Options, evide
             outcomes.append(trial)
             reported.error = reported.error or ErrorInfo("reference", "forward",
                                                          f"on trial {k} (seed {trial.seed}) the reference raised "
-                                                         f"{ref_err}", "")
+                                                         f"{ref_err}", f"trial {k}'s forward")
             break
         try:
             candidate.check(k, reference.candidate_inputs(k, inputs), ref_out, trial, rng=reference.rng_after(k))

@@ -1118,3 +1118,41 @@ def test_an_in_process_diff_within_its_timeout_leaves_no_timer_behind(tmp_path):
         assert not any(t.name == "diffkit-deadline" and t.is_alive() for t in threading.enumerate())
     finally:
         signal.signal(signal.SIGALRM, before)
+
+
+RAISES_LATER_REF = '''import torch
+from torch import nn
+
+
+class Model(nn.Module):
+    def forward(self, x):
+        peak = float(x.max())
+        if peak > 2.5:  # only some trials' inputs reach it
+            raise ValueError(f"out of range: {peak:.3f}")
+        return torch.log1p(x.abs())
+
+
+def get_inputs():
+    return [torch.randn(50)]
+
+
+def get_init_inputs():
+    return []
+'''
+
+
+@pytest.mark.parametrize("mode", [[], ["--no-isolate"]], ids=["isolated", "in-process"])
+def test_a_reference_raising_on_a_later_trial_is_placed_at_its_line(tmp_path, mode):
+    """The reference raising on a later trial (its forward uncaptured there): the error names that trial and the
+    line of the reference's file that raised, not '?'."""
+    (tmp_path / "ref.py").write_text(RAISES_LATER_REF)
+    (tmp_path / "cand.py").write_text(RAISES_LATER_REF.replace("class Model(", "class ModelNew(").replace(
+        "raise ValueError", "pass  # raise ValueError"))
+    out = _cli("diff", str(tmp_path / "ref.py"), str(tmp_path / "cand.py"), "--no-report", "--json",
+               str(tmp_path / "r.json"), *mode)
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert out.returncode == 2 and data["error"]["side"] == "reference", out.stdout[-1500:] + out.stderr[-1500:]
+    k = next(t["trial"] for t in data["trials"] if t.get("error"))
+    assert k > 1 and data["error"]["stage"] == f"trial {k}'s forward"
+    assert data["error"]["message"].endswith("(at ref.py:9 in forward)"), data["error"]["message"]
+    assert "ERROR in reference (forward) at trial" in out.stdout
