@@ -997,9 +997,20 @@ def reference_health(model: torch.nn.Module, inputs: list, trace: Trace, no_grad
             first = next((a.name for a, b in zip(trace.records, again.records)
                           if a.value is not None and b.value is not None and a.shape == b.shape
                           and bitwise_difference(a.value, b.value) is not None), "?")
-            notes.append(f"the reference is random: two runs on the same inputs differ, first at {first} "
-                         f"({stochastic_reason(model)}); its output depends on the random draw, so no candidate "
-                         f"can match it reliably (KernelBench never calls eval()); --eval turns dropout off")
+            reason = stochastic_reason(model)
+            w = again.output.value
+            tol = 1e-2 if v.dtype in (torch.float16, torch.bfloat16) else 1e-4  # (KernelBench's, by dtype)
+            close = w.shape == v.shape and bool(torch.allclose(w, v, atol=tol, rtol=tol, equal_nan=True))
+            if close:  # noise too small to matter at the output: no reason to say no candidate can match
+                gap = float((w.double() - v.double()).abs().nan_to_num(0.0).max()) if v.numel() else 0.0
+                notes.append(f"the reference is random: two runs on the same inputs differ, first at {first} "
+                             f"({reason}), by at most {gap:.3g} at the output: within KernelBench's tolerance "
+                             f"({tol:g}), so a candidate can still match it")
+            else:
+                notes.append(f"the reference is random: two runs on the same inputs differ, first at {first} "
+                             f"({reason}); its output depends on the random draw, so no candidate can match it "
+                             f"reliably (KernelBench never calls eval())"
+                             + ("; --eval turns dropout off" if reason.startswith(_LIVE_DROPOUT) else ""))
     # weights (not norm biases, which start at zero by design) that are all zero
     zero = [n for n, p in materialized(model.named_parameters()) if p.dim() >= 2 and not bool(p.detach().any())]
     if zero:

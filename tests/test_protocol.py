@@ -237,6 +237,24 @@ def test_stochastic_reference_is_named_with_eval_as_the_way_out(tmp_path):
     assert calm.verdict == "match" and not any("random" in h for h in calm.health)
 
 
+def test_a_reference_whose_randomness_stays_within_tolerance_is_not_said_to_be_unmatchable(tmp_path):
+    """Noise far below the tolerance (no dropout): the health note says how far two runs differ and that a
+    candidate can still match; it offers no --eval (there is no dropout for it to turn off)."""
+    ref = tmp_path / "jitter.py"
+    ref.write_text("import torch\n"
+                   "class Model(torch.nn.Module):\n"
+                   "    def __init__(self):\n        super().__init__(); self.lin = torch.nn.Linear(12, 12)\n"
+                   "    def forward(self, x):\n        return torch.sigmoid(self.lin(x + 1e-6 * torch.randn_like(x)))\n"
+                   "def get_inputs():\n    return [torch.randn(6, 12)]\n"
+                   "def get_init_inputs():\n    return []\n")
+    cand = tmp_path / "cand.py"
+    cand.write_text(ref.read_text().replace("class Model(", "class ModelNew(").replace(" + 1e-6 * torch.randn_like(x)",
+                                                                                      " + 1.5"))
+    result = diffkit.diff_files(str(ref), str(cand), trials=1)  # (a diverging candidate: the second run is made)
+    said = [h for h in result.health if "reference is random" in h]
+    assert said and "can still match" in said[0] and "--eval" not in said[0], result.health
+
+
 def test_trials_must_be_positive(tmp_path):
     with pytest.raises(ValueError):
         Options(trials=0)
