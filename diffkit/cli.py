@@ -11,6 +11,7 @@ import contextlib
 import os
 import re
 import sys
+import threading
 import time
 
 import click
@@ -360,9 +361,10 @@ def _build_ahead(cand_path: str, init_file: str) -> None:
 DEADLINE_GRACE_S = 10.0
 
 
-def _hung_at(frame, ref_path: str, cand_path: str) -> tuple[str, str]:
-    """The side whose file the innermost frame of `frame`'s stack belongs to, and where: ("candidate",
-    "cand.py:12 in forward"); ("", "") when neither model's file is on the stack."""
+def _hung_at(frame, ref_path: str, cand_path: str) -> tuple[str, str, str]:
+    """The side whose file the innermost frame of `frame`'s stack belongs to, the phase (its constructor, its
+    inputs, else its forward) and where: ("candidate", "forward", "cand.py:12 in forward"); ("", "forward", "") when
+    neither model's file is on the stack."""
     files = {}
     for side, path in (("candidate", cand_path), ("reference", ref_path)):
         try:
@@ -373,52 +375,68 @@ def _hung_at(frame, ref_path: str, cand_path: str) -> tuple[str, str]:
         code = frame.f_code
         side = files.get(os.path.realpath(code.co_filename)) if code.co_filename else None
         if side:
-            return side, f"{os.path.basename(code.co_filename)}:{frame.f_lineno} in {code.co_name}"
+            phase = {"__init__": "init", "get_init_inputs": "init", "get_inputs": "inputs"}.get(code.co_name, "forward")
+            return side, phase, f"{os.path.basename(code.co_filename)}:{frame.f_lineno} in {code.co_name}"
         frame = frame.f_back
-    return "", ""
+    return "", "forward", ""
+
+
+# past this, a --timeout is "never" (and where it is not a number at all)
+_LONGEST_TIMEOUT = 1e8
 
 
 @contextlib.contextmanager
 def _deadline(limit: float, ref_path: str, cand_path: str, options: Options, out: "_Outputs"):
-    """A diff in this process (--no-isolate) past `limit` seconds (0: none): its answer is an error naming the side
-    and the line its forward was at, written as every answer is, and the process exits 2 (nothing else can stop
-    a forward that does not return).  Where its Python cannot run, SIGALRM ends the process DEADLINE_GRACE_S later."""
+    """A diff in this process (--no-isolate) past `limit` seconds (0, inf, nan: none): its answer is an error
+    naming the side and the line its main thread was at, written as every answer is, and the process exits 2
+    (nothing else can stop a forward that does not return); whichever of the diff and this deadline starts writing
+    the answer first writes it alone (`_Outputs.claim`).  Where its Python cannot run, SIGALRM ends the process
+    DEADLINE_GRACE_S later, unless SIGALRM or the real-time timer is already someone else's (a host process's)."""
+    import math
     import signal
     import threading
 
-    if not limit:
+    if not limit or not math.isfinite(limit) or limit > _LONGEST_TIMEOUT:
         yield
         return
     main_thread = threading.current_thread()
     done = threading.Event()
 
     def expire() -> None:
-        if done.wait(limit) or out.answering:
+        if done.wait(limit) or not out.claim():
             return
-        side, where = _hung_at(sys._current_frames().get(main_thread.ident), ref_path, cand_path)
+        side, phase, where = _hung_at(sys._current_frames().get(main_thread.ident), ref_path, cand_path)
         whose = f"the {side}" if side else "the diff (in neither model's file: diffkit's own work or a library's)"
-        err = DiffkitError(side, "forward", f"{whose} did not finish within {limit:g} s and was stopped (--no-isolate: "
+        err = DiffkitError(side, phase, f"{whose} did not finish within {limit:g} s and was stopped (--no-isolate: "
                            f"both models ran in diffkit's process, so what they computed is lost; without "
                            f"--no-isolate only the side that hangs is stopped and what it captured is diffed)", where)
         try:
-            out.write(error_result(err, ref_path, cand_path, options), error=err)
+            out.write(error_result(err, ref_path, cand_path, options), error=err, claimed=True)
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(2)
 
     threading.Thread(target=expire, name="diffkit-deadline", daemon=True).start()
-    alarm = hasattr(signal, "setitimer") and main_thread is threading.main_thread()
+    alarm = (hasattr(signal, "setitimer") and main_thread is threading.main_thread()
+             and signal.getsignal(signal.SIGALRM) in (signal.SIG_DFL, None)
+             and signal.getitimer(signal.ITIMER_REAL)[0] == 0)
+
+    def disarm() -> None:  # (the answer is being written here: its writing is not cut short)
+        if alarm and threading.current_thread() is threading.main_thread():
+            signal.setitimer(signal.ITIMER_REAL, 0)
+
     if alarm:
-        before = signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
         signal.setitimer(signal.ITIMER_REAL, limit + DEADLINE_GRACE_S)
+    out.on_claim = disarm
     try:
         yield
     finally:
         done.set()
+        out.on_claim = None
         if alarm:
             signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, before)
 
 
 class _Outputs:
@@ -434,11 +452,28 @@ class _Outputs:
         self.cwd = os.getcwd()
         self.color, self.full = color, full
         self.silent = silent  # an isolated diff's second candidate run: the parent writes the answer
-        self.answering = False  # write has begun (a --no-isolate deadline then leaves the answer to it)
+        self.answering = False  # someone is writing the answer (`claim`)
+        self._claim_lock = threading.Lock()
+        self._claimed_by: int | None = None
+        self.on_claim = None  # called when the answer is claimed (a --no-isolate deadline disarms its alarm)
 
-    def write(self, result: Result, error: DiffkitError | None = None) -> bool:
-        """Print the answer and write every artifact asked for; False when one could not be written."""
-        self.answering = True
+    def claim(self) -> bool:
+        """Whether the caller is the one to write the answer (the first to ask): a --no-isolate diff's deadline and
+        the diff itself never both write it."""
+        with self._claim_lock:
+            if self.answering:
+                return self._claimed_by == threading.get_ident()  # (the same thread writing again: as before)
+            self.answering, self._claimed_by = True, threading.get_ident()
+        if self.on_claim is not None:
+            self.on_claim()
+        return True
+
+    def write(self, result: Result, error: DiffkitError | None = None, claimed: bool = False) -> bool:
+        """Print the answer and write every artifact asked for; False when one could not be written.  An answer
+        already being written by another thread (a deadline's) is left to it: this thread then waits for the
+        process to end."""
+        if not claimed and not self.claim():
+            threading.Event().wait()  # (the deadline's answer ends the process)
         from . import report
         from .render import text_report
 

@@ -326,10 +326,11 @@ def _finding_line(f) -> str:
 
 def run_findings(result) -> list[str]:
     """The findings about the whole run (the candidate's second run differing, its forward changing its own state),
-    in words, less any a stage's diagnosis already says word for word."""
+    in words, less any a stage's diagnosis or a warning already says word for word."""
     shown = {f.detail for s in getattr(result, "stages", ()) for f in s.diagnosis}
+    warned = list(getattr(result, "warnings", ()))
     return [f"{f.kind} (confidence {fmt(f.confidence, '.2f')}): {f.detail}" for f in getattr(result, "findings", ())
-            if f.detail not in shown]
+            if f.detail not in shown and not any(f.detail in w for w in warned)]
 
 
 def notes(result) -> list[str]:

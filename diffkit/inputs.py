@@ -59,32 +59,41 @@ def copy_inputs(obj: Any) -> Any:
     return pytree.tree_map(one, obj)
 
 
-def layout_matters(obj: Any) -> bool:
-    """Whether a copy of `obj`'s values alone (each tensor dense and apart) would differ from the objects
-    themselves as a model can tell: a tensor at two places, tensors sharing memory, or one laid out otherwise
-    than contiguously (transposed, expanded, a slice with gaps)."""
-    seen: set[int] = set()
-    memory: set[tuple] = set()
-    for v in pytree.tree_leaves(obj):
-        if not isinstance(v, torch.Tensor):
-            continue
-        if id(v) in seen:
-            return True
-        seen.add(id(v))
+def layout(obj: Any) -> list | None:
+    """What a copy of `obj`'s values alone (each tensor dense and apart) would lose, as a model can tell it, per
+    tensor leaf in order: [its strides, its storage offset, the first leaf sharing its memory, the first leaf that is
+    the same object]; None when nothing would be lost (every tensor contiguous, whole and apart)."""
+    out: list = []
+    by_id: dict[int, int] = {}
+    by_memory: dict[tuple, int] = {}
+    matters = False
+    for i, v in enumerate(t for t in pytree.tree_leaves(obj) if isinstance(t, torch.Tensor)):
+        same = by_id.setdefault(id(v), i)
         if not _plain(v):
+            out.append([list(v.stride()) if v.layout == torch.strided else None, 0, i, same])
+            matters = matters or same != i
             continue
-        if not v.is_contiguous() or v.storage_offset() or v.untyped_storage().nbytes() != v.numel() * v.element_size():
-            return True
-        key = (v.device, v.untyped_storage().data_ptr())
-        if v.numel() and key in memory:
-            return True
-        memory.add(key)
-    return False
+        nbytes = v.untyped_storage().nbytes()
+        key = (str(v.device), v.untyped_storage().data_ptr())
+        shared = by_memory.setdefault(key, i) if v.numel() and nbytes else i
+        out.append([list(v.stride()), v.storage_offset(), shared, same])
+        if same != i or shared != i or not v.is_contiguous() or v.storage_offset() \
+                or nbytes != v.numel() * v.element_size():
+            matters = True
+    return out if matters else None
 
 
-def as_made(captured: Any, made: Any) -> Any:
+def layout_matters(obj: Any) -> bool:
+    """Whether a copy of `obj`'s values alone would differ from the objects themselves as a model can tell: a
+    tensor at two places, tensors sharing memory, or one laid out otherwise than contiguously (`layout`)."""
+    return layout(obj) is not None
+
+
+def as_made(captured: Any, made: Any, want: list | None = None) -> Any:
     """`made` (the inputs `get_inputs()` gives again under the same seed) when it holds exactly the captured
-    values in the same structure, else `captured`: the objects as they were, or their values as stored."""
+    values in the same structure (non-tensor leaves equal too) and, given `want` (the `layout` the captured
+    inputs had when they were made), is laid out so; else `captured`: the objects as they were, or their values as
+    stored."""
     from .capture import same_bits
 
     a, spec_a = pytree.tree_flatten(captured)
@@ -94,10 +103,58 @@ def as_made(captured: Any, made: Any) -> Any:
     for x, y in zip(a, b):
         if isinstance(x, torch.Tensor) != isinstance(y, torch.Tensor):
             return captured
-        if isinstance(x, torch.Tensor):
-            try:
-                if not same_bits(x.detach(), y.detach()):
-                    return captured
-            except RuntimeError:
-                return captured
+        try:
+            if isinstance(x, torch.Tensor):
+                same = same_bits(x.detach(), y.detach())
+            else:
+                same = type(x) is type(y) and bool(x == y)
+        except Exception:  # (a leaf that cannot be compared: not taken as the same)
+            return captured
+        if not same:
+            return captured
+    if want is not None and layout(made) != want:
+        return captured
     return made
+
+
+def rebuild(captured: Any, want: list | None) -> Any:
+    """The captured inputs (their values, dense and apart) laid out again as `want` (their `layout` when made) says:
+    the same object at each place it was, leaves that shared memory on one shared copy, each with its strides and
+    offset (memory no leaf covers is zero).  `captured` as it is where `want` does not fit it."""
+    if not want:
+        return captured
+    leaves, spec = pytree.tree_flatten(captured)
+    tensors = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
+    if len(tensors) != len(want):
+        return captured
+    try:
+        vals = [leaves[i] for i in tensors]
+        groups: dict[int, list[int]] = {}
+        for j, (stride, offset, shared, same) in enumerate(want):
+            if same == j and stride is not None:
+                groups.setdefault(shared, []).append(j)
+        out: list[torch.Tensor | None] = [None] * len(vals)
+        for members in groups.values():
+            v0 = vals[members[0]]
+            need = max(want[j][1] + 1 + sum((n - 1) * s for n, s in zip(vals[j].shape, want[j][0]))
+                       if vals[j].numel() else 0 for j in members)
+            flat = torch.zeros(max(need, 0), dtype=v0.dtype, device=v0.device)
+            for j in members:
+                if vals[j].dtype != v0.dtype:
+                    return captured  # (memory viewed as two dtypes: not rebuilt)
+                t = flat.as_strided(tuple(vals[j].shape), tuple(want[j][0]), want[j][1])
+                if t.numel():
+                    where = torch.arange(flat.numel(), device=flat.device).as_strided(t.shape, t.stride(),
+                                                                                    want[j][1])
+                    flat.index_put_((where.reshape(-1),), vals[j].reshape(-1).to(flat.dtype))
+                out[j] = t
+        for j, (stride, offset, shared, same) in enumerate(want):
+            if same != j:
+                out[j] = out[same]
+            elif out[j] is None:
+                out[j] = vals[j]
+    except (RuntimeError, IndexError, TypeError, ValueError):
+        return captured
+    for i, t in zip(tensors, out):
+        leaves[i] = t
+    return pytree.tree_unflatten(leaves, spec)

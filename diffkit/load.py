@@ -27,7 +27,7 @@ import torch.utils._pytree as pytree
 
 from .capture import _install_extension_import_hook, materialized, path_key
 from .errors import DiffkitError
-from .inputs import as_made, copy_inputs, layout_matters
+from .inputs import as_made, copy_inputs, layout, rebuild
 
 KERNELBENCH_SEED = 42
 
@@ -467,7 +467,7 @@ class ModelSide:
                 "init_inputs": encode_values(self.init_inputs), "inputs": encode_values(self.inputs, tensors=True),
                 # the inputs' values alone do not rebuild them (one tensor twice, shared memory, strides): a reader
                 # runs get_inputs() again (`inputs_as_made`)
-                "inputs_layout": layout_matters(self.inputs),
+                "inputs_layout": layout(self.inputs),
                 "device": self.device(), "training": self.model.training, "eval": self.eval_mode}
 
 
@@ -693,31 +693,38 @@ def load_candidate_for_capture(cand_path: str, capture: Any, *, seed: int = KERN
                      info.get("inputs_source", ""), eval_mode=eval_mode), weights
 
 
-_MADE_BY: dict[str, types.ModuleType] = {}  # reference files run to make inputs again, by path
+_MADE_BY: dict[tuple, types.ModuleType] = {}  # reference files run to make inputs again, by path and file state
 
 
 def inputs_as_made(captured: list[Any], info: dict, seed: Any) -> list[Any]:
     """A captured reference's inputs (their stored values) for the candidate's forward.  Where the reference's
     inputs were objects their values alone do not rebuild (one tensor at two places, tensors sharing memory, a
     transposed or expanded one: the capture's `inputs_layout`), its get_inputs() is run again under the trial's
-    `seed` and what it makes is used when it holds exactly the stored values; otherwise the stored values."""
+    `seed` and what it makes is used when it holds exactly the stored values, laid out as they were; otherwise the
+    stored values are laid out again as the capture says (`inputs.rebuild`)."""
     from .capture import rng_state, set_rng_state
 
     source = info.get("inputs_source")
-    if not info.get("inputs_layout") or not isinstance(seed, int) or not source or not os.path.exists(source):
+    want = info.get("inputs_layout") if isinstance(info.get("inputs_layout"), list) else None
+    if not info.get("inputs_layout"):
         return captured
+    if not isinstance(seed, int) or not source or not os.path.exists(source):
+        return rebuild(captured, want)
     state = rng_state()
     try:
-        module = _MADE_BY.get(source) or _MADE_BY.setdefault(source, exec_file(source, "reference"))
+        st = os.stat(source)
+        key = (os.path.realpath(source), st.st_mtime_ns, st.st_size)
+        module = _MADE_BY.get(key) or _MADE_BY.setdefault(key, exec_file(source, "reference"))
         made = _inputs(module, source, seed, "reference")
         devices = [t.device for t in pytree.tree_leaves(captured) if isinstance(t, torch.Tensor)]
         if devices:
             made = _move(made, devices[0])  # (where the stored values are, as a live side's inputs_for does)
-    except Exception:  # the file does not run again here: its stored values, as before
-        return captured
+    except Exception:  # the file does not run again here: its stored values, laid out as they were
+        return rebuild(captured, want)
     finally:
         set_rng_state(state)
-    return as_made(captured, made)
+    again = as_made(captured, made, want)
+    return rebuild(captured, want) if again is captured else again
 
 
 def _capture_inputs(capture: Any, info: dict) -> list[Any]:

@@ -288,7 +288,7 @@ def parse(text: str, tool: str) -> list[SanitizerReport]:
     return reports
 
 
-_INTERNAL = re.compile(r"^=+\s*Internal Sanitizer Error:?\s*(.*)$", re.M)
+_INTERNAL = re.compile(r"^=+[ \t]*Internal Sanitizer Error:?[ \t]*(.*)$", re.M)
 
 
 def internal_failure(text: str) -> str | None:

@@ -423,8 +423,8 @@ def forward(model: torch.nn.Module, inputs: list, no_grad: bool = True,
 
 
 def raised_at(e: BaseException) -> str:
-    """Where in the user's code `e` was raised: the innermost frame of its traceback outside torch, diffkit and
-    Python's own library ("ref.py:8 in forward"); "" when there is none."""
+    """Where in the user's code `e` was raised: the innermost frame of its traceback outside torch, diffkit, Python's
+    own library and installed packages ("ref.py:8 in forward"); "" when there is none."""
     import sysconfig
     import traceback
 
@@ -436,7 +436,8 @@ def raised_at(e: BaseException) -> str:
         return ""
     for fr in reversed(frames):
         path = os.path.abspath(fr.filename) if fr.filename and not fr.filename.startswith("<") else ""
-        if path and not path.startswith(skip):
+        installed = f"{os.sep}site-packages{os.sep}" in path or f"{os.sep}dist-packages{os.sep}" in path
+        if path and not path.startswith(skip) and not installed:
             return f"{os.path.basename(path)}:{fr.lineno} in {fr.name}"
     return ""
 

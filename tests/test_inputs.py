@@ -103,3 +103,65 @@ def test_candidates_see_the_input_objects_kernelbench_gives_them(tmp_path, isola
     data = json.loads(out.read_text())
     assert data["verdict"] == verdict, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert proc.returncode == {"match": 0, "diverged": 1}[verdict]
+
+
+def test_made_again_only_when_every_leaf_and_the_layout_are_as_captured():
+    from diffkit.inputs import as_made, layout
+
+    x = torch.randn(3, 3)
+    captured = [x.clone(), x.clone(), 7]
+    made = [x, x, 7]
+    want = layout(made)
+    assert as_made(captured, made, want) is made
+    assert as_made(captured, [x, x, 8], want) is captured  # a non-tensor leaf that differs (an unseeded draw)
+    apart = [x, x.clone(), 7]  # the same values, no longer one tensor (the file changed since the capture)
+    assert as_made(captured, apart, want) is captured
+    assert layout([x, torch.randn(2)]) is None and layout([x, x])[1][3] == 0  # (the second leaf is the first)
+
+
+RANDOM_LEAF_REF = '''import random
+import torch
+from torch import nn
+
+
+class Model(nn.Module):
+    def forward(self, a, b, k):
+        return a * k + b
+
+
+def get_inputs():
+    x = torch.randn(4, 4)
+    return [x, x, random.randint(1, 1000)]  # (KernelBench seeds no Python generator)
+
+
+def get_init_inputs():
+    return []
+'''
+
+
+def test_an_unseeded_non_tensor_input_is_not_made_again(tmp_path):
+    """get_inputs() run again in the candidate's process gives another Python integer: the stored inputs are used,
+    and the isolated diff agrees with the in-process one (both models got the same objects)."""
+    (tmp_path / "ref.py").write_text(RANDOM_LEAF_REF)
+    (tmp_path / "cand.py").write_text(RANDOM_LEAF_REF.replace("class Model(", "class ModelNew("))
+    out = tmp_path / "r.json"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "cli.py"), "diff", str(tmp_path / "ref.py"),
+                           str(tmp_path / "cand.py"), "--json", str(out), "--no-report", "--trials", "2"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and json.loads(out.read_text())["verdict"] == "match", proc.stdout[-2000:]
+
+
+def test_a_capture_s_inputs_do_not_follow_its_source_file_afterwards(tmp_path):
+    """The reference file changed after its capture (same values, its inputs no longer one tensor): the candidate
+    still gets the captured inputs as they were made, not as the file makes them now."""
+    ref = tmp_path / "ref.py"
+    ref.write_text(REF)
+    cap = tmp_path / "run.dkt"
+    subprocess.run([sys.executable, os.path.join(ROOT, "cli.py"), "capture", str(ref), "-o", str(cap)],
+                   capture_output=True, text=True, timeout=600, check=True)
+    ref.write_text(REF.replace("return [shared, shared,", "return [shared, shared.clone(),"))
+    (tmp_path / "cand.py").write_text(TRUSTS_ALIASING)
+    out = tmp_path / "r.json"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "cli.py"), "diff", str(cap), str(tmp_path / "cand.py"),
+                           "--json", str(out), "--no-report"], capture_output=True, text=True, timeout=600)
+    assert json.loads(out.read_text())["verdict"] == "match", proc.stdout[-2000:] + proc.stderr[-2000:]

@@ -1524,3 +1524,31 @@ def test_attributes_that_become_tensors_are_put_back_without_error(tmp_path):
     assert r.error is None and r.verdict == "match" and kernelbench_passes(str(ref), str(cand)), r.summary_line()
     proc, data = _cli(str(ref), str(cand), tmp_path=tmp_path)
     assert proc.returncode == 0 and data["verdict"] == "match", proc.stdout[-2000:] + proc.stderr[-2000:]
+
+
+def test_run_findings_are_said_once():
+    """A finding a warning already says word for word (a nondeterministic candidate within tolerance) is not
+    printed a second time as a finding."""
+    from types import SimpleNamespace
+
+    from diffkit.describe import run_findings
+    from diffkit.result import Finding
+
+    words = "running the candidate twice on the same inputs gives different values"
+    r = SimpleNamespace(stages=[], findings=[Finding("nondeterministic", words, 0.9), Finding("stateful", "x", 0.6)],
+                        warnings=[f"the candidate is nondeterministic: {words}; both runs are within tolerance"])
+    assert [f.split(" (")[0] for f in run_findings(r)] == ["stateful"]
+
+
+def test_where_a_model_raised_skips_installed_packages(tmp_path):
+    from diffkit.trials import raised_at
+
+    lib = compile("def reshape(a):\n    raise ValueError('cannot reshape')\n",
+                  str(tmp_path / "venv" / "lib" / "site-packages" / "fakenp" / "core.py"), "exec")
+    ns: dict = {}
+    exec(lib, ns)
+    try:
+        ns["reshape"](1)  # (this test's own line: what the error should name)
+    except ValueError as e:
+        where = raised_at(e)
+    assert where.startswith("test_protocol.py:") and where.endswith("in test_where_a_model_raised_skips_installed_packages")

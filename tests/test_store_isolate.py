@@ -1106,18 +1106,44 @@ def test_an_in_process_diff_within_its_timeout_leaves_no_timer_behind(tmp_path):
 
     (tmp_path / "ref.py").write_text(HANG_REF)
     (tmp_path / "cand.py").write_text(HANG_REF.replace("class Model(", "class ModelNew("))
-    mine = lambda signum, frame: None  # noqa: E731
-    before = signal.signal(signal.SIGALRM, mine)
-    try:
+    def diff(limit="60"):
         with pytest.raises(SystemExit) as e:
             main.main(args=["diff", str(tmp_path / "ref.py"), str(tmp_path / "cand.py"), "--no-isolate", "--timeout",
-                            "60", "--no-report", "--trials", "1"], standalone_mode=True)
-        assert e.value.code == 0
-        assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0) and signal.getsignal(signal.SIGALRM) is mine
+                            limit, "--no-report", "--trials", "1"], standalone_mode=True)
+        return e.value.code
+
+    before = signal.getsignal(signal.SIGALRM)
+    try:
+        assert diff() == 0
+        assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0) and signal.getsignal(signal.SIGALRM) == before
+        mine = lambda signum, frame: None  # noqa: E731
+        signal.signal(signal.SIGALRM, mine)
+        signal.setitimer(signal.ITIMER_REAL, 100)  # a host's own alarm (pytest-timeout's, say): left as it was
+        assert diff() == 0
+        assert 90 < signal.getitimer(signal.ITIMER_REAL)[0] <= 100 and signal.getsignal(signal.SIGALRM) is mine
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        assert diff("inf") == 0 and diff("nan") == 0 and diff("1e12") == 0  # (never: as before, no overflow)
         time.sleep(0.05)
         assert not any(t.name == "diffkit-deadline" and t.is_alive() for t in threading.enumerate())
     finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, before)
+
+
+def test_the_answer_is_written_once_by_whoever_claims_it_first():
+    """A --no-isolate deadline and the diff itself never both write the answer: the first claim wins; the same
+    thread may write again (as before); another thread may not."""
+    import threading
+
+    from diffkit.cli import _Outputs
+
+    out = _Outputs(None, None, None, True, None, None, None, False, False)
+    assert out.claim() and out.claim()  # (this thread, twice)
+    other = []
+    t = threading.Thread(target=lambda: other.append(out.claim()))
+    t.start()
+    t.join()
+    assert other == [False]
 
 
 RAISES_LATER_REF = '''import torch
