@@ -394,7 +394,6 @@ def _deadline(limit: float, ref_path: str, cand_path: str, options: Options, out
     DEADLINE_GRACE_S later, unless SIGALRM or the real-time timer is already someone else's (a host process's)."""
     import math
     import signal
-    import threading
 
     if not limit or not math.isfinite(limit) or limit > _LONGEST_TIMEOUT:
         yield

@@ -369,11 +369,13 @@ def what_if_lines(result, limit: int = 3) -> list[str]:
     return out
 
 
-def divergence_label(result) -> str:
+def divergence_label(result, short: bool = False) -> str:
     """What the first stage out of tolerance is called: the first divergence, unless the output matches (an
-    intermediate the candidate computes another way, or an error that never reaches the output)."""
-    return "first stage out of tolerance (the output matches)" if getattr(result, "verdict", "") == "match" \
-        else "first divergence"
+    intermediate the candidate computes another way, or an error that never reaches the output).  `short`: as the
+    stage table marks its row."""
+    if getattr(result, "verdict", "") != "match":
+        return "first divergence"
+    return f"first {'' if short else 'stage '}out of tolerance (the output matches)"
 
 
 def divergence_lines(result) -> list[str]:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-__all__ = ["copy_inputs"]
+__all__ = ["copy_inputs", "layout", "as_made", "rebuild"]
 
 
 def _plain(t: torch.Tensor) -> bool:
@@ -81,12 +81,6 @@ def layout(obj: Any) -> list | None:
                 or nbytes != v.numel() * v.element_size():
             matters = True
     return out if matters else None
-
-
-def layout_matters(obj: Any) -> bool:
-    """Whether a copy of `obj`'s values alone would differ from the objects themselves as a model can tell: a
-    tensor at two places, tensors sharing memory, or one laid out otherwise than contiguously (`layout`)."""
-    return layout(obj) is not None
 
 
 def as_made(captured: Any, made: Any, want: list | None = None) -> Any:

@@ -282,15 +282,12 @@ class LoadedPair:
 
     def fresh_inputs(self) -> tuple[list[Any], list[Any]]:
         """A new clone of the inputs for each side (the originals are kept untouched)."""
-        return _clone(self.ref_inputs), _clone(self.cand_inputs)
+        return copy_inputs(self.ref_inputs), copy_inputs(self.cand_inputs)
 
     def inputs_for(self, seed: int) -> list[Any]:
         """The reference's ``get_inputs()`` under `seed` (a KernelBench trial's inputs), on the device."""
         inputs = _inputs(self.ref_module, self.ref_path, seed, "reference")
         return _move(inputs, self.device) if self.device else inputs
-
-
-_clone = copy_inputs  # (a copy that keeps what KernelBench's input objects are: diffkit.inputs)
 
 
 def _move(obj: Any, device: str | torch.device) -> Any:
@@ -465,8 +462,8 @@ class ModelSide:
         return {"source": os.path.abspath(self.path), "class": self.class_name, "seed": self.seed,
                 "inputs_source": os.path.abspath(self.inputs_source or self.path),
                 "init_inputs": encode_values(self.init_inputs), "inputs": encode_values(self.inputs, tensors=True),
-                # the inputs' values alone do not rebuild them (one tensor twice, shared memory, strides): a reader
-                # runs get_inputs() again (`inputs_as_made`)
+                # what the inputs' values alone do not rebuild (one tensor twice, shared memory, strides): a reader
+                # gets it back from get_inputs() or lays the values out again (`inputs_as_made`)
                 "inputs_layout": layout(self.inputs),
                 "device": self.device(), "training": self.model.training, "eval": self.eval_mode}
 
@@ -689,7 +686,7 @@ def load_candidate_for_capture(cand_path: str, capture: Any, *, seed: int = KERN
     weights = (sync_weights(params, model) if sync else compare_weights(params, model)) if params else WeightReport()
     if eval_mode:
         model.eval()
-    return ModelSide(model, _clone(inputs), init, cand_path, "ModelNew", seed, module,
+    return ModelSide(model, copy_inputs(inputs), init, cand_path, "ModelNew", seed, module,
                      info.get("inputs_source", ""), eval_mode=eval_mode), weights
 
 
@@ -765,7 +762,7 @@ def load_reference_for_capture(capture: Any, *, device: str | None = None) -> Mo
         inputs = _move(inputs, dev)
     if info.get("eval") or info.get("training") is False:
         model.eval()
-    return ModelSide(model, _clone(inputs), init, source, cls_name,
+    return ModelSide(model, copy_inputs(inputs), init, source, cls_name,
                      int(info.get("seed", info.get("input_seed", KERNELBENCH_SEED))), module, source,
                      eval_mode=bool(info.get("eval")))
 
@@ -796,6 +793,6 @@ def load_pair(ref_path: str, cand_path: str, *, seed: int = KERNELBENCH_SEED, de
     if eval_mode:
         ref.eval()
         cand.eval()
-    return LoadedPair(ref=ref, cand=cand, ref_inputs=_clone(inputs), cand_inputs=_clone(inputs),
+    return LoadedPair(ref=ref, cand=cand, ref_inputs=copy_inputs(inputs), cand_inputs=copy_inputs(inputs),
                       init_inputs=init, weights=weights, ref_path=ref_path, cand_path=cand_path,
                       ref_module=ref_mod, cand_module=cand_mod, seed=seed, device=device)

@@ -60,7 +60,7 @@ def format_table(result, color: bool = False, full: bool = False) -> str:
              f"{'mean_abs':>9}  status"]
     rows = list(range(len(result.stages))) if full else fold_rows(result)
     fd = result.first_divergence
-    label = "first out of tolerance (the output matches)" if result.verdict == "match" else "first divergence"
+    label = describe.divergence_label(result, short=True)
     for i in rows:
         if i is None:
             lines.append(style(f"{'…':>4}  {'(rows folded; --full shows all)':<56}", dim=True))

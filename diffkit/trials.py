@@ -387,9 +387,6 @@ def restore_state(model: torch.nn.Module | None, snap: dict[str, torch.Tensor]) 
         _put_back(materialized(model.named_buffers()), snap)
 
 
-_clone = copy_inputs  # (a copy that keeps what KernelBench's input objects are: diffkit.inputs)
-
-
 def forward(model: torch.nn.Module, inputs: list, no_grad: bool = True,
             left: dict | None = None) -> tuple[Any, str]:
     """One plain forward (no capture, as KernelBench runs it) on a copy of `inputs`: (output, "") or
@@ -399,7 +396,7 @@ def forward(model: torch.nn.Module, inputs: list, no_grad: bool = True,
 
     from .capture import _tensors, changed_inputs, input_name
 
-    args = _clone(list(inputs))
+    args = copy_inputs(list(inputs))
     given = [(input_name(pos), t, inputs_t) for (pos, t), (_, inputs_t) in
              zip(_tensors(args), _tensors(list(inputs)))] if left is not None else []
     try:
@@ -739,15 +736,15 @@ class CapturedTrials:
             raise DiffkitError("reference", "read", f"trial {k}'s inputs cannot be rebuilt: {e}", where) from e
         err = cap.index.get("error") or {}
         error = f"{err.get('type', 'Error')}: {err.get('message', '')}" if err else ""
-        from .load import inputs_as_made
-
-        seeds = self.seeds
-        inputs = inputs_as_made(inputs, self.info, seeds[k - 1] if 0 < k <= len(seeds) else None)
         move = (lambda v: v.to(self.device) if isinstance(v, torch.Tensor) else v)
         return pytree.tree_map(move, inputs), {n: v.to(self.device) for n, v in outputs.items()}, error
 
     def inputs(self, k: int) -> list:
-        return self._load(k)[0]
+        """Trial `k`'s inputs, laid out as the reference's were (`load.inputs_as_made`)."""
+        from .load import inputs_as_made
+
+        seeds = self.seeds
+        return inputs_as_made(self._load(k)[0], self.info, seeds[k - 1] if 0 < k <= len(seeds) else None)
 
     def candidate_inputs(self, k: int, inputs: list) -> list:
         """Trial `k`'s inputs as the candidate gets them: as the reference's forward left them (stored with

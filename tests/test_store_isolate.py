@@ -585,6 +585,16 @@ def _running(text: str) -> list[int]:
     return found
 
 
+def _still_running(text: str) -> list:
+    """`_running(text)` once the processes have had up to 10 s to end."""
+    for _ in range(100):
+        left = _running(text)
+        if not left:
+            break
+        time.sleep(0.1)
+    return left
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
 @pytest.mark.parametrize("how", ["slow", "crash", "hang"])
 def test_the_answer_does_not_wait_for_the_candidate_process_to_exit(tmp_path, monkeypatch, how):
@@ -609,11 +619,7 @@ def test_the_answer_does_not_wait_for_the_candidate_process_to_exit(tmp_path, mo
     assert data["verdict"] == "match" and data.get("error") is None
     assert text.count("diffkit: MATCH") == 1, text
     assert "second time" not in out.stderr + text
-    for _ in range(100):
-        left = _running(str(cand))
-        if not left:
-            break
-        time.sleep(0.1)
+    left = _still_running(str(cand))
     assert not left, f"processes of the diff left running: {left}"
     assert not marker.exists()  # (stopped before the rest of its exit ran: nothing waited for it)
 
@@ -669,11 +675,7 @@ def test_a_reference_process_hanging_at_exit_does_not_hold_the_diff(tmp_path, mo
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.count("diffkit: MATCH") == 1, out.stdout
     assert took < 50, f"the diff waited {took:.0f} s for its reference's process to exit"
-    for _ in range(100):
-        left = _running(str(ref))
-        if not left:
-            break
-        time.sleep(0.1)
+    left = _still_running(str(ref))
     assert not left, f"processes of the diff left running: {left}"
 
 
