@@ -348,23 +348,40 @@ def _fingerprint(r: Record, k: int = 33, v: torch.Tensor | None = None) -> torch
 
 
 def _lcs(a: list, b: list) -> list[tuple[int, int]]:
-    """The index pairs (i in a, j in b) of a longest common subsequence, in order."""
+    """The index pairs (i in a, j in b) of a longest common subsequence, in order: from the front, a
+    pair wherever the elements are equal, else the step that keeps the longer rest (`a`'s on a tie).
+
+    The table of rest lengths is held one bit per cell, a row of `b` as one Python integer, each row
+    made from the one before in a few whole-row operations (the bit-parallel LCS of Allison and Dix,
+    as Hyyrö writes it): time n·m/64 and n·m bits, where a list of lists took n·m Python steps and
+    pointers (two loops of thousands of steps each: minutes and gigabytes)."""
     n, m = len(a), len(b)
     if n == 0 or m == 0:
         return []
-    dp = [[0] * (m + 1) for _ in range(n + 1)]
-    for i in range(n - 1, -1, -1):
-        ai = a[i]
-        row, nxt = dp[i], dp[i + 1]
-        for j in range(m - 1, -1, -1):
-            row[j] = nxt[j + 1] + 1 if ai == b[j] else max(nxt[j], row[j + 1])
+    # rows[k] describes L(k, l) = LCS(a[n-k:], b[m-l:]) for l = 0..m: bit p of ~rows[k] says whether it
+    # grows from l = p to l = p + 1 (bit p stands for b[m-1-p], so a low mask covers a suffix of `b`)
+    match: dict = {}
+    for p, x in enumerate(reversed(b)):
+        match[x] = match.get(x, 0) | (1 << p)
+    full = (1 << m) - 1
+    rows = [full]
+    v = full
+    for x in reversed(a):
+        u = v & match.get(x, 0)
+        v = ((v + u) | (v - u)) & full
+        rows.append(v)
+
+    def rest(i: int, j: int) -> int:  # LCS(a[i:], b[j:])
+        width = m - j
+        return width - (rows[n - i] & ((1 << width) - 1)).bit_count()
+
     out, i, j = [], 0, 0
     while i < n and j < m:
         if a[i] == b[j]:
             out.append((i, j))
             i += 1
             j += 1
-        elif dp[i + 1][j] >= dp[i][j + 1]:
+        elif rest(i + 1, j) >= rest(i, j + 1):
             i += 1
         else:
             j += 1
@@ -826,7 +843,19 @@ class AlignState:
                     transform=self.layout(ci, ri) if transform is None else transform)
         self.pairs[ci] = pair
         self.paired_ref.setdefault(ri, ci)
+        taken = self.__dict__.get("_ref_taken")
+        if taken is not None:
+            taken[ri] = True
         return pair
+
+    def ref_taken(self) -> torch.Tensor:
+        """A bool per reference record: paired (`paired_ref`), kept up to date by `add` and `remove`."""
+        taken = self.__dict__.get("_ref_taken")
+        if taken is None:
+            taken = self.__dict__["_ref_taken"] = torch.zeros(len(self.ref), dtype=torch.bool)
+            if self.paired_ref:
+                taken[torch.tensor(list(self.paired_ref), dtype=torch.long)] = True
+        return taken
 
     def remove(self, ci: int) -> Pair:
         """Undo the pair of candidate `ci`."""
@@ -834,6 +863,9 @@ class AlignState:
         self.errors.pop(ci, None)
         if self.paired_ref.get(pair.ref) == ci:
             del self.paired_ref[pair.ref]
+            taken = self.__dict__.get("_ref_taken")
+            if taken is not None:
+                taken[pair.ref] = False
         return pair
 
     def _pair_values(self, ci: int) -> tuple[Pair, torch.Tensor, torch.Tensor] | None:
@@ -1004,6 +1036,18 @@ DATAFLOW_CLEARLY_CLOSER = 0.7
 # same cover that is clearly closer (the step that finishes what this one began)
 DATAFLOW_DEFER_ABOVE = 1e-3
 DATAFLOW_TIE = 1.25
+# A trace of more than DATAFLOW_WINDOW_FROM reference records (a recurrence written as a loop: thousands of
+# steps of the same few calls) is paired in a window: a candidate record's contenders are looked for among the
+# reference records up to DATAFLOW_WINDOW records past its latest anchor (further when an earlier record's
+# anchors reached further), and its rivals among the next DATAFLOW_WINDOW candidate records of its size.
+# Every step of a chain has the same cover until the step before it is paired, so without a window each
+# pair re-derives the covers of all the steps after it, and the pass costs the square of the trace's length
+# (a 3000-step RNN cell: hours); in the window it costs the trace's length times the window.  The window
+# keeps what decides the small cases: the earliest contenders (position), the nearest by value among them,
+# and a record holding another reference record's values (`_holds_another`, searched in the whole trace) is
+# left to the value pass.
+DATAFLOW_WINDOW_FROM = 2000
+DATAFLOW_WINDOW = 128
 
 
 def _refines(a: tuple, b: tuple) -> bool:
@@ -1046,9 +1090,14 @@ def _eligible(rec: Record, flow: Dataflow, cover: Cover) -> bool:
 def torch_op(rec: Record) -> str:
     """The torch function or module class that made a record ('' for extension and Triton calls,
     whose names their authors chose): ``F.softmax``, ``Tensor.softmax`` and ``torch.softmax`` alike."""
-    if rec.kind not in ("op", "module") or rec.op.startswith(("ext:", "triton:")):
+    return _torch_op(rec.kind, rec.op)
+
+
+@functools.lru_cache(maxsize=8192)
+def _torch_op(kind: str, op: str) -> str:
+    if kind not in ("op", "module") or op.startswith(("ext:", "triton:")):
         return ""
-    return rec.op.rsplit(".", 1)[-1].lower().rstrip("_")
+    return op.rsplit(".", 1)[-1].lower().rstrip("_")
 
 
 def same_op(c: Record, r: Record) -> bool:
@@ -1097,11 +1146,11 @@ def _feeds_partner(state: AlignState, ri: int) -> set[int]:
     return found
 
 
-def _fed_elsewhere(state: AlignState, ri: int, c: Record, later: list[int]) -> bool:
+def _fed_elsewhere(state: AlignState, ri: int, c: Record, later: Container[int]) -> bool:
     """Whether the counterparts of `ri`'s paired consumers read some of the candidate records `later`
     of its size but not `c` (`_feeds_partner`)."""
     feeds = _feeds_partner(state, ri)
-    return bool(feeds) and c.index not in feeds and any(x in feeds for x in later)
+    return bool(feeds) and c.index not in feeds and any(x in later for x in feeds)
 
 
 def _count_only(c: Record, r: Record) -> bool:
@@ -1158,22 +1207,27 @@ def _choose(state: AlignState, c: Record, contenders: list[int], later: list[int
         # a contender whose paired consumers' counterparts read later records of its size, not `c`, is
         # theirs (a recurrent cell's output, which the output stacks, against a gate of the hand-written
         # step: the step's new state is what the output holds)
-        mine = [ri for ri in contenders if not _fed_elsewhere(state, ri, c, later)]
+        later_set = set(later)
+        mine = [ri for ri in contenders if not _fed_elsewhere(state, ri, c, later_set)]
         if not mine:
             return None, False
         contenders = mine
     if len(contenders) > 1:
         # the same torch function on both sides (softmax and softmax) is the same stage; a later
-        # candidate record with its own such contender is no rival for the others
-        mine = [ri for ri in contenders if same_op(c, state.ref[ri])]
+        # candidate record with its own such contender is no rival for the others (by the function's
+        # name, so that a recurrence's thousands of steps cost linear, not cubic, time)
+        op = torch_op(c)
+        mine = [ri for ri in contenders if op and torch_op(state.ref[ri]) == op]
         if mine:
             contenders = mine
-            later = [x for x in later if any(same_op(state.cand[x], state.ref[ri]) for ri in mine)]
+            later = [x for x in later if torch_op(state.cand[x]) == op]
         else:
-            taken = {ri for x in later for ri in contenders if same_op(state.cand[x], state.ref[ri])}
+            later_ops = {torch_op(state.cand[x]) for x in later} - {""}
+            taken = {ri for ri in contenders if torch_op(state.ref[ri]) in later_ops}
             if taken and len(taken) < len(contenders):
+                taken_ops = {torch_op(state.ref[ri]) for ri in taken}
                 contenders = [ri for ri in contenders if ri not in taken]
-                later = [x for x in later if not any(same_op(state.cand[x], state.ref[ri]) for ri in taken)]
+                later = [x for x in later if torch_op(state.cand[x]) not in taken_ops]
     if len(contenders) == 1:
         r = state.ref[contenders[0]]
         feeds = _feeds_partner(state, contenders[0])
@@ -1337,10 +1391,20 @@ def _dataflow_round(state: AlignState, partial: bool) -> int:
         key = placed[ri] = (record_numel(state.ref[ri]), ref_cover(ri)[0])
         bisect.insort(by_key.setdefault(key, []), ri)
 
-    for ris in ref_numel.values():
-        for ri in ris:
+    # the reference records placed so far are those up to `placed_to` (all of them, unless the trace is long
+    # enough for a window: DATAFLOW_WINDOW_FROM)
+    windowed = len(state.ref) > DATAFLOW_WINDOW_FROM
+    placed_to = -1
+
+    def place_to(end: int) -> None:
+        nonlocal placed_to
+        for ri in range(placed_to + 1, min(end, len(state.ref) - 1) + 1):
             if ri not in paired and state.ref[ri].kind != "input" and not rf.derived[ri]:
                 place(ri)
+        placed_to = max(placed_to, end)
+
+    if not windowed:
+        place_to(len(state.ref) - 1)
 
     made = 0
     for c in state.cand:
@@ -1354,6 +1418,8 @@ def _dataflow_round(state: AlignState, partial: bool) -> int:
         for ri in sorted(dirty):
             place(ri)
         dirty.clear()
+        if windowed:  # (a cover without anchors, from parameters and constants alone, may be anywhere)
+            place_to(max(cc[0]) + DATAFLOW_WINDOW if cc[0] else len(state.ref) - 1)
         contenders = [ri for ri in by_key.get((numel, cc[0]), ()) if ri not in paired and matches(cc, ref_cover(ri))]
         if not contenders:
             continue
@@ -1371,8 +1437,11 @@ def _dataflow_round(state: AlignState, partial: bool) -> int:
         # later candidate records of the same cover (those that only re-lay out another hold no other
         # values: not rivals)
         later, elsewhere = [], []
-        for x in cand_numel.get(numel, ()):
-            if x > ci and free_cand(x) and all((cf.ancestors[x] >> a) & 1 for a in (state.paired_ref.get(k, -1)
+        same_size = cand_numel.get(numel, [])
+        for x in same_size[bisect.bisect_right(same_size, ci):]:
+            if windowed and x > ci + DATAFLOW_WINDOW:
+                break
+            if free_cand(x) and all((cf.ancestors[x] >> a) & 1 for a in (state.paired_ref.get(k, -1)
                                                                                   for k in cc[0]) if a >= 0):
                 xc = cand_cover(x)
                 if xc == cc and not (is_layout_op(state.cand[x]) and any(
@@ -1567,9 +1636,12 @@ def _gaps(state: AlignState, cs: list[Record], rs: list[Record]):
     scope_r = {r.index for r in rs}
     made = sorted((ci, p.ref) for ci, p in state.pairs.items() if ci in scope_c and p.ref in scope_r)
     bounds = [(-1, -1), *_increasing_chain(made), (len(state.cand), len(state.ref))]
+    c_at = [c.index for c in cs]  # (both lists are in record order: each gap is a slice of them)
+    r_at = [r.index for r in rs]
     for (c0, r0), (c1, r1) in zip(bounds, bounds[1:]):
-        yield ([c for c in cs if c0 < c.index < c1 and c.index not in state.pairs],
-               [r for r in rs if r0 < r.index < r1 and r.index not in state.paired_ref])
+        yield ([c for c in cs[bisect.bisect_right(c_at, c0):bisect.bisect_left(c_at, c1)] if c.index not in state.pairs],
+               [r for r in rs[bisect.bisect_right(r_at, r0):bisect.bisect_left(r_at, r1)]
+                if r.index not in state.paired_ref])
 
 
 def _params_consistent(c_cover: Cover, r_cover: Cover) -> bool:
@@ -1613,6 +1685,15 @@ class _Contenders:
     fingerprints: torch.Tensor | None  # one row per record in `refs`
     positions: torch.Tensor  # each record's index relative to the reference's length (0..1)
     scopes: list[str]
+    scope_ids: torch.Tensor  # each record's scope as a number (`scope_id`), to compare them all at once
+    ref_ids: torch.Tensor  # `refs` as a tensor
+
+    def scope_id(self, scope: str) -> int:
+        """The number standing for `scope` in `scope_ids` (-1: no record of this group has it)."""
+        ids = self.__dict__.get("_ids")
+        if ids is None:
+            ids = self.__dict__["_ids"] = {sc: k for k, sc in enumerate(dict.fromkeys(self.scopes))}
+        return ids.get(scope, -1)
 
 
 @dataclass
@@ -1628,23 +1709,38 @@ def _contenders(state: AlignState, refs: list[int], fingerprints: dict[int, torc
         if ri not in fingerprints:
             fingerprints[ri] = _fingerprint(state.ref[ri], v=state.ref_value(state.ref[ri]))
     have = [ri for ri in refs if fingerprints[ri] is not None]
+    scopes = [state.ref[ri].scope for ri in have]
+    ids = {sc: k for k, sc in enumerate(dict.fromkeys(scopes))}
     return _Contenders(refs=have, fingerprints=torch.stack([fingerprints[ri] for ri in have]) if have else None,
                        positions=torch.tensor([ri / max(len(state.ref), 1) for ri in have], dtype=torch.float64),
-                       scopes=[state.ref[ri].scope for ri in have])
+                       scopes=scopes, scope_ids=torch.tensor([ids[sc] for sc in scopes], dtype=torch.long),
+                       ref_ids=torch.tensor(have, dtype=torch.long))
+
+
+def _numel_group(state: AlignState, numel: int) -> _Contenders:
+    """`_contenders` of every reference record of `numel` elements, built once per alignment."""
+    groups = state.__dict__.setdefault("_numel_groups", {})
+    if numel not in groups:
+        groups[numel] = _contenders(state, state.by_numel("ref").get(numel, []),
+                                    state.__dict__.setdefault("_ref_fingerprints", {}))
+    return groups[numel]
 
 
 def _closest_by_value(state: AlignState, c: Record, c_value: torch.Tensor, fc: torch.Tensor,
                       group: _Contenders, allowed: Callable[[int], bool] = lambda ri: True) -> _ValueMatch | None:
     """The free contender (one `allowed`) whose values are closest to `c`'s within VALUE_MATCH_REL_ERR
     (priors break near-ties), screening by fingerprint before comparing the few best in full."""
+    free = (~state.ref_taken()[group.ref_ids]).nonzero().squeeze(1)  # (scored alone: most may be paired)
+    if free.numel() == 0:
+        return None
     scale = float(fc.abs().max()) or 1.0
-    prior = (VALUE_PRIOR_OTHER_SCOPE * torch.tensor([sc != c.scope for sc in group.scopes], dtype=torch.float64)
-             + VALUE_PRIOR_POSITION * (group.positions - c.index / max(len(state.cand), 1)).abs())
-    score = (group.fingerprints - fc).abs().max(dim=1).values / scale + prior
-    free = torch.tensor([ri not in state.paired_ref and allowed(ri) for ri in group.refs], dtype=torch.bool)
-    score = torch.where(free, score, torch.full_like(score, float("inf")))
-    top = [k for k in torch.argsort(score)[:VALUE_CONTENDERS].tolist() if bool(free[k])]
-    priors = [float(prior[k]) for k in top]
+    prior = (VALUE_PRIOR_OTHER_SCOPE * (group.scope_ids[free] != group.scope_id(c.scope)).to(torch.float64)
+             + VALUE_PRIOR_POSITION * (group.positions[free] - c.index / max(len(state.cand), 1)).abs())
+    score = (group.fingerprints[free] - fc).abs().max(dim=1).values / scale + prior
+    # of the VALUE_CONTENDERS free ones of lowest score, those `allowed`
+    picked = [(int(free[k]), float(prior[k])) for k in torch.argsort(score, stable=True)[:VALUE_CONTENDERS].tolist()]
+    picked = [(k, p) for k, p in picked if allowed(group.refs[k])]
+    top, priors = [k for k, _ in picked], [p for _, p in picked]
     best: _ValueMatch | None = None
     for k, p in zip(top, priors):
         ri = group.refs[k]
@@ -1665,8 +1761,6 @@ def pass_value(state: AlignState) -> None:
     if not state.value_match:
         return
     rcov, ccov = state.covers()
-    fingerprints: dict[int, torch.Tensor | None] = {}
-    groups: dict[int, _Contenders] = {}  # by element count, built once each
     by_numel: dict[int, list[int]] = {}
     for r in state.ref:
         by_numel.setdefault(record_numel(r), []).append(r.index)
@@ -1676,16 +1770,14 @@ def pass_value(state: AlignState) -> None:
         numel = record_numel(c)
         if not by_numel.get(numel):  # no reference record of its size: nothing to fetch or fingerprint
             continue
+        group = _numel_group(state, numel)
+        if not group.refs or bool(state.ref_taken()[group.ref_ids].all()):
+            continue  # (every reference record of its size is paired)
         c_value = state.cand_value(c)
         if c_value is None:
             continue
         fc = _fingerprint(c, v=c_value)
         if fc is None:
-            continue
-        if numel not in groups:
-            groups[numel] = _contenders(state, by_numel[numel], fingerprints)
-        group = groups[numel]
-        if not group.refs:
             continue
         best = _closest_by_value(state, c, c_value, fc, group,
                                  lambda ri: state.compatible(c.index, ri, ccov, rcov))
@@ -1822,17 +1914,12 @@ def _holds_another(state: AlignState, ci: int, ri: int) -> _ValueMatch | None:
     fc = _fingerprint(c, v=w) if w is not None else None
     if fc is None:
         return None
-    numel = record_numel(c)
-    refs = [r.index for r in state.ref if r.index != ri and record_numel(r) == numel]
-    if not refs:
-        return None
-    group = _contenders(state, refs, {})
-    if not group.refs:
+    group = _numel_group(state, record_numel(c))
+    if not group.refs or group.refs == [ri]:
         return None
     scale = float(fc.abs().max()) or 1.0
-    order = torch.argsort((group.fingerprints - fc).abs().max(dim=1).values / scale)[:VALUE_CONTENDERS].tolist()
-    for k in order:
-        other = group.refs[k]
+    order = torch.argsort((group.fingerprints - fc).abs().max(dim=1).values / scale, stable=True).tolist()
+    for other in [group.refs[k] for k in order if group.refs[k] != ri][:VALUE_CONTENDERS]:
         layout = best_layout(w, state.ref_value(state.ref[other]).to(w.device))
         if layout.rel_err <= ANOTHER_ROLE_REL_ERR:
             return _ValueMatch(ref=other, transform=layout.transform, rel_err=layout.rel_err, score=layout.rel_err)

@@ -1,0 +1,170 @@
+"""Long traces (a recurrence written as a Python loop: thousands of steps of the same few calls) are
+aligned in time linear in their length: the dataflow pass looks for a record's counterpart in a window
+past its anchors (`align.DATAFLOW_WINDOW`), the order pass's longest common subsequence is computed on
+bit rows, and the value pass scores only the free reference records.  What is checked here: the window
+pairs as the whole trace would, the work grows linearly, and the LCS is the one the plain table gives."""
+import random
+
+import pytest
+import torch
+import torch.nn as nn
+
+import diffkit
+from diffkit import align as A
+
+
+class LoopRNN(nn.Module):
+    """A reference: an RNN cell stepped in a loop over the concatenation of input and state."""
+
+    def __init__(self, n_in=6, n_hid=12, n_out=5):
+        super().__init__()
+        self.n_hid = n_hid
+        self.i2h = nn.Linear(n_in + n_hid, n_hid)
+        self.h2o = nn.Linear(n_hid, n_out)
+
+    def forward(self, x):
+        h = torch.zeros(x.size(1), self.n_hid)
+        outs = []
+        for t in range(x.size(0)):
+            h = torch.tanh(self.i2h(torch.cat((x[t], h), dim=1)))
+            outs.append(self.h2o(h))
+        return torch.stack(outs)
+
+
+class SplitWeightsRNN(nn.Module):
+    """A candidate in another style: the input's part of the cell for all steps at once (one matmul),
+    the state's part per step, states written into a preallocated slab, the head applied once.
+    `drift_from`: from that step on the state's product is scaled by 1.01 (a late, small error)."""
+
+    def __init__(self, n_in=6, n_hid=12, n_out=5, drift_from=None, bias=True):
+        super().__init__()
+        self.n_hid, self.drift_from, self.bias = n_hid, drift_from, bias
+        self.i2h = nn.Linear(n_in + n_hid, n_hid)
+        self.h2o = nn.Linear(n_hid, n_out)
+
+    def forward(self, x):
+        steps, batch, n_in = x.shape
+        w_in, w_state = self.i2h.weight[:, :n_in], self.i2h.weight[:, n_in:]
+        flat = x.reshape(steps * batch, n_in)
+        pre = (torch.addmm(self.i2h.bias, flat, w_in.t()) if self.bias else flat @ w_in.t()).view(steps, batch, -1)
+        slab = x.new_empty(steps, batch, self.n_hid)
+        state = x.new_zeros(batch, self.n_hid)
+        for t in range(steps):
+            mixed = state @ w_state.t()
+            if self.drift_from is not None and t >= self.drift_from:
+                mixed = mixed * 1.01
+            state = torch.tanh(pre[t] + mixed)
+            slab[t] = state
+        return nn.functional.linear(slab, self.h2o.weight, self.h2o.bias)
+
+
+def _diff(cand_kw, steps, **settings):
+    torch.manual_seed(0)
+    ref = LoopRNN()
+    cand = SplitWeightsRNN(**cand_kw)
+    cand.load_state_dict(ref.state_dict())
+    x = torch.randn(steps, 3, 6)
+    return diffkit.compare(ref, cand, [x], health=False, rerun=False, explain=False, **settings)
+
+
+def _pairs(result):
+    return sorted((str(s.ref.name if s.ref else None), str(s.cand.name if s.cand else None)) for s in result.stages)
+
+
+@pytest.mark.parametrize("cand_kw, first", [
+    ({}, None),  # matches
+    ({"drift_from": 30}, "i2h#31"),  # the 31st step's cell (t = 30) is the first wrong stage
+    ({"bias": False}, "i2h"),  # the bias left out of the input's part: wrong from the first step
+], ids=["match", "late_drift", "no_bias"])
+def test_the_window_pairs_a_long_loop_as_the_whole_trace_does(monkeypatch, cand_kw, first):
+    monkeypatch.setattr(A, "DATAFLOW_WINDOW_FROM", 10**9)
+    whole = _diff(cand_kw, 48)
+    monkeypatch.setattr(A, "DATAFLOW_WINDOW_FROM", 0)
+    monkeypatch.setattr(A, "DATAFLOW_WINDOW", 12)  # a few steps' records: far smaller than the trace
+    windowed = _diff(cand_kw, 48)
+    fd = windowed.first_divergence
+    assert (fd.ref_name if fd else None) == first
+    assert windowed.verdict == whole.verdict
+    assert _pairs(windowed) == _pairs(whole)
+
+
+def _cover_walks(monkeypatch, steps):
+    """How many covers the dataflow pass derives for a loop of `steps` steps."""
+    calls = [0]
+    real = A.cover_of
+
+    def counted(*args, **kw):
+        calls[0] += 1
+        return real(*args, **kw)
+
+    monkeypatch.setattr(A, "cover_of", counted)
+    result = _diff({}, steps)
+    monkeypatch.setattr(A, "cover_of", real)
+    assert result.verdict == "match"
+    return calls[0]
+
+
+def test_the_dataflow_pass_works_linearly_in_a_long_loop(monkeypatch):
+    monkeypatch.setattr(A, "DATAFLOW_WINDOW_FROM", 0)
+    monkeypatch.setattr(A, "DATAFLOW_WINDOW", 16)
+    short, long = _cover_walks(monkeypatch, 60), _cover_walks(monkeypatch, 240)
+    # four times the steps: about four times the work (each pair re-derives the covers in its window);
+    # over the whole trace it is about sixteen times (each pair re-derives every later step's)
+    assert long < 6 * short, (short, long)
+
+
+def _lcs_table(a, b):
+    """The longest common subsequence from a full table of rest lengths (the definition)."""
+    n, m = len(a), len(b)
+    rest = [[0] * (m + 1) for _ in range(n + 1)]
+    for i in range(n - 1, -1, -1):
+        for j in range(m - 1, -1, -1):
+            rest[i][j] = rest[i + 1][j + 1] + 1 if a[i] == b[j] else max(rest[i + 1][j], rest[i][j + 1])
+    out, i, j = [], 0, 0
+    while i < n and j < m:
+        if a[i] == b[j]:
+            out.append((i, j))
+            i, j = i + 1, j + 1
+        elif rest[i + 1][j] >= rest[i][j + 1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def test_the_bit_row_lcs_is_the_tables():
+    rng = random.Random(5)
+    for _ in range(400):
+        alphabet = [("add", 4), ("mul", 4), ("tanh", 8), ("linear", 8), ("cat", 12)][:rng.randint(1, 5)]
+        a = [rng.choice(alphabet) for _ in range(rng.randint(0, 40))]
+        b = [rng.choice(alphabet) for _ in range(rng.randint(0, 40))]
+        assert A._lcs(a, b) == _lcs_table(a, b), (a, b)
+    # past 63 elements a row spans several machine words
+    a = [("op", i % 7) for i in range(150)]
+    b = [("op", i % 5) for i in range(170)]
+    assert A._lcs(a, b) == _lcs_table(a, b)
+
+
+def test_a_long_loop_through_the_cli_pairs_every_step(tmp_path):
+    """Past DATAFLOW_WINDOW_FROM reference records with the defaults: a 600-step loop diffed as a user
+    runs it names the step where the candidate starts to drift."""
+    ref = tmp_path / "ref.py"
+    cand = tmp_path / "cand.py"
+    import inspect
+    body = "import torch\nimport torch.nn as nn\n\n"
+    ref.write_text(body + inspect.getsource(LoopRNN).replace("class LoopRNN", "class Model")
+                   + "\n\ndef get_inputs():\n    return [torch.randn(600, 3, 6)]\n\n\ndef get_init_inputs():\n    return []\n")
+    cand.write_text(body + inspect.getsource(SplitWeightsRNN).replace("class SplitWeightsRNN", "class ModelNew")
+                    .replace("drift_from=None", "drift_from=450") + "\n")
+    import json
+    import subprocess
+    import sys
+    import os
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "r.json"
+    proc = subprocess.run([sys.executable, "cli.py", "diff", str(ref), str(cand), "--trials", "1", "--no-report",
+                           "--no-explain", "--json", str(out)], cwd=root, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    got = json.loads(out.read_text())
+    assert got["verdict"] == "diverged"
+    assert got["first_divergence"]["ref_name"] == "i2h#451"
