@@ -57,6 +57,10 @@ MODELS = {
     "gru_readback": dict(ref="references/gru_bidirectional.py", cand="kernels/bench/gru_bidirectional_readback.py",
                          env=dict(DIFFKIT_GRU_LAYERS=6, DIFFKIT_GRU_SEQ=512, DIFFKIT_GRU_BATCH=4, DIFFKIT_GRU_INPUT=32,
                                   DIFFKIT_GRU_HIDDEN=32)),
+    # a reference that is itself a long loop (3000 steps of an RNN cell: ~15 000 records a side), the
+    # candidate's input half hoisted out of the loop: what a record costs when every step is one
+    "rnn3000": dict(ref="references/rnn_cell_loop.py", cand="kernels/bench/rnn_cell_loop_split.py",
+                    env=dict(DIFFKIT_RNN_STEPS=3000)),
     "h200": dict(ref="references/deep_transformer.py", cand="kernels/deep_transformer_fused.py",
                  env=dict(DIFFKIT_DEPTH=24, DIFFKIT_BATCH=4, DIFFKIT_SEQ=2048, DIFFKIT_DIM=1024, DIFFKIT_HEADS=16)),
     # the same transformer at half the depth and half the sequence: the isolated diff on a GPU (its reference
@@ -67,7 +71,8 @@ MODELS = {
 PRESETS = {"cpu": [("stack12", ["plain", "compare", "default", "naive", "cli_inproc", "isolated", "isolated_warm",
                                 "default_cli", "metrics"]),
                    ("gru", ["plain", "compare", "default", "compare_nofold"]),
-                   ("gru_slab", ["plain", "compare"]), ("gru_readback", ["plain", "compare"])],
+                   ("gru_slab", ["plain", "compare"]), ("gru_readback", ["plain", "compare"]),
+                   ("rnn3000", ["plain", "compare", "cli_inproc", "isolated"])],
            "h200": [("h200", ["plain", "compare", "stream", "naive", "metrics"]),
                     ("gpu_mid", ["plain", "compare", "default", "cli_inproc", "isolated", "isolated_files", "default_cli"])]}
 TARGETS = {("stack12", "compare"): 2.0, ("stack12", "isolated"): 3.0, ("stack12", "isolated_warm"): 3.0,

@@ -184,6 +184,9 @@ def main() -> None:
                    "same statistic of |r|")
 @click.option("--explain-budget", type=click.IntRange(min=0), default=1000, show_default=True,
               help="forwards of the reference the what-if search may spend")
+@click.option("--explain-seconds", type=click.FloatRange(min=0), default=60.0, show_default=True,
+              help="seconds the what-if search may spend: past them it tries no more variants and says how many it "
+                   "left (0: no limit)")
 @click.option("--fold/--no-fold", "fold", default=True, show_default=True,
               help="fold the candidate's loop results that no reference record can pair with (a call site's results "
                    f"of sizes no reference record has, after its first {FOLD_AFTER}): their dataflow is kept, no record is made "
@@ -191,7 +194,7 @@ def main() -> None:
 def diff(ref_path, cand_path, atol, rtol, seed, device, json_path, csv_path, strict, train, full, tolerance,
          reinit_zero, report_dir, no_report, html_path, md_path, junit_path, no_isolate, timeout, max_memory, stream,
          only, stop_at_first, sanitize, stream_dir, side_only, ref_capture, trials=5, eval_mode=False,
-         sync_weights=False, explain=None, explain_budget=1000, stat="elementwise", fold=True):
+         sync_weights=False, explain=None, explain_budget=1000, explain_seconds=60.0, stat="elementwise", fold=True):
     """Compare candidate CAND (a ModelNew file) with reference REF (a Model file), stage by stage.
 
     Either side may instead be a capture directory written by `diffkit capture -o`: a candidate file
@@ -202,7 +205,8 @@ def diff(ref_path, cand_path, atol, rtol, seed, device, json_path, csv_path, str
               reinit_zero, report_dir, no_report, html_path, md_path, junit_path, no_isolate, timeout, max_memory,
               stream, only, stop_at_first, sanitize, stream_dir, side_only, ref_capture,
               protocol={"trials": trials, "eval": eval_mode, "sync_weights": sync_weights, "explain": explain,
-                        "explain_budget": explain_budget, "stat": stat, "fold": fold})
+                        "explain_budget": explain_budget, "explain_seconds": explain_seconds, "stat": stat,
+                        "fold": fold})
     except Terminated as t:
         sys.exit(128 + t.signum)
 

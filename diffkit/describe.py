@@ -354,7 +354,9 @@ def what_if_lines(result, limit: int = 3) -> list[str]:
     info = (result.meta or {}).get("what_if") or {}
     if not found:
         return ["", f"what-if: {info['skipped']}"] if info.get("skipped") else []
-    runs = f" ({info.get('forwards')} what-if runs of the reference, {fmt(info.get('seconds'), '.2g')} s)" \
+    runs = f" ({info.get('forwards')} what-if runs of the reference, {fmt(info.get('seconds'), '.2g')} s" \
+        + (f"; stopped at its {fmt(info.get('seconds_budget'), '.3g')} s budget with {info.get('variants_left')} "
+           f"variants untried: --explain-seconds" if info.get("out_of_time") else "") + ")" \
         if info.get("forwards") else ""
     best = found[0]
     if best.get("explains"):

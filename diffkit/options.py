@@ -110,6 +110,8 @@ class Options:
                    never, None (default) when the divergent candidate record covers more than one
                    reference stage (a fused kernel).
     explain_budget: forwards of the reference a what-if search may spend.
+    explain_seconds: seconds a what-if search may spend (it stops trying variants past them and says so;
+                   0: no limit).
     trusted_capture: the reference capture was written by this diff (an isolated diff's own child):
                    what-if runs may rebuild the reference from the file it names without --explain.
     fold:          capture the candidate after the reference and fold its unpairable loop results
@@ -138,6 +140,7 @@ class Options:
     insured: bool = True
     explain: bool | None = None
     explain_budget: int = 1000
+    explain_seconds: float = 60.0
     trusted_capture: bool = False
     fold: bool = True
 
@@ -146,6 +149,9 @@ class Options:
             raise ValueError(f"trials must be a whole number >= 1, not {self.trials!r}")
         if isinstance(self.explain_budget, bool) or not isinstance(self.explain_budget, int) or self.explain_budget < 0:
             raise ValueError(f"explain_budget must be a whole number >= 0, not {self.explain_budget!r}")
+        if isinstance(self.explain_seconds, bool) or not isinstance(self.explain_seconds, (int, float)) \
+                or not self.explain_seconds >= 0:
+            raise ValueError(f"explain_seconds must be a number of seconds >= 0, not {self.explain_seconds!r}")
         for name in ("max_memory", "host_memory"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 0):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -803,7 +804,8 @@ def what_if(result: Result, traces: _Traces, reference: Source, options: Options
     target = to_ref_layout(cand_value, tuple(fd.ref.shape), fd.pair_transform)
     search = whatif.Search(model=src.model, inputs=list(src.inputs), run=run_once, target=fd.ref.index,
                            cand_value=target, atol=fd.stats.atol, rtol=fd.stats.rtol, window=win,
-                           budget=options.explain_budget, progress=progress)
+                           budget=options.explain_budget, seconds_budget=options.explain_seconds or math.inf,
+                           progress=progress)
     params = {n: p.detach().clone() for n, p in materialized(src.model.named_parameters())}
     try:
         found = whatif.search(search, whatif.model_constants(src.model), records)
@@ -821,6 +823,9 @@ def what_if(result: Result, traces: _Traces, reference: Source, options: Options
     result.meta["what_if"] = {"forwards": search.forwards, "seconds": round(search.seconds, 3),
                               "variants": search.tried, "window": len(win), "stage": fd.ref.name,
                               "explained": bool(found and found[0].explains)}
+    if search.left:
+        result.meta["what_if"].update(out_of_time=True, variants_left=search.left,
+                                      seconds_budget=options.explain_seconds)
 
 
 def _leaves(trace: Trace) -> dict[str, Any]:

@@ -52,7 +52,7 @@ VERDICT_ORDER = ("error", "diverged", "match")
 # skipped, so an option added to `diff` later, e.g. --stat, needs only its name here)
 PASS_THROUGH = ("atol", "rtol", "seed", "trials", "eval_mode", "sync_weights", "device", "timeout", "strict",
                 "tolerance", "reinit_zero", "stat", "no_isolate", "max_memory", "stream", "only", "stop_at_first",
-                "sanitize", "explain", "explain_budget")
+                "sanitize", "explain", "explain_budget", "explain_seconds")
 GRACE_S = 120.0  # a child past both sides' --timeout plus this is stopped by the suite
 
 

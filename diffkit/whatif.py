@@ -737,10 +737,12 @@ class Search:
     rtol: float
     window: list[int]  # the reference records the candidate's record covers (sites to plant at)
     budget: int = DEFAULT_BUDGET
+    seconds_budget: float = math.inf  # wall time the search may spend: past it no further variant is tried
     progress: Callable[[int, int], None] | None = None
     forwards: int = 0
     seconds: float = 0.0
     tried: int = 0
+    left: int = 0  # variants within the forward budget not tried for want of time (`seconds_budget`)
     results: list[WhatIf] = field(default_factory=list)
 
 
@@ -807,6 +809,9 @@ def search(s: Search, model_consts: Sequence[float] = (), records: Sequence[Reco
     results: list[WhatIf] = []
     closer: set[int] = set()  # variants (by id) that bring the reference closer to the candidate
     for k, v in enumerate(variants[:s.budget]):
+        if k and time.perf_counter() - t0 > s.seconds_budget:
+            s.left = total - k
+            break
         s.tried += 1
         w = _evaluate(s, [v])
         if w is not None:
@@ -822,7 +827,8 @@ def search(s: Search, model_consts: Sequence[float] = (), records: Sequence[Reco
         rec = by_index[v.site]
         groups.setdefault((rec.file, rec.line, rec.op, v.kind, v.detail.replace(f"`{v.stage}`", "``")), []).append(v)
     for g in groups.values():
-        if len({v.site for v in g}) > 1 and any(id(v) in closer for v in g) and s.forwards < 2 * s.budget:
+        if len({v.site for v in g}) > 1 and any(id(v) in closer for v in g) and s.forwards < 2 * s.budget \
+                and time.perf_counter() - t0 <= s.seconds_budget:
             s.tried += 1
             w = _evaluate(s, g, same_code=True)
             if w is not None:
@@ -837,7 +843,7 @@ def search(s: Search, model_consts: Sequence[float] = (), records: Sequence[Reco
                 break
         for a in range(len(top)):
             for b in range(a + 1, len(top)):
-                if s.forwards >= s.budget + pairs * pairs:
+                if s.forwards >= s.budget + pairs * pairs or time.perf_counter() - t0 > s.seconds_budget:
                     break
                 w = _evaluate(s, [top[a].variants[0], top[b].variants[0]])
                 if w is not None:

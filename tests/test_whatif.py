@@ -167,6 +167,36 @@ def test_nothing_explains_a_random_candidate_and_it_says_so():
     assert s.forwards <= 40 + 16  # the budget holds (single variants, then a few pairs)
 
 
+def test_the_search_stops_at_its_time_budget_and_counts_what_it_left(monkeypatch):
+    torch.manual_seed(0)
+    ref = _Tiny()
+    x = torch.randn(2, 6, 6)
+    trace = run_captured(ref, [x])
+    cand = torch.randn(2, 6, 6)
+    clock = [0.0]  # a clock that moves one second per forward: the budget is in seconds, not forwards
+    monkeypatch.setattr(whatif.time, "perf_counter", lambda: clock[0])
+    runner = _runner(ref)
+
+    def run(*args):
+        clock[0] += 1.0
+        return runner(*args)
+
+    window = [r.index for r in trace.records if whatif.is_site(r)]
+    s = whatif.Search(model=ref, inputs=[x], run=run, target=trace.output.index, cand_value=cand, atol=1e-5,
+                      rtol=1e-5, window=window, seconds_budget=4.5)
+    whatif.search(s, whatif.model_constants(ref), trace.records)
+    # the baseline and four variants fit in 4.5 s; the rest are left, and no pairs are tried after
+    assert s.tried == 4 and s.forwards == 5 and s.left > 0
+    none = whatif.Search(model=ref, inputs=[x], run=run, target=trace.output.index, cand_value=cand, atol=1e-5,
+                         rtol=1e-5, window=window, seconds_budget=0.0)
+    whatif.search(none, whatif.model_constants(ref), trace.records)
+    assert none.tried == 1 and none.tried + none.left == s.tried + s.left  # (one variant always runs)
+    full = whatif.Search(model=ref, inputs=[x], run=run, target=trace.output.index, cand_value=cand, atol=1e-5,
+                         rtol=1e-5, window=window)
+    whatif.search(full, whatif.model_constants(ref), trace.records)
+    assert full.left == 0 and full.tried >= s.tried + s.left
+
+
 def test_planting_leaves_the_model_as_it_was():
     torch.manual_seed(0)
     ref = _Tiny()
@@ -264,6 +294,11 @@ def test_explain_flags_through_the_cli(tmp_path):
     assert headline.startswith("diffkit: DIVERGED") and f"with {d['what_if'][0]['detail']} (what-if)" in headline
     d, text = run(fused, "--no-explain")
     assert d["what_if"] == [] and "what-if" not in text
+    # a time budget too small for a second variant: the search says it stopped and how many it left
+    d, text = run(fused, "--explain-seconds", "1e-9")
+    info = d["meta"]["what_if"]
+    assert info["out_of_time"] and info["variants"] == 1 and info["variants_left"] > 0
+    assert f"with {info['variants_left']} variants untried: --explain-seconds" in text
     # the unfused candidate's divergent kernel is the output projection alone: one reference stage
     unfused = os.path.join(KERNELS, "axial_attention_missing_bias.py")
     d, _ = run(unfused, ref="axial_attention.py")
