@@ -1737,9 +1737,13 @@ def _closest_by_value(state: AlignState, c: Record, c_value: torch.Tensor, fc: t
     prior = (VALUE_PRIOR_OTHER_SCOPE * (group.scope_ids[free] != group.scope_id(c.scope)).to(torch.float64)
              + VALUE_PRIOR_POSITION * (group.positions[free] - c.index / max(len(state.cand), 1)).abs())
     score = (group.fingerprints[free] - fc).abs().max(dim=1).values / scale + prior
-    # of the VALUE_CONTENDERS free ones of lowest score, those `allowed`
-    picked = [(int(free[k]), float(prior[k])) for k in torch.argsort(score, stable=True)[:VALUE_CONTENDERS].tolist()]
-    picked = [(k, p) for k, p in picked if allowed(group.refs[k])]
+    # the VALUE_CONTENDERS of lowest score among the free ones `allowed` (asked lazily, best first)
+    picked = []
+    for k in torch.argsort(score, stable=True).tolist():
+        if allowed(group.refs[int(free[k])]):
+            picked.append((int(free[k]), float(prior[k])))
+            if len(picked) == VALUE_CONTENDERS:
+                break
     top, priors = [k for k, _ in picked], [p for _, p in picked]
     best: _ValueMatch | None = None
     for k, p in zip(top, priors):

@@ -168,3 +168,27 @@ def test_a_long_loop_through_the_cli_pairs_every_step(tmp_path):
     got = json.loads(out.read_text())
     assert got["verdict"] == "diverged"
     assert got["first_divergence"]["ref_name"] == "i2h#451"
+
+
+def test_the_value_search_takes_its_contenders_among_the_allowed_ones():
+    """Only the free reference records the dataflow allows count toward the few compared in full: one allowed
+    record behind six closer but disallowed ones is still found (scoring only free records must keep that)."""
+    from diffkit.capture import Record
+
+    def rec(i, v):
+        return Record(index=i, name=f"r{i}", kind="op", scope="", label=f"r{i}", function="forward", file="", line=0,
+                      op="", shape=tuple(v.shape), dtype=torch.float32, device="cpu", value=v)
+
+    torch.manual_seed(0)
+    target = torch.randn(64)
+    ref = [rec(i, target + 1e-4 * torch.randn(64)) for i in range(A.VALUE_CONTENDERS)]
+    ref.append(rec(len(ref), target + 0.05 * torch.randn(64)))
+    cand = [rec(0, target.clone())]
+    state = A.AlignState.start(ref, cand)
+    group = A._contenders(state, list(range(len(ref))), {})
+    best = A._closest_by_value(state, cand[0], cand[0].value, A._fingerprint(cand[0], v=cand[0].value), group,
+                               allowed=lambda ri: ri == len(ref) - 1)
+    assert best is not None and best.ref == len(ref) - 1
+    state.add(0, len(ref) - 1, "value", 0.5)  # paired now: no longer a contender
+    assert A._closest_by_value(state, cand[0], cand[0].value, A._fingerprint(cand[0], v=cand[0].value), group,
+                               allowed=lambda ri: ri == len(ref) - 1) is None
