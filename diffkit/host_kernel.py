@@ -106,6 +106,15 @@ def _self_test(lib: ctypes.CDLL) -> str | None:
     got = list(out)
     want = {0: 3.0, 1: 0.5, 2: 7.0, 3: 0.75, 8: 0.0, 9: 1.0, 10: 1.0, 11: 1.0, 13: 7.0, 14: 600.0}
     bad = {k: (got[k], v) for k, v in want.items() if got[k] != v}
+    # a float32 pair (its blocks in float32 lanes): the largest error in the second block, a tail
+    r32 = (ctypes.c_float * n)(*[i / 64 - 4 for i in range(n)])
+    c32 = (ctypes.c_float * n)(*r32)
+    c32[700] += 0.5
+    c32[1099] += 0.25
+    fn(ctypes.addressof(r32), 0, ctypes.addressof(c32), 0, 0, n, 1e-3, 1e-3, out)
+    got = list(out)
+    want = {0: 2.0, 1: 0.5, 2: 700.0, 3: 0.75, 8: 0.0, 10: 0.0, 13: 700.0}
+    bad.update({f"float32 {k}": (got[k], v) for k, v in want.items() if got[k] != v})
     return f"wrong answers on the self-test (slot: got, want): {bad}" if bad else None
 
 

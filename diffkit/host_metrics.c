@@ -15,8 +15,11 @@
  *   excess   diff - bound, NaN taken as -inf and +-inf as the largest finite value (torch.nan_to_num)
  *   rel      diff / |r| where both are finite and r != 0, else 0
  * The sums of r*c, r*r and c*c count a non-finite value as 0.  Maxima keep the first index holding
- * them.  Blocks of finite values run eight lanes at a time (GCC/Clang vector extensions); a block
- * holding a NaN or an infinity is done element by element by the rules above.
+ * them.  Blocks of finite values run eight float64 lanes at a time (GCC/Clang vector extensions); a block
+ * holding a NaN or an infinity is done element by element by the rules above.  A pair of two float32 sides
+ * runs its blocks in sixteen float32 lanes instead (block32: float32 arithmetic, as the GPU kernel's, each lane
+ * summing eight terms before a block's sums go into float64; 1.5x the bytes a second of the float64 lanes), and
+ * a block whose sums leave float32's range, or whose values are so small their squares may, in float64 lanes.
  */
 #include <float.h>
 #include <math.h>
@@ -203,6 +206,180 @@ static inline void lanes_merge(lanes_t *x, const lanes_t *y) {
     x->m_ex = sel(y->m_ex > x->m_ex, y->m_ex, x->m_ex);
 }
 
+/* the running sums of a range, over its blocks of finite values (float64 lanes) */
+typedef struct {
+    v8d s_abs, s_dsq, s_rsq, s_csq, s_dot;
+    v8l bad;
+    float best32_abs, best32_ex; /* the largest float32 block maxima seen (block32's test for a new maximum) */
+} run_t;
+
+/* A new maximum of |c - r| or of the excess may lie in [i, i + BLOCK): its first index, by the float64 rules. */
+static inline void block_max(const void *r, int rd, const void *c, int cd, int64_t i, double atol, double rtol,
+                             int which, double *o) {
+    double best;
+    int64_t where;
+    block_arg(r, rd, c, cd, i, i + BLOCK, atol, rtol, which, &best, &where);
+    if (which) best = excess_of(best, 0.0);
+    const int slot = which ? MAX_EXCESS : MAX_ABS;
+    if (best > o[slot]) {
+        o[slot] = best;
+        o[slot + 1] = (double)where; /* MAX_ABS_AT, MAX_EXCESS_AT */
+    }
+}
+
+/* One block in float64 lanes (any pair; a block holding a NaN or an infinity element by element). */
+static void block64(const void *r, int rd, const void *c, int cd, int64_t i, double atol, double rtol, run_t *run,
+                    double *o) {
+    const v8d zero = {0}, vatol = zero + atol, vrtol = zero + rtol;
+    const int f32 = !rd && !cd;
+    const v8f vat32 = (v8f){0} + (float)atol, vrt32 = (v8f){0} + (float)rtol;
+    lanes_t acc[UNROLL];
+    for (int u = 0; u < UNROLL; u++) lanes_init(&acc[u]);
+    if (f32) {
+        for (int64_t j = i; j < i + BLOCK; j += LANES * UNROLL)
+            for (int u = 0; u < UNROLL; u++) {
+                v8f a32, b32;
+                memcpy(&a32, (const float *)r + j + u * LANES, sizeof a32);
+                memcpy(&b32, (const float *)c + j + u * LANES, sizeof b32);
+                lanes_step32(&acc[u], a32, b32, vatol, vrtol, vat32, vrt32);
+            }
+    } else {
+        for (int64_t j = i; j < i + BLOCK; j += LANES * UNROLL)
+            for (int u = 0; u < UNROLL; u++)
+                lanes_step(&acc[u], load(r, rd, j + u * LANES), load(c, cd, j + u * LANES), vatol, vrtol);
+    }
+    for (int u = 1; u < UNROLL; u++) lanes_merge(&acc[0], &acc[u]);
+    lanes_t *x = &acc[0];
+    x->bad += __builtin_convertvector(x->bad32, v8l);
+    /* a NaN or an infinity on either side (or a square past float64's range) makes its sum of squares
+     * non-finite: that block by the full rules */
+    if (!isfinite(hsum(x->s_rsq)) || !isfinite(hsum(x->s_csq))) {
+        for (int64_t j = i; j < i + BLOCK; j++) element(at(r, rd, j), at(c, cd, j), j, atol, rtol, f32, o);
+        return;
+    }
+    run->s_abs += x->s_abs;
+    run->s_dsq += x->s_dsq;
+    run->s_rsq += x->s_rsq;
+    run->s_csq += x->s_csq;
+    run->s_dot += x->s_dot;
+    run->bad += x->bad;
+    double rel = hmax(x->m_rel);
+    if (rel > o[MAX_REL]) o[MAX_REL] = rel;
+    if (hmax(x->m_abs) > o[MAX_ABS]) block_max(r, rd, c, cd, i, atol, rtol, 0, o);
+    if (hmax(x->m_ex) > o[MAX_EXCESS]) block_max(r, rd, c, cd, i, atol, rtol, 1, o);
+}
+
+/* ---- a float32 pair: the block in float32 arithmetic, sixteen lanes, summed into float64 per block ---- */
+typedef float v16f __attribute__((vector_size(64)));
+typedef int v16i __attribute__((vector_size(64)));
+#define LANES32 16
+#define UNROLL32 4
+
+#ifdef __cplusplus
+static inline v16f sel32(v16i m, v16f x, v16f y) { return m ? x : y; }
+#else
+static inline v16f sel32(v16i m, v16f x, v16f y) { return (v16f)((m & (v16i)x) | (~m & (v16i)y)); }
+#endif
+static inline v16f vabs32(v16f x) { return (v16f)((v16i)x & 0x7fffffff); }
+static inline float hmax32(v16f x) {
+    float m = x[0];
+    for (int i = 1; i < LANES32; i++) m = x[i] > m ? x[i] : m;
+    return m;
+}
+/* the sixteen float32 lanes added into eight float64 ones */
+static inline v8d widen_sum(v16f x) {
+    v8f lo = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7);
+    v8f hi = __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+    return __builtin_convertvector(lo, v8d) + __builtin_convertvector(hi, v8d);
+}
+
+typedef struct {
+    v16f m_abs, m_ex, m_rel, s_abs, s_dsq, s_rsq, s_csq, s_dot;
+    v16i bad, bits;
+} lanes32_t;
+
+/* Sums of squares below this (a block of values under ~1e-15) may have lost terms below float32's range:
+ * such a block is done in float64 lanes. */
+#define TINY32 1e-30
+
+/* A block of a float32 pair with every element finite: 1 when done, 0 when it is to be done in float64 lanes (a
+ * NaN or an infinity, a square past float32's range, or values so small their squares leave it).  Per element,
+ * as lanes_step32 (torch.isclose's rule in float32) with the other statistics in float32 too; each lane sums
+ * BLOCK / (LANES32 * UNROLL32) terms in float32 before the block's sums go into float64.  A block may hold a new
+ * maximum when its float32 maximum exceeds every earlier block's: it is then searched by the float64 rules. */
+static inline int block32(const float *r, const float *c, int64_t i, double atol, double rtol, float at32, float rt32,
+                          run_t *run, double *o) {
+    const v16f zero = {0}, vat = zero + at32, vrt = zero + rt32;
+    lanes32_t acc[UNROLL32];
+    for (int u = 0; u < UNROLL32; u++) {
+        acc[u].m_abs = acc[u].m_rel = acc[u].s_abs = acc[u].s_dsq = acc[u].s_rsq = acc[u].s_csq = acc[u].s_dot = zero;
+        acc[u].m_ex = zero - INFINITY;
+        acc[u].bad = acc[u].bits = (v16i){0};
+    }
+    for (int64_t j = i; j < i + BLOCK; j += LANES32 * UNROLL32)
+        for (int u = 0; u < UNROLL32; u++) {
+            lanes32_t *x = &acc[u];
+            v16f a, b;
+            memcpy(&a, r + j + u * LANES32, sizeof a);
+            memcpy(&b, c + j + u * LANES32, sizeof b);
+            v16f d = vabs32(b - a), ra = vabs32(a);
+            v16f allowed = vat + vabs32(vrt * a);
+            x->bad -= (v16i)(d > allowed);
+            x->s_abs += d;
+            x->s_dsq += d * d;
+            x->s_rsq += a * a;
+            x->s_csq += b * b;
+            x->s_dot += a * b;
+            x->bits |= (v16i)a | (v16i)b;
+            v16f rel = sel32((v16i)(ra > zero), d / ra, zero);
+            x->m_rel = sel32((v16i)(rel > x->m_rel), rel, x->m_rel);
+            x->m_abs = sel32((v16i)(d > x->m_abs), d, x->m_abs);
+            v16f e = d - allowed;
+            x->m_ex = sel32((v16i)(e > x->m_ex), e, x->m_ex);
+        }
+    lanes32_t *x = &acc[0];
+    for (int u = 1; u < UNROLL32; u++) {
+        lanes32_t *y = &acc[u];
+        x->bad += y->bad;
+        x->bits |= y->bits;
+        x->s_abs += y->s_abs;
+        x->s_dsq += y->s_dsq;
+        x->s_rsq += y->s_rsq;
+        x->s_csq += y->s_csq;
+        x->s_dot += y->s_dot;
+        x->m_rel = sel32((v16i)(y->m_rel > x->m_rel), y->m_rel, x->m_rel);
+        x->m_abs = sel32((v16i)(y->m_abs > x->m_abs), y->m_abs, x->m_abs);
+        x->m_ex = sel32((v16i)(y->m_ex > x->m_ex), y->m_ex, x->m_ex);
+    }
+    v8d s_abs = widen_sum(x->s_abs), s_dsq = widen_sum(x->s_dsq), s_rsq = widen_sum(x->s_rsq),
+        s_csq = widen_sum(x->s_csq), s_dot = widen_sum(x->s_dot);
+    double rsq = hsum(s_rsq), csq = hsum(s_csq), dsq = hsum(s_dsq);
+    if (!isfinite(rsq) || !isfinite(csq) || !isfinite(dsq)) return 0;
+    int nonzero = 0;
+    for (int k = 0; k < LANES32; k++) nonzero |= x->bits[k] & 0x7fffffff;
+    if (nonzero && (rsq < TINY32 || csq < TINY32 || (dsq < TINY32 && hsum(s_abs) > 0.0))) return 0;
+    run->s_abs += s_abs;
+    run->s_dsq += s_dsq;
+    run->s_rsq += s_rsq;
+    run->s_csq += s_csq;
+    run->s_dot += s_dot;
+    v8l nbad = {0};
+    for (int k = 0; k < LANES32; k++) nbad[k % LANES] += x->bad[k];
+    run->bad += nbad;
+    double rel = (double)hmax32(x->m_rel);
+    if (rel > o[MAX_REL]) o[MAX_REL] = rel;
+    float m_abs = hmax32(x->m_abs), m_ex = hmax32(x->m_ex);
+    if (m_abs > run->best32_abs || o[MAX_ABS] < 0.0) {
+        run->best32_abs = m_abs;
+        block_max(r, 0, c, 0, i, atol, rtol, 0, o);
+    }
+    if (m_ex > run->best32_ex) {
+        run->best32_ex = m_ex;
+        block_max(r, 0, c, 0, i, atol, rtol, 1, o);
+    }
+    return 1;
+}
+
 EXPORT void dk_partials(const void *r, int rd, const void *c, int cd, int64_t lo, int64_t hi, double atol, double rtol,
                  double *o) {
     for (int k = 0; k < NSLOTS; k++) o[k] = 0.0;
@@ -211,71 +388,22 @@ EXPORT void dk_partials(const void *r, int rd, const void *c, int cd, int64_t lo
     o[MAX_EXCESS] = -INFINITY;
     o[MAX_EXCESS_AT] = (double)lo;
     o[FIRST_DISAGREE_AT] = INFINITY;
-    const v8d zero = {0}, vatol = zero + atol, vrtol = zero + rtol;
+    const v8d zero = {0};
     const int f32 = !rd && !cd;
-    const v8f vat32 = (v8f){0} + (float)atol, vrt32 = (v8f){0} + (float)rtol;
-    v8d s_abs = zero, s_dsq = zero, s_rsq = zero, s_csq = zero, s_dot = zero;
-    v8l bad = {0};
+    run_t run = {zero, zero, zero, zero, zero, {0}, -INFINITY, -INFINITY};
     int64_t i = lo;
     for (; i + BLOCK <= hi; i += BLOCK) {
-        lanes_t acc[UNROLL];
-        for (int u = 0; u < UNROLL; u++) lanes_init(&acc[u]);
-        if (f32) {
-            for (int64_t j = i; j < i + BLOCK; j += LANES * UNROLL)
-                for (int u = 0; u < UNROLL; u++) {
-                    v8f a32, b32;
-                    memcpy(&a32, (const float *)r + j + u * LANES, sizeof a32);
-                    memcpy(&b32, (const float *)c + j + u * LANES, sizeof b32);
-                    lanes_step32(&acc[u], a32, b32, vatol, vrtol, vat32, vrt32);
-                }
-        } else {
-            for (int64_t j = i; j < i + BLOCK; j += LANES * UNROLL)
-                for (int u = 0; u < UNROLL; u++)
-                    lanes_step(&acc[u], load(r, rd, j + u * LANES), load(c, cd, j + u * LANES), vatol, vrtol);
-        }
-        for (int u = 1; u < UNROLL; u++) lanes_merge(&acc[0], &acc[u]);
-        lanes_t *x = &acc[0];
-        x->bad += __builtin_convertvector(x->bad32, v8l);
-        /* a NaN or an infinity on either side (or a square past float64's range) makes its sum of squares
-         * non-finite: that block by the full rules */
-        if (!isfinite(hsum(x->s_rsq)) || !isfinite(hsum(x->s_csq))) {
-            for (int64_t j = i; j < i + BLOCK; j++) element(at(r, rd, j), at(c, cd, j), j, atol, rtol, f32, o);
+        if (f32 && block32((const float *)r, (const float *)c, i, atol, rtol, (float)atol, (float)rtol, &run, o))
             continue;
-        }
-        s_abs += x->s_abs;
-        s_dsq += x->s_dsq;
-        s_rsq += x->s_rsq;
-        s_csq += x->s_csq;
-        s_dot += x->s_dot;
-        bad += x->bad;
-        double rel = hmax(x->m_rel);
-        if (rel > o[MAX_REL]) o[MAX_REL] = rel;
-        v8d m_abs = x->m_abs, m_ex = x->m_ex;
-        double best;
-        int64_t where;
-        if (hmax(m_abs) > o[MAX_ABS]) { /* a new maximum in this block: find its first index */
-            block_arg(r, rd, c, cd, i, i + BLOCK, atol, rtol, 0, &best, &where);
-            if (best > o[MAX_ABS]) {
-                o[MAX_ABS] = best;
-                o[MAX_ABS_AT] = (double)where;
-            }
-        }
-        if (hmax(m_ex) > o[MAX_EXCESS]) {
-            block_arg(r, rd, c, cd, i, i + BLOCK, atol, rtol, 1, &best, &where);
-            best = excess_of(best, 0.0);
-            if (best > o[MAX_EXCESS]) {
-                o[MAX_EXCESS] = best;
-                o[MAX_EXCESS_AT] = (double)where;
-            }
-        }
+        block64(r, rd, c, cd, i, atol, rtol, &run, o);
     }
     for (; i < hi; i++) element(at(r, rd, i), at(c, cd, i), i, atol, rtol, f32, o);
-    o[SUM_ABS] += hsum(s_abs);
-    o[DIFF_SQ] += hsum(s_dsq);
-    o[REF_SQ] += hsum(s_rsq);
-    o[CAND_SQ] += hsum(s_csq);
-    o[DOT] += hsum(s_dot);
+    o[SUM_ABS] += hsum(run.s_abs);
+    o[DIFF_SQ] += hsum(run.s_dsq);
+    o[REF_SQ] += hsum(run.s_rsq);
+    o[CAND_SQ] += hsum(run.s_csq);
+    o[DOT] += hsum(run.s_dot);
     long long nbad = 0;
-    for (int k = 0; k < LANES; k++) nbad += bad[k];
+    for (int k = 0; k < LANES; k++) nbad += run.bad[k];
     o[MISMATCHES] += (double)nbad;
 }

@@ -170,12 +170,14 @@ def test_native_kernel_is_built_where_a_c_compiler_is():
     assert host_kernel.available(), host_kernel.why()
 
 
-def test_native_kernel_keeps_the_first_of_equal_maxima_across_spans_and_blocks(monkeypatch):
-    """Equal largest errors in several blocks and spans: the worst element is the first (as argmax)."""
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_native_kernel_keeps_the_first_of_equal_maxima_across_spans_and_blocks(monkeypatch, dtype):
+    """Equal largest errors in several blocks and spans: the worst element is the first (as argmax).
+    (float32 pairs: blocks in float32 lanes, a block searched again only when its maximum is new.)"""
     if not host_kernel.available():
         pytest.skip(f"no native kernel here: {host_kernel.why()}")
     monkeypatch.setattr(M, "NATIVE_SPAN", 1000)
-    r = torch.zeros(5000, dtype=torch.float64)
+    r = torch.zeros(5000, dtype=dtype)
     for first in (700, 10):  # a block of its own / the first block
         c = r.clone()
         c[[first, 1030, 1031, 3999]] = 0.5
@@ -254,6 +256,21 @@ def test_tensors_without_memory_of_their_own_are_measured_by_the_torch_passes():
     assert not host_kernel.supports(z)
     st = M.measure(z, torch.ones(600), 1e-4, 1e-4)
     assert st.mismatches == 600 and st.max_abs == 1.0
+
+
+def test_float32_blocks_of_tiny_values_keep_their_sums(host_engine):
+    """float32 values near 1e-18 whose differences (1e-24) square below float32's range: the relative l2
+    error, the mean and the worst element are those of the exact path (such blocks are summed in float64)."""
+    g = torch.Generator().manual_seed(3)
+    r = (torch.rand(4096, generator=g) + 0.5) * 1e-18
+    c = r * (1 + 1e-6 * torch.randn(4096, generator=g))
+    assert M.measure_async(r, c, 0.0, 1e-3).rel_l2 > 1e-7
+    _assert_agrees_with_exact(r, c, 0.0, 1e-3)
+    c[1500] = r[1500] * 1.5
+    st = _assert_agrees_with_exact(r, c, 0.0, 1e-3)
+    assert st.worst.index == (1500,) and st.mismatches == 1
+    big = torch.randn(4096, generator=g) * 1e4  # and squares near float32's top, but within it
+    _assert_agrees_with_exact(big * 1e13, big * 1e13 * (1 + 1e-5), 1e-4, 1e-4)
 
 
 def test_relative_error_of_tiny_values_is_not_lost(host_engine):
