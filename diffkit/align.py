@@ -44,7 +44,7 @@ import collections
 import functools
 import itertools
 import math
-from collections.abc import Callable, Container, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -1048,6 +1048,79 @@ DATAFLOW_TIE = 1.25
 # left to the value pass.
 DATAFLOW_WINDOW_FROM = 2000
 DATAFLOW_WINDOW = 128
+# a lone contender of the same layout is measured against the record before the rivals after it are looked for
+# (only a distant value makes them matter) when the pair holds at most this many bytes a side
+DATAFLOW_VALUE_FIRST_BYTES = 1 << 20
+
+
+class _Rivals:
+    """The unpaired candidate records after one record `c` that could be the stage its contenders stand for,
+    found as far as they are asked for (a lone contender whose values `c` holds needs none of them): `later`,
+    those of `c`'s own cover; `elsewhere`, those from the same parameters below more anchors (a step after a
+    paired one).  `scan` yields them in order as (index, "later" | "elsewhere"); `kind(x)` says which one `x`
+    is (None: neither) without scanning; `only(keep)` is the same rivals with `later` kept to those `keep`
+    holds."""
+
+    def __init__(self, scan: Iterable[tuple[int, str]] | None = None, kind: Callable[[int], str | None] | None = None,
+                 later: Sequence[int] = (), elsewhere: Sequence[int] = (), parent: "_Rivals | None" = None,
+                 keep: Callable[[int], bool] | None = None, made_by: Callable[[str], Iterable[int]] | None = None):
+        self._scan = iter(scan) if scan is not None else None
+        self._kind, self._parent, self._keep, self._made_by = kind, parent, keep, made_by
+        self._later, self._elsewhere = list(later), list(elsewhere)
+
+    def _more(self) -> bool:
+        """One more rival found; False once the scan is over."""
+        if self._scan is not None:
+            for x, k in self._scan:
+                (self._later if k == "later" else self._elsewhere).append(x)
+                return True
+            self._scan = None
+        return False
+
+    def lists(self) -> tuple[list[int], list[int]]:
+        if self._parent is not None:
+            later, elsewhere = self._parent.lists()
+            return [x for x in later if self._keep(x)], elsewhere
+        while self._more():
+            pass
+        return self._later, self._elsewhere
+
+    @property
+    def later(self) -> list[int]:
+        return self.lists()[0]
+
+    @property
+    def elsewhere(self) -> list[int]:
+        return self.lists()[1]
+
+    def any_later(self, pred: Callable[[int], bool] | None = None, op: str | None = None) -> bool:
+        """Whether a `later` record exists that `pred` holds, scanning no further than the first.  `op`: `pred`
+        holds only for records made by that torch function, so where the scan is not over, only the records
+        `made_by` it need asking."""
+        if self._parent is not None:
+            keep = self._keep
+            return self._parent.any_later(lambda x: keep(x) and (pred is None or pred(x)), op)
+        if op is not None and self._scan is not None and self._made_by is not None:
+            return any((pred is None or pred(x)) and x in self for x in self._made_by(op))
+        i = 0
+        while True:
+            for x in self._later[i:]:
+                if pred is None or pred(x):
+                    return True
+            i = len(self._later)
+            if not self._more():
+                return False
+
+    def __contains__(self, x: int) -> bool:
+        """Whether `x` is a `later` record."""
+        if self._parent is not None:
+            return self._keep(x) and x in self._parent
+        if self._scan is not None and self._kind is not None:
+            return self._kind(x) == "later"
+        return x in self._later
+
+    def only(self, keep: Callable[[int], bool]) -> "_Rivals":
+        return _Rivals(parent=self, keep=keep)
 
 
 def _refines(a: tuple, b: tuple) -> bool:
@@ -1194,21 +1267,20 @@ def _holds_it_alone(state: AlignState, c: Record, r: Record, others: list[int]) 
     return all(e is not None and e > bar for e in theirs)
 
 
-def _choose(state: AlignState, c: Record, contenders: list[int], later: list[int],
-            elsewhere: Sequence[int] = ()) -> tuple[int | None, bool]:
+def _choose(state: AlignState, c: Record, contenders: list[int], rivals: _Rivals) -> tuple[int | None, bool]:
     """Among reference records of the same cover, the counterpart of `c`: the closest in value when
     values decide, else by position (a candidate record that is the last of its cover takes the last
     contender: a fused kernel's output equals the last stage it covers).  `later`: the unpaired
     candidate records after `c` of the same cover; a lone contender whose values one of them holds,
     while `c` does not, is left to it (None).  `elsewhere`: unpaired candidate records after `c`
     computed from the same parameters below more paired records; a contender whose values one of them
-    holds while `c` does not is left to it too.  Returns (index, whether values decided)."""
+    holds while `c` does not is left to it too (both in `rivals`, found only where they can matter).  Returns
+    (index, whether values decided)."""
     if len(contenders) > 1:
         # a contender whose paired consumers' counterparts read later records of its size, not `c`, is
         # theirs (a recurrent cell's output, which the output stacks, against a gate of the hand-written
         # step: the step's new state is what the output holds)
-        later_set = set(later)
-        mine = [ri for ri in contenders if not _fed_elsewhere(state, ri, c, later_set)]
+        mine = [ri for ri in contenders if not _fed_elsewhere(state, ri, c, rivals)]
         if not mine:
             return None, False
         contenders = mine
@@ -1220,39 +1292,59 @@ def _choose(state: AlignState, c: Record, contenders: list[int], later: list[int
         mine = [ri for ri in contenders if op and torch_op(state.ref[ri]) == op]
         if mine:
             contenders = mine
-            later = [x for x in later if torch_op(state.cand[x]) == op]
+            rivals = rivals.only(lambda x: torch_op(state.cand[x]) == op)
         else:
-            later_ops = {torch_op(state.cand[x]) for x in later} - {""}
-            taken = {ri for ri in contenders if torch_op(state.ref[ri]) in later_ops}
+            has: dict[str, bool] = {}  # a contender's function: whether a later record's is the same
+
+            def later_has(o: str) -> bool:
+                if o not in has:
+                    has[o] = bool(o) and rivals.any_later(lambda x: torch_op(state.cand[x]) == o, op=o)
+                return has[o]
+
+            taken = {ri for ri in contenders if later_has(torch_op(state.ref[ri]))}
             if taken and len(taken) < len(contenders):
                 taken_ops = {torch_op(state.ref[ri]) for ri in taken}
                 contenders = [ri for ri in contenders if ri not in taken]
-                later = [x for x in later if torch_op(state.cand[x]) not in taken_ops]
+                rivals = rivals.only(lambda x: torch_op(state.cand[x]) not in taken_ops)
     if len(contenders) == 1:
         r = state.ref[contenders[0]]
         feeds = _feeds_partner(state, contenders[0])
         if len(feeds) == 1:  # (several: no telling which)
             if c.index in feeds:
                 return contenders[0], True  # it is what the consumer's counterpart reads: the same place
-            fed = [x for x in later if x in feeds]
+            fed = [x for x in sorted(feeds) if x in rivals]
             if fed and not _holds_it_alone(state, c, r, fed):
                 return None, False  # a later record is (`_feeds_partner`)
-        if later or not same_layout(c, r):
-            mine = _value_err(state, c, r)
-            if mine is not None and mine > DATAFLOW_DEFER_ABOVE:
-                # a later record of the same cover that holds the values (clearly closer) is the stage
-                bar = min(VALUE_MATCH_REL_ERR, DATAFLOW_CLEARLY_CLOSER * mine)
-                for x in later:
-                    theirs = _value_err(state, state.cand[x], r)
-                    if theirs is not None and theirs <= bar:
-                        return None, False
-                if _later_holds(state, contenders, elsewhere, bar):
+        if same_layout(c, r):
+            # the records after `c` matter only when its values are far from the contender's: whichever is
+            # cheaper is asked first (a value, a pass over both tensors; the rivals, a cover for each record
+            # of `c`'s size after it)
+            if record_numel(c) * c.dtype.itemsize <= DATAFLOW_VALUE_FIRST_BYTES:
+                mine = _value_err(state, c, r)
+                if mine is None or mine <= DATAFLOW_DEFER_ABOVE or not rivals.any_later():
+                    return contenders[0], True
+            elif not rivals.any_later():
+                return contenders[0], True
+        mine = _value_err(state, c, r)
+        if mine is not None and mine > DATAFLOW_DEFER_ABOVE:
+            # a later record of the same cover that holds the values (clearly closer) is the stage
+            bar = min(VALUE_MATCH_REL_ERR, DATAFLOW_CLEARLY_CLOSER * mine)
+            for x in rivals.later:
+                theirs = _value_err(state, state.cand[x], r)
+                if theirs is not None and theirs <= bar:
                     return None, False
-            if mine is not None and mine > VALUE_MATCH_REL_ERR and _count_only(c, r):
+            if _later_holds(state, contenders, rivals.elsewhere, bar):
                 return None, False
+        if mine is not None and mine > VALUE_MATCH_REL_ERR and _count_only(c, r):
+            return None, False
         return contenders[0], True
-    last = not later
     if state.cand_value(c) is not None:
+        first = _value_err(state, c, state.ref[contenders[0]])
+        if first is not None and first <= _IDENTICAL_REL_ERR and all(
+                state.ref_value(state.ref[ri]) is not None for ri in contenders[1:]):
+            # the earliest contender holds `c`'s values: whatever the others' errors, it is the earliest of
+            # those tied with the closest (as below), and no later record need be asked
+            return contenders[0], True
         scored = []
         for ri in contenders:
             err = _value_err(state, c, state.ref[ri])
@@ -1263,7 +1355,7 @@ def _choose(state: AlignState, c: Record, contenders: list[int], later: list[int
         if scored:
             scored.sort()
             best, second = scored[0][0], scored[1][0]
-            if best > DATAFLOW_DEFER_ABOVE and _later_holds(state, contenders, [*later, *elsewhere],
+            if best > DATAFLOW_DEFER_ABOVE and _later_holds(state, contenders, [*rivals.later, *rivals.elsewhere],
                                                             min(VALUE_MATCH_REL_ERR, DATAFLOW_CLEARLY_CLOSER * best)):
                 # a later record of the same cover holds one of them (the last step of a hand-written
                 # recurrence, for a recurrent module's final state): that is the stage; `c` (a gate of an
@@ -1277,11 +1369,11 @@ def _choose(state: AlignState, c: Record, contenders: list[int], later: list[int
             other = _holds_another(state, c.index, -1)
             if other is not None and other.ref not in contenders:
                 return None, False  # it holds another reference tensor's values (a copy of one): no stage here
-            pick = contenders[-1] if last else contenders[0]
+            pick = contenders[0] if rivals.any_later() else contenders[-1]
             if _count_only(c, state.ref[pick]):
                 return None, False
             return pick, False
-    return (contenders[-1] if last else contenders[0]), False
+    return (contenders[0] if rivals.any_later() else contenders[-1]), False
 
 
 def _cached_fingerprint(state: AlignState, side: str, i: int) -> torch.Tensor | None:
@@ -1358,6 +1450,12 @@ def _dataflow_round(state: AlignState, partial: bool) -> int:
     rf, cf = state.flows()
     ref_numel = state.by_numel("ref")
     cand_numel = state.by_numel("cand")
+    by_op = state.__dict__.get("_cand_by_op")
+    if by_op is None:  # candidate records by (element count, torch function), in order
+        by_op = state.__dict__["_cand_by_op"] = {}
+        for n, xs in cand_numel.items():
+            for x in xs:
+                by_op.setdefault((n, torch_op(state.cand[x])), []).append(x)
     paired = state.paired_ref
     ref_anchor = lambda i: i if i in paired else None  # noqa: E731
     memo_r: dict[int, Cover] = {}
@@ -1434,23 +1532,43 @@ def _dataflow_round(state: AlignState, partial: bool) -> int:
         contenders = _known_roots(state, ci, contenders)
         if not contenders:
             continue
-        # later candidate records of the same cover (those that only re-lay out another hold no other
-        # values: not rivals)
-        later, elsewhere = [], []
         same_size = cand_numel.get(numel, [])
-        for x in same_size[bisect.bisect_right(same_size, ci):]:
-            if windowed and x > ci + DATAFLOW_WINDOW:
-                break
-            if free_cand(x) and all((cf.ancestors[x] >> a) & 1 for a in (state.paired_ref.get(k, -1)
-                                                                                  for k in cc[0]) if a >= 0):
-                xc = cand_cover(x)
-                if xc == cc and not (is_layout_op(state.cand[x]) and any(
-                        j == ci or (free_cand(j) and cand_cover(j) == cc) for j in cf.inputs[x])):
-                    later.append(x)
-                elif xc[1] == cc[1] and cc[0] < xc[0]:
-                    # from the same parameters and more anchors: a step after a paired one (the last hidden
-                    # state of a hand-written LSTM is made from its last cell state)
-                    elsewhere.append(x)
+
+        def rival(x: int, ci=ci, cc=cc) -> str | None:
+            """Whether candidate record `x` (after `ci`, of its size) is a later record of `ci`'s cover (those
+            that only re-lay out another hold no other values: not rivals), or one from the same parameters
+            and more anchors: a step after a paired one (the last hidden state of a hand-written LSTM is made
+            from its last cell state)."""
+            if not (free_cand(x) and all((cf.ancestors[x] >> a) & 1 for a in (state.paired_ref.get(k, -1)
+                                                                               for k in cc[0]) if a >= 0)):
+                return None
+            xc = cand_cover(x)
+            if xc == cc and not (is_layout_op(state.cand[x]) and any(
+                    j == ci or (free_cand(j) and cand_cover(j) == cc) for j in cf.inputs[x])):
+                return "later"
+            if xc[1] == cc[1] and cc[0] < xc[0]:
+                return "elsewhere"
+            return None
+
+        def scan(ci=ci, same_size=same_size, rival=rival):
+            for x in same_size[bisect.bisect_right(same_size, ci):]:
+                if windowed and x > ci + DATAFLOW_WINDOW:
+                    break
+                k = rival(x)
+                if k is not None:
+                    yield x, k
+
+        def made_by(o: str, ci=ci) -> list[int]:
+            """The candidate records after `ci` (in the window) of its size made by torch function `o`."""
+            xs = by_op.get((numel, o), ())
+            lo = bisect.bisect_right(xs, ci)
+            return xs[lo:bisect.bisect_right(xs, ci + DATAFLOW_WINDOW)] if windowed else xs[lo:]
+
+        def kind_of(x: int, ci=ci, rival=rival) -> str | None:
+            if x <= ci or (windowed and x > ci + DATAFLOW_WINDOW) or record_numel(state.cand[x]) != numel:
+                return None
+            return rival(x)
+
         if partial and all(cc[1] < ref_cover(ri)[1] for ri in contenders):
             if _reads_elsewhere(cf, ci, frozenset().union(*(ref_cover(ri)[1] - cc[1] for ri in contenders))):
                 # the candidate reads the rest elsewhere: this is a stage inside the reference's (one
@@ -1460,7 +1578,7 @@ def _dataflow_round(state: AlignState, partial: bool) -> int:
             # the reference's at the first stage that reads one of them, whatever it computes after
             ri, by_value = contenders[0], True
         else:
-            ri, by_value = _choose(state, c, contenders, later, elsewhere)
+            ri, by_value = _choose(state, c, contenders, _Rivals(scan(), kind_of, made_by=made_by))
         if ri is None:
             continue
         state.add(ci, ri, "dataflow", confidence if by_value else min(confidence, DATAFLOW_AMBIGUOUS_CONFIDENCE))

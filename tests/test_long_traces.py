@@ -1,8 +1,10 @@
 """Long traces (a recurrence written as a Python loop: thousands of steps of the same few calls) are
 aligned in time linear in their length: the dataflow pass looks for a record's counterpart in a window
 past its anchors (`align.DATAFLOW_WINDOW`), the order pass's longest common subsequence is computed on
-bit rows, and the value pass scores only the free reference records.  What is checked here: the window
-pairs as the whole trace would, the work grows linearly, and the LCS is the one the plain table gives."""
+bit rows, the value pass scores only the free reference records, and a record's rivals (the records after it
+that could be its stage instead) are looked for only as far as a decision needs them.  What is checked here: the
+window pairs as the whole trace would, rivals found lazily pair as rivals found in full, the work grows linearly,
+and the LCS is the one the plain table gives."""
 import random
 
 import pytest
@@ -86,6 +88,39 @@ def test_the_window_pairs_a_long_loop_as_the_whole_trace_does(monkeypatch, cand_
     assert (fd.ref_name if fd else None) == first
     assert windowed.verdict == whole.verdict
     assert _pairs(windowed) == _pairs(whole)
+
+
+@pytest.mark.parametrize("cand_kw", [{}, {"drift_from": 20}, {"bias": False}], ids=["match", "late_drift", "no_bias"])
+@pytest.mark.parametrize("window_from", [0, 10**9], ids=["windowed", "whole"])
+def test_rivals_looked_for_only_where_they_matter_pair_as_all_of_them_do(monkeypatch, cand_kw, window_from):
+    """The records after a candidate record that could be its stage instead (`_Rivals`) are found only as far as a
+    decision needs them; found in full up front (as before), every pair is the same, and the lazy search looks at
+    far fewer records."""
+    monkeypatch.setattr(A, "DATAFLOW_WINDOW_FROM", window_from)
+    monkeypatch.setattr(A, "DATAFLOW_WINDOW", 12)
+    looked = [0]
+    real_more = A._Rivals._more
+
+    def counted(self):
+        looked[0] += 1
+        return real_more(self)
+
+    monkeypatch.setattr(A._Rivals, "_more", counted)
+    lazy = _diff(cand_kw, 40)
+    lazy_looked, looked[0] = looked[0], 0
+    real_init = A._Rivals.__init__
+
+    def eager(self, *args, **kw):
+        real_init(self, *args, **kw)
+        if self._scan is not None:
+            self.lists()
+
+    monkeypatch.setattr(A._Rivals, "__init__", eager)
+    full = _diff(cand_kw, 40)
+    assert _pairs(lazy) == _pairs(full) and lazy.verdict == full.verdict
+    assert (lazy.first_divergence.ref_name if lazy.first_divergence else None) == \
+           (full.first_divergence.ref_name if full.first_divergence else None)
+    assert 3 * lazy_looked <= 2 * looked[0], (lazy_looked, looked[0])
 
 
 def _cover_walks(monkeypatch, steps):
