@@ -1483,7 +1483,7 @@ def _dataflow_round(state: AlignState, partial: bool) -> int:
     # the covers downstream of it
     by_key: dict[tuple, list[int]] = {}
     placed: dict[int, tuple] = {}
-    dirty: set[int] = set()
+    dirty: dict[int, set[int]] = {}  # by element count: records whose cover changed, placed again when asked for
 
     def place(ri: int) -> None:
         key = placed[ri] = (record_numel(state.ref[ri]), ref_cover(ri)[0])
@@ -1513,9 +1513,8 @@ def _dataflow_round(state: AlignState, partial: bool) -> int:
         cc = cand_cover(ci)
         if not (cc[0] or cc[1]):
             continue
-        for ri in sorted(dirty):
+        for ri in sorted(dirty.pop(numel, ())):  # (a lookup asks for records of `c`'s size only)
             place(ri)
-        dirty.clear()
         if windowed:  # (a cover without anchors, from parameters and constants alone, may be anywhere)
             place_to(max(cc[0]) + DATAFLOW_WINDOW if cc[0] else len(state.ref) - 1)
         contenders = [ri for ri in by_key.get((numel, cc[0]), ()) if ri not in paired and matches(cc, ref_cover(ri))]
@@ -1589,7 +1588,7 @@ def _dataflow_round(state: AlignState, partial: bool) -> int:
             key = placed.pop(j, None)
             if key is not None:
                 by_key[key].remove(j)
-                dirty.add(j)
+                dirty.setdefault(key[0], set()).add(j)
         _forget_downstream(memo_c, cf, ci, partner.__contains__)
     return made
 
