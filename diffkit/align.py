@@ -1796,14 +1796,19 @@ def pass_order(state: AlignState) -> None:
 
 @dataclass
 class _Contenders:
-    """The reference records of one element count that have a fingerprint."""
+    """The reference records of one element count that may have a fingerprint (a floating dtype), their
+    fingerprints computed as they are asked for (`rows`): most of a long trace's records are paired by the time
+    the value pass looks, and only the free ones are scored."""
 
     refs: list[int]
-    fingerprints: torch.Tensor | None  # one row per record in `refs`
     positions: torch.Tensor  # each record's index relative to the reference's length (0..1)
     scopes: list[str]
     scope_ids: torch.Tensor  # each record's scope as a number (`scope_id`), to compare them all at once
     ref_ids: torch.Tensor  # `refs` as a tensor
+    fingerprint: Callable[[int], torch.Tensor | None] = field(repr=False, default=lambda ri: None)
+    _rows: torch.Tensor | None = field(default=None, repr=False)  # one row per record, NaN until computed
+    _known: torch.Tensor | None = field(default=None, repr=False)  # rows computed
+    _valid: torch.Tensor | None = field(default=None, repr=False)  # rows computed that have a fingerprint
 
     def scope_id(self, scope: str) -> int:
         """The number standing for `scope` in `scope_ids` (-1: no record of this group has it)."""
@@ -1811,6 +1816,29 @@ class _Contenders:
         if ids is None:
             ids = self.__dict__["_ids"] = {sc: k for k, sc in enumerate(dict.fromkeys(self.scopes))}
         return ids.get(scope, -1)
+
+    def rows(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The positions `idx` (into `refs`) that have a fingerprint, and their fingerprints (computed now where
+        not yet), in the order given."""
+        if self._known is None:
+            self._known = torch.zeros(len(self.refs), dtype=torch.bool)
+            self._valid = torch.zeros(len(self.refs), dtype=torch.bool)
+        for k in idx[~self._known[idx]].tolist():
+            fp = self.fingerprint(self.refs[k])
+            self._known[k] = True
+            if fp is None:
+                continue
+            if self._rows is None:
+                self._rows = torch.full((len(self.refs), fp.numel()), math.nan, dtype=fp.dtype)
+            self._rows[k] = fp
+            self._valid[k] = True
+        idx = idx[self._valid[idx]]
+        return idx, (self._rows[idx] if self._rows is not None else torch.empty(0, 0, dtype=torch.float64))
+
+    def all_rows(self) -> tuple[list[int], torch.Tensor]:
+        """Every record that has a fingerprint, and the fingerprints (one row each)."""
+        idx, fps = self.rows(torch.arange(len(self.refs)))
+        return [self.refs[k] for k in idx.tolist()], fps
 
 
 @dataclass
@@ -1822,16 +1850,22 @@ class _ValueMatch:
 
 
 def _contenders(state: AlignState, refs: list[int], fingerprints: dict[int, torch.Tensor | None]) -> _Contenders:
-    for ri in refs:
+    """The group of reference records `refs` (those of a floating dtype), their fingerprints kept in
+    `fingerprints` (by record index) as they are computed."""
+
+    def fingerprint(ri: int) -> torch.Tensor | None:
         if ri not in fingerprints:
             fingerprints[ri] = _fingerprint(state.ref[ri], v=state.ref_value(state.ref[ri]))
-    have = [ri for ri in refs if fingerprints[ri] is not None]
+        return fingerprints[ri]
+
+    have = [ri for ri in refs if state.ref[ri].dtype.is_floating_point and record_numel(state.ref[ri]) > 0
+            and fingerprints.get(ri, True) is not None]
     scopes = [state.ref[ri].scope for ri in have]
     ids = {sc: k for k, sc in enumerate(dict.fromkeys(scopes))}
-    return _Contenders(refs=have, fingerprints=torch.stack([fingerprints[ri] for ri in have]) if have else None,
-                       positions=torch.tensor([ri / max(len(state.ref), 1) for ri in have], dtype=torch.float64),
+    return _Contenders(refs=have, positions=torch.tensor([ri / max(len(state.ref), 1) for ri in have],
+                                                         dtype=torch.float64),
                        scopes=scopes, scope_ids=torch.tensor([ids[sc] for sc in scopes], dtype=torch.long),
-                       ref_ids=torch.tensor(have, dtype=torch.long))
+                       ref_ids=torch.tensor(have, dtype=torch.long), fingerprint=fingerprint)
 
 
 def _numel_group(state: AlignState, numel: int) -> _Contenders:
@@ -1848,12 +1882,13 @@ def _closest_by_value(state: AlignState, c: Record, c_value: torch.Tensor, fc: t
     """The free contender (one `allowed`) whose values are closest to `c`'s within VALUE_MATCH_REL_ERR
     (priors break near-ties), screening by fingerprint before comparing the few best in full."""
     free = (~state.ref_taken()[group.ref_ids]).nonzero().squeeze(1)  # (scored alone: most may be paired)
+    free, fps = group.rows(free)
     if free.numel() == 0:
         return None
     scale = float(fc.abs().max()) or 1.0
     prior = (VALUE_PRIOR_OTHER_SCOPE * (group.scope_ids[free] != group.scope_id(c.scope)).to(torch.float64)
              + VALUE_PRIOR_POSITION * (group.positions[free] - c.index / max(len(state.cand), 1)).abs())
-    score = (group.fingerprints[free] - fc).abs().max(dim=1).values / scale + prior
+    score = (fps - fc).abs().max(dim=1).values / scale + prior
     # the VALUE_CONTENDERS of lowest score among the free ones `allowed` (asked lazily, best first)
     picked = []
     for k in torch.argsort(score, stable=True).tolist():
@@ -2035,12 +2070,12 @@ def _holds_another(state: AlignState, ci: int, ri: int) -> _ValueMatch | None:
     fc = _fingerprint(c, v=w) if w is not None else None
     if fc is None:
         return None
-    group = _numel_group(state, record_numel(c))
-    if not group.refs or group.refs == [ri]:
+    refs, fps = _numel_group(state, record_numel(c)).all_rows()
+    if not refs or refs == [ri]:
         return None
     scale = float(fc.abs().max()) or 1.0
-    order = torch.argsort((group.fingerprints - fc).abs().max(dim=1).values / scale, stable=True).tolist()
-    for other in [group.refs[k] for k in order if group.refs[k] != ri][:VALUE_CONTENDERS]:
+    order = torch.argsort((fps - fc).abs().max(dim=1).values / scale, stable=True).tolist()
+    for other in [refs[k] for k in order if refs[k] != ri][:VALUE_CONTENDERS]:
         layout = best_layout(w, state.ref_value(state.ref[other]).to(w.device))
         if layout.rel_err <= ANOTHER_ROLE_REL_ERR:
             return _ValueMatch(ref=other, transform=layout.transform, rel_err=layout.rel_err, score=layout.rel_err)
