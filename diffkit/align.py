@@ -1877,6 +1877,39 @@ def _numel_group(state: AlignState, numel: int) -> _Contenders:
     return groups[numel]
 
 
+# `_beyond` screens values of at most this many elements (larger ones are measured one by one: their passes
+# cost more than the Python around them)
+BEYOND_MAX_NUMEL = 1 << 16
+
+
+def _beyond(c: torch.Tensor, values: list[torch.Tensor | None], limit: float) -> list[bool]:
+    """For each of `values` (each as many elements as `c`), whether `best_layout` of `c` against it must come out
+    above relative error `limit`, found at once for them all: of the same shape, its plain error (the only one
+    `best_layout` takes); of another, the error of both sides sorted, below which no reordering of the
+    elements goes.  Computed in float64, with a margin for the float32 norms of `_rel_err`; False wherever
+    that cannot be said (a NaN or an infinity, a zero reference, a value not at hand or too large)."""
+    out = [False] * len(values)
+    if c.numel() > BEYOND_MAX_NUMEL or not c.is_floating_point() or c.layout != torch.strided:
+        return out
+    flat = c.detach().reshape(-1).to(torch.float64)
+    if not bool(torch.isfinite(flat).all()):
+        return out
+    ok = [j for j, v in enumerate(values) if v is not None and v.is_floating_point() and v.layout == torch.strided
+          and v.device == c.device and v.numel() == c.numel()]
+    for same in (True, False):
+        js = [j for j in ok if (tuple(values[j].shape) == tuple(c.shape)) == same]
+        if not js:
+            continue
+        refs = torch.stack([values[j].detach().reshape(-1).to(torch.float64) for j in js])
+        mine = flat.expand_as(refs)
+        if not same:
+            refs, mine = torch.sort(refs, dim=1).values, torch.sort(flat).values.expand_as(refs)
+        err = (mine - refs).norm(dim=1) / refs.norm(dim=1)
+        for j, e, fin in zip(js, err.tolist(), torch.isfinite(refs).all(dim=1).tolist()):
+            out[j] = fin and math.isfinite(e) and e > limit * (1 + 1e-4)
+    return out
+
+
 def _closest_by_value(state: AlignState, c: Record, c_value: torch.Tensor, fc: torch.Tensor,
                       group: _Contenders, allowed: Callable[[int], bool] = lambda ri: True) -> _ValueMatch | None:
     """The free contender (one `allowed`) whose values are closest to `c`'s within VALUE_MATCH_REL_ERR
@@ -1898,8 +1931,14 @@ def _closest_by_value(state: AlignState, c: Record, c_value: torch.Tensor, fc: t
                 break
     top, priors = [k for k, _ in picked], [p for _, p in picked]
     best: _ValueMatch | None = None
-    for k, p in zip(top, priors):
+    beyond: list[bool] = []
+    for n, (k, p) in enumerate(zip(top, priors)):
         ri = group.refs[k]
+        if n == 1:  # the closest fingerprint did not hold `c`'s values: the rest screened at once
+            beyond = _beyond(c_value, [state.ref_value(state.ref[group.refs[j]]) for j in top[1:]],
+                             VALUE_MATCH_REL_ERR)
+        if n and beyond[n - 1]:
+            continue  # further from `c`'s values than any layout could bring within VALUE_MATCH_REL_ERR
         layout = best_layout(c_value, state.ref_value(state.ref[ri]))
         err = layout.rel_err
         if err <= VALUE_MATCH_REL_ERR and (best is None or err + p < best.score):

@@ -227,3 +227,35 @@ def test_the_value_search_takes_its_contenders_among_the_allowed_ones():
     state.add(0, len(ref) - 1, "value", 0.5)  # paired now: no longer a contender
     assert A._closest_by_value(state, cand[0], cand[0].value, A._fingerprint(cand[0], v=cand[0].value), group,
                                allowed=lambda ri: ri == len(ref) - 1) is None
+
+
+def test_values_screened_as_beyond_reach_are_beyond_every_layout():
+    """`_beyond` (the value pass's screen of its few closest contenders) says a contender cannot match only where
+    `best_layout` in full agrees: same shapes, other shapes holding the values permuted or reordered, zeros,
+    NaNs and infinities (never screened), at the edge of the limit."""
+    g = torch.Generator().manual_seed(7)
+    c = torch.randn(6, 8, generator=g)
+    cases = [c + 0.1 * torch.randn(6, 8, generator=g),  # close: kept
+             torch.randn(6, 8, generator=g),  # unrelated: beyond
+             c.t().contiguous() * 1.05,  # the values transposed: a permutation brings them close
+             c.flatten()[torch.randperm(48, generator=g)].reshape(8, 6),  # reordered: no axis permutation, still
+             torch.zeros(6, 8),  # a zero reference: never screened
+             torch.where(torch.arange(48).reshape(6, 8) == 5, float("nan"), torch.randn(6, 8, generator=g)),
+             c * 2.0,  # relative error (to the reference) 0.5: at the limit
+             c * 2.1,  # just past it
+             None]
+    got = A._beyond(c, cases, A.VALUE_MATCH_REL_ERR)
+    for v, beyond in zip(cases, got):
+        if v is None:
+            assert not beyond
+            continue
+        err = A.best_layout(c, v).rel_err
+        if beyond:
+            assert err > A.VALUE_MATCH_REL_ERR, err
+    assert got[1] and got[7] and not got[0] and not got[2] and not got[4] and not got[5] and not got[6]
+    for _ in range(200):  # random pairs near the limit, same and other shapes
+        v = c * (1.6 + 0.8 * torch.rand(1, generator=g)) + 0.2 * torch.randn(6, 8, generator=g)
+        if torch.rand(1, generator=g) < 0.5:
+            v = v.t().contiguous()
+        (beyond,) = A._beyond(c, [v], A.VALUE_MATCH_REL_ERR)
+        assert not beyond or A.best_layout(c, v).rel_err > A.VALUE_MATCH_REL_ERR
