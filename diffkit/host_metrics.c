@@ -19,7 +19,10 @@
  * holding a NaN or an infinity is done element by element by the rules above.  A pair of two float32 sides
  * runs its blocks in sixteen float32 lanes instead (block32: float32 arithmetic, as the GPU kernel's, each lane
  * summing eight terms before a block's sums go into float64; 1.5x the bytes a second of the float64 lanes), and
- * a block whose sums leave float32's range, or whose values are so small their squares may, in float64 lanes.
+ * a block whose sums leave float32's range, whose ratio |c| / |r| does, or whose values are so small their squares
+ * may, in float64 lanes.  Maxima and their indices stay those of the float64 rules: a block whose float32 maximum
+ * could hide a new float64 one (a tie after rounding, an excess within its rounding margin) is searched again in
+ * float64 lanes (block_arg32).
  */
 #include <float.h>
 #include <math.h>
@@ -213,12 +216,41 @@ typedef struct {
     float best32_abs, best32_ex; /* the largest float32 block maxima seen (block32's test for a new maximum) */
 } run_t;
 
+/* block_arg of a finite float32 block, eight float64 lanes at a time: each lane keeps its first maximum and
+ * where it is, and the first index among the lanes holding the largest is the block's. */
+static void block_arg32(const float *r, const float *c, int64_t lo, double atol, double rtol, int which,
+                        double *best, int64_t *where) {
+    const v8d zero = {0}, vatol = zero + atol, vrtol = zero + rtol;
+    v8d m = zero - INFINITY;
+    v8l at = {0}, j = {0, 1, 2, 3, 4, 5, 6, 7};
+    for (int64_t i = lo; i < lo + BLOCK; i += LANES, j += LANES) {
+        v8f a32, b32;
+        memcpy(&a32, r + i, sizeof a32);
+        memcpy(&b32, c + i, sizeof b32);
+        v8d a = __builtin_convertvector(a32, v8d), b = __builtin_convertvector(b32, v8d);
+        v8d v = vabs(b - a);
+        if (which) v = v - (vatol + vrtol * vabs(a));
+        v8l more = (v8l)(v > m);
+        m = sel(more, v, m);
+        at = (more & j) | (~more & at);
+    }
+    double top = hmax(m);
+    int64_t first = lo + BLOCK;
+    for (int k = 0; k < LANES; k++)
+        if (m[k] == top && at[k] < first) first = at[k];
+    *best = top;
+    *where = lo + first;
+}
+
 /* A new maximum of |c - r| or of the excess may lie in [i, i + BLOCK): its first index, by the float64 rules. */
 static inline void block_max(const void *r, int rd, const void *c, int cd, int64_t i, double atol, double rtol,
                              int which, double *o) {
     double best;
     int64_t where;
-    block_arg(r, rd, c, cd, i, i + BLOCK, atol, rtol, which, &best, &where);
+    if (!rd && !cd)
+        block_arg32((const float *)r, (const float *)c, i, atol, rtol, which, &best, &where);
+    else
+        block_arg(r, rd, c, cd, i, i + BLOCK, atol, rtol, which, &best, &where);
     if (which) best = excess_of(best, 0.0);
     const int slot = which ? MAX_EXCESS : MAX_ABS;
     if (best > o[slot]) {
@@ -294,7 +326,7 @@ static inline v8d widen_sum(v16f x) {
 }
 
 typedef struct {
-    v16f m_abs, m_ex, m_rel, s_abs, s_dsq, s_rsq, s_csq, s_dot;
+    v16f m_abs, m_ex, m_rel, m_ra, s_abs, s_dsq, s_rsq, s_csq, s_dot;
     v16i bad, bits;
 } lanes32_t;
 
@@ -312,7 +344,8 @@ static inline int block32(const float *r, const float *c, int64_t i, double atol
     const v16f zero = {0}, vat = zero + at32, vrt = zero + rt32;
     lanes32_t acc[UNROLL32];
     for (int u = 0; u < UNROLL32; u++) {
-        acc[u].m_abs = acc[u].m_rel = acc[u].s_abs = acc[u].s_dsq = acc[u].s_rsq = acc[u].s_csq = acc[u].s_dot = zero;
+        acc[u].m_abs = acc[u].m_rel = acc[u].m_ra = acc[u].s_abs = acc[u].s_dsq = acc[u].s_rsq = acc[u].s_csq =
+            acc[u].s_dot = zero;
         acc[u].m_ex = zero - INFINITY;
         acc[u].bad = acc[u].bits = (v16i){0};
     }
@@ -334,6 +367,7 @@ static inline int block32(const float *r, const float *c, int64_t i, double atol
             v16f rel = sel32((v16i)(ra > zero), d / ra, zero);
             x->m_rel = sel32((v16i)(rel > x->m_rel), rel, x->m_rel);
             x->m_abs = sel32((v16i)(d > x->m_abs), d, x->m_abs);
+            x->m_ra = sel32((v16i)(ra > x->m_ra), ra, x->m_ra);
             v16f e = d - allowed;
             x->m_ex = sel32((v16i)(e > x->m_ex), e, x->m_ex);
         }
@@ -349,12 +383,15 @@ static inline int block32(const float *r, const float *c, int64_t i, double atol
         x->s_dot += y->s_dot;
         x->m_rel = sel32((v16i)(y->m_rel > x->m_rel), y->m_rel, x->m_rel);
         x->m_abs = sel32((v16i)(y->m_abs > x->m_abs), y->m_abs, x->m_abs);
+        x->m_ra = sel32((v16i)(y->m_ra > x->m_ra), y->m_ra, x->m_ra);
         x->m_ex = sel32((v16i)(y->m_ex > x->m_ex), y->m_ex, x->m_ex);
     }
     v8d s_abs = widen_sum(x->s_abs), s_dsq = widen_sum(x->s_dsq), s_rsq = widen_sum(x->s_rsq),
         s_csq = widen_sum(x->s_csq), s_dot = widen_sum(x->s_dot);
     double rsq = hsum(s_rsq), csq = hsum(s_csq), dsq = hsum(s_dsq);
-    if (!isfinite(rsq) || !isfinite(csq) || !isfinite(dsq)) return 0;
+    double rel = (double)hmax32(x->m_rel);
+    /* (a ratio past float32's range: |c| / |r| with r tiny, or denormal) */
+    if (!isfinite(rsq) || !isfinite(csq) || !isfinite(dsq) || !isfinite(rel)) return 0;
     int nonzero = 0;
     for (int k = 0; k < LANES32; k++) nonzero |= x->bits[k] & 0x7fffffff;
     if (nonzero && (rsq < TINY32 || csq < TINY32 || (dsq < TINY32 && hsum(s_abs) > 0.0))) return 0;
@@ -366,15 +403,22 @@ static inline int block32(const float *r, const float *c, int64_t i, double atol
     v8l nbad = {0};
     for (int k = 0; k < LANES32; k++) nbad[k % LANES] += x->bad[k];
     run->bad += nbad;
-    double rel = (double)hmax32(x->m_rel);
     if (rel > o[MAX_REL]) o[MAX_REL] = rel;
+    /* A block may hold a new maximum.  |c - r| of two float32 values is exact in float64 and rounds to float32
+     * monotonically, so a block whose float64 maximum beats the largest so far has a float32 maximum at least
+     * the largest float32 maximum so far: a tie is searched too (not a tie at zero: a nonzero difference of two
+     * float32 values is never rounded to zero).  The excess (|c - r| less the tolerance) in float32 may be off
+     * by a few roundings of |c - r| + atol + rtol |r|: a block within that margin of the largest excess so far
+     * is searched when the excess can be positive (the worst element of a pair with mismatches is the one of
+     * largest excess; below zero the float32 order serves). */
     float m_abs = hmax32(x->m_abs), m_ex = hmax32(x->m_ex);
-    if (m_abs > run->best32_abs || o[MAX_ABS] < 0.0) {
-        run->best32_abs = m_abs;
+    if (m_abs > run->best32_abs || (m_abs == run->best32_abs && m_abs > 0.0f) || o[MAX_ABS] < 0.0) {
+        if (m_abs > run->best32_abs) run->best32_abs = m_abs;
         block_max(r, 0, c, 0, i, atol, rtol, 0, o);
     }
-    if (m_ex > run->best32_ex) {
-        run->best32_ex = m_ex;
+    double margin = 0x1p-20 * ((double)m_abs + atol + fabs(rtol) * (double)hmax32(x->m_ra));
+    if (m_ex > run->best32_ex || ((double)m_ex + margin > o[MAX_EXCESS] && (double)m_ex + margin > 0.0)) {
+        if (m_ex > run->best32_ex) run->best32_ex = m_ex;
         block_max(r, 0, c, 0, i, atol, rtol, 1, o);
     }
     return 1;

@@ -273,6 +273,36 @@ def test_float32_blocks_of_tiny_values_keep_their_sums(host_engine):
     _assert_agrees_with_exact(big * 1e13, big * 1e13 * (1 + 1e-5), 1e-4, 1e-4)
 
 
+def test_float32_blocks_find_the_float64_maximum_where_float32_rounding_ties_or_reorders():
+    """A float32 pair's blocks run in float32 lanes in the native kernel, but the largest |c - r| and the worst
+    element are those of the float64 rules: |c - r| of 0.99999999 and of 1.00000001 in two blocks both round to
+    1.0 in float32, and the second is the larger; excesses past the tolerance that float32 puts in another order;
+    a ratio |c| / |r| past float32's range.  (The torch passes, without a C compiler, take |c - r| in float32 and
+    may name the first of two such elements.)"""
+    if not host_kernel.available():
+        pytest.skip(f"no native kernel here: {host_kernel.why()}")
+    r = torch.randn(1200, generator=torch.Generator().manual_seed(0)) * 1e-8
+    r[100], r[700] = 1e-8, -1e-8
+    c = r.clone()
+    c[100] += 1.0
+    c[700] += 1.0
+    for atol in (1e-5, 10.0):  # mismatches (the worst element: largest excess) and none (largest |c - r|)
+        st = M.measure(r, c, atol, 1e-5)  # (its cosine, ~2e-7, is float32 cancellation on every path)
+        want = _exact(r, c, atol, 1e-5)[0]
+        assert st.worst.index == want.worst.index == (700,) and st.mismatches == want.mismatches
+        assert st.max_abs == want.max_abs == pytest.approx(1.00000001, rel=1e-12)
+    g = torch.Generator().manual_seed(1)
+    r = torch.rand(4096, generator=g) + 0.5  # errors just past the bound, in every block
+    bound = 1e-5 + 1e-5 * r.double()
+    c = (r.double() + bound * (1 + 1e-3 * torch.rand(4096, generator=g, dtype=torch.float64))).float()
+    _assert_agrees_with_exact(r, c, 1e-5, 1e-5)
+    r, c = torch.ones(512), torch.ones(512)
+    r[3], c[3] = 1e-20, 1e19
+    assert M.measure(r, c, 1e-5, 1e-5).max_rel == pytest.approx(1e39, rel=1e-6)
+    r[3], c[3] = 1e-40, 1.0  # a denormal reference
+    assert math.isfinite(M.measure(r, c, 1e-5, 1e-5).max_rel)
+
+
 def test_relative_error_of_tiny_values_is_not_lost(host_engine):
     """float64 values near 1e-200 (products of two of them underflow): the largest |c - r| / |r| is still found."""
     r = torch.full((2048,), 1e-200, dtype=torch.float64)
