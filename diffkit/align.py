@@ -1428,9 +1428,15 @@ def cover_of(flow: Dataflow, i: int, anchor: Callable[[int], int | None], memo: 
             stack.extend(todo)
             continue
         stack.pop()
+        ins = flow.inputs[j]
+        if len(ins) == 1 and anchor(ins[0]) is None:
+            up = memo[ins[0]]
+            if flow.params[j] <= up[1]:  # one input, nothing read of its own: its cover, the same objects
+                memo[j] = up
+                continue
         anchors: set = set()
         params = flow.params[j]
-        for k in flow.inputs[j]:
+        for k in ins:
             a = anchor(k)
             if a is not None:
                 anchors.add(a)
