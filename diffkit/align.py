@@ -1058,15 +1058,16 @@ class _Rivals:
     found as far as they are asked for (a lone contender whose values `c` holds needs none of them): `later`,
     those of `c`'s own cover; `elsewhere`, those from the same parameters below more anchors (a step after a
     paired one).  `scan` yields them in order as (index, "later" | "elsewhere"); `kind(x)` says which one `x`
-    is (None: neither) without scanning; `only(keep)` is the same rivals with `later` kept to those `keep`
-    holds."""
+    is (None: neither) without scanning; `made_by(op)` lists the records after `c` a torch function made;
+    `only(keep)` is the same rivals with `later` kept to those `keep` holds."""
 
     def __init__(self, scan: Iterable[tuple[int, str]] | None = None, kind: Callable[[int], str | None] | None = None,
-                 later: Sequence[int] = (), elsewhere: Sequence[int] = (), parent: "_Rivals | None" = None,
-                 keep: Callable[[int], bool] | None = None, made_by: Callable[[str], Iterable[int]] | None = None):
+                 made_by: Callable[[str], Iterable[int]] | None = None, parent: "_Rivals | None" = None,
+                 keep: Callable[[int], bool] | None = None):
         self._scan = iter(scan) if scan is not None else None
-        self._kind, self._parent, self._keep, self._made_by = kind, parent, keep, made_by
-        self._later, self._elsewhere = list(later), list(elsewhere)
+        self._kind, self._made_by, self._parent, self._keep = kind, made_by, parent, keep
+        self._later: list[int] = []
+        self._elsewhere: list[int] = []
 
     def _more(self) -> bool:
         """One more rival found; False once the scan is over."""
@@ -1937,15 +1938,16 @@ def _closest_by_value(state: AlignState, c: Record, c_value: torch.Tensor, fc: t
                 break
     top, priors = [k for k, _ in picked], [p for _, p in picked]
     best: _ValueMatch | None = None
+    values: list[torch.Tensor | None] = []  # (fetched once: a streaming diff's reference values may be stored)
     beyond: list[bool] = []
     for n, (k, p) in enumerate(zip(top, priors)):
         ri = group.refs[k]
         if n == 1:  # the closest fingerprint did not hold `c`'s values: the rest screened at once
-            beyond = _beyond(c_value, [state.ref_value(state.ref[group.refs[j]]) for j in top[1:]],
-                             VALUE_MATCH_REL_ERR)
+            values = [state.ref_value(state.ref[group.refs[j]]) for j in top[1:]]
+            beyond = _beyond(c_value, values, VALUE_MATCH_REL_ERR)
         if n and beyond[n - 1]:
             continue  # further from `c`'s values than any layout could bring within VALUE_MATCH_REL_ERR
-        layout = best_layout(c_value, state.ref_value(state.ref[ri]))
+        layout = best_layout(c_value, values[n - 1] if n else state.ref_value(state.ref[ri]))
         err = layout.rel_err
         if err <= VALUE_MATCH_REL_ERR and (best is None or err + p < best.score):
             best = _ValueMatch(ref=ri, transform=layout.transform, rel_err=err, score=err + p)

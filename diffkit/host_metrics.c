@@ -337,8 +337,8 @@ typedef struct {
 /* A block of a float32 pair with every element finite: 1 when done, 0 when it is to be done in float64 lanes (a
  * NaN or an infinity, a square past float32's range, or values so small their squares leave it).  Per element,
  * as lanes_step32 (torch.isclose's rule in float32) with the other statistics in float32 too; each lane sums
- * BLOCK / (LANES32 * UNROLL32) terms in float32 before the block's sums go into float64.  A block may hold a new
- * maximum when its float32 maximum exceeds every earlier block's: it is then searched by the float64 rules. */
+ * BLOCK / (LANES32 * UNROLL32) terms in float32 before the block's sums go into float64.  Where its float32 maxima
+ * say it may hold a new float64 maximum (see the end), it is searched by the float64 rules. */
 static inline int block32(const float *r, const float *c, int64_t i, double atol, double rtol, float at32, float rt32,
                           run_t *run, double *o) {
     const v16f zero = {0}, vat = zero + at32, vrt = zero + rt32;
