@@ -1,6 +1,6 @@
 """Command line: ``diffkit diff REF CAND`` and ``diffkit capture MODEL.py``.
 
-This module parses arguments into `Options`, isolates each side in a child process, and writes
+This module parses arguments into `Options`, runs the diff in child processes (see _isolated), and writes
 what the pipeline returns; the diff itself is pipeline.run.
 Exit codes: 0 match, 1 diverged, 2 a problem in the user's files or flags (a file that does not
 load or build, a crash, a bad flag), 3 an internal error of diffkit (its traceback is printed).
@@ -28,6 +28,17 @@ AFTER_ENV = "DIFFKIT_AFTER"  # the file an isolated diff's candidate child waits
 HANDOVER_ENV = "DIFFKIT_HANDOVER"  # set for an isolated diff's reference child: on a GPU, keep the values and hand
 # them over (diffkit.handoff); it then writes HELD and stays alive until released
 HELD = "ref-held"
+# set for an isolated diff's one child that runs both sides (see _isolated): the folder for its "done" marker.
+# It answers only when its diff ran clean; anything else is left to the two-process diff that follows
+BOTH_ENV = "DIFFKIT_BOTH_SIDES"
+EARLIER_ENV = "DIFFKIT_EARLIER"  # that child's failure (a JSON file), for the candidate child that runs after it
+BOTH_TTY_ENV = "DIFFKIT_BOTH_TTY"  # "1": the diff's own standard output is a terminal (the child's is a file)
+# the phases of an error that comes before either model's forward has run (diffkit.errors): that child answers it
+BEFORE_ANY_FORWARD = ("read", "parse", "import", "build", "init", "inputs")
+AGAIN_CODE = 4  # how that child says "not clean: run the diff again, a child per side" (never a diff's exit code)
+# where a CLI diff ran its models (the JSON's meta.processes)
+PROCESSES = {"both": "one child process, both sides", "per side": "a child process per side",
+             "none": "diffkit's own process"}
 ANSWER_POLL_S = 0.01  # how often an isolated diff looks for a child's marker (its answer, its complete capture)
 RELEASE_WAIT_S = 30.0  # how long a released reference process gets to exit before it is stopped
 CAUGHT_UP = "was stopped once it had got as far as the first"
@@ -154,8 +165,8 @@ def main() -> None:
 @click.option("--markdown", "md_path", type=click.Path(dir_okay=False), default=None, help="write summary.md here")
 @click.option("--junit", "junit_path", type=click.Path(dir_okay=False), default=None, help="write junit.xml here")
 @click.option("--no-isolate", is_flag=True,
-              help="run in this process (default: a child process per side, so a crashing kernel cannot take the "
-                   "answer with it)")
+              help="run in this process (default: in child processes, so a crashing kernel cannot take the answer with "
+                   "it: one child for the whole diff, then a child per side if it fails)")
 @click.option("--timeout", type=click.FloatRange(min=0), default=DEFAULT_TIMEOUT, show_default=True,
               help="stop a side that runs longer than this (seconds; 0: never; with --no-isolate, the whole diff)")
 @click.option("--max-memory", "max_memory", default=None, metavar="SIZE",
@@ -224,7 +235,14 @@ def _diff(ref_path, cand_path, atol, rtol, seed, device, json_path, csv_path, st
     insured = os.environ.get(INSURED_ENV) if ref_capture else None
     if insured == "0":
         options = options.replace(insured=False)
-    out = _Outputs(json_path, csv_path, report_dir, no_report, html_path, md_path, junit_path, sys.stdout.isatty(),
+    # an isolated diff's one child running both sides (see _isolated): it answers only for a clean diff
+    both = os.environ.get(BOTH_ENV) if no_isolate and not (side_only or ref_capture or stream_dir) else None
+    tty = bool(os.environ.get(BOTH_TTY_ENV)) if both else sys.stdout.isatty()
+    if both:  # a crash prints its Python stack into the log: which model's file it was in (see _what_failed)
+        import faulthandler
+
+        faulthandler.enable(file=sys.stderr)
+    out = _Outputs(json_path, csv_path, report_dir, no_report, html_path, md_path, junit_path, tty,
                    full, silent=insured == "again")
     after = os.environ.get(AFTER_ENV) if ref_capture else None
     if after:  # started beside the reference's process: run the candidate's file now, then wait for its capture
@@ -265,7 +283,7 @@ def _diff(ref_path, cand_path, atol, rtol, seed, device, json_path, csv_path, st
         sys.exit(_isolated(argv, ref_path, cand_path, options, timeout, out, sanitize))
     # in this process (--no-isolate, a captured candidate): --timeout bounds the whole diff here (a child of an
     # isolated diff is timed by its parent)
-    with _deadline(0 if stream_dir else timeout, ref_path, cand_path, options, out):
+    with _deadline(0 if stream_dir or both else timeout, ref_path, cand_path, options, out):
         if side_only == "ref":  # an isolated diff's reference process: capture, then leave the rest to the other
             from .handoff import Holder
 
@@ -296,10 +314,20 @@ def _diff(ref_path, cand_path, atol, rtol, seed, device, json_path, csv_path, st
             result = diff_files(ref_capture or ref_path, cand_path, options=options, evidence=_sanitizer_evidence())
             result.ref_path = ref_path
         except DiffkitError as e:
+            if both and e.phase not in BEFORE_ANY_FORWARD:  # (a file that does not load is answered as it is)
+                _again(both, ErrorInfo(e.side, e.phase, e.message, e.where, e.detail))
             out.write(error_result(e, ref_path, cand_path, options), error=e)
-            _done(stream_dir, 2)
+            _done(both or stream_dir, 2)
             sys.exit(2)
         except Exception as e:
+            if both:  # the diff runs again, a child per side
+                import traceback
+
+                text = traceback.format_exc()
+                sys.stderr.write(text)
+                first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+                _again(both, ErrorInfo("candidate", "forward", f"{type(e).__name__}: {first}", "", text[-6000:])
+                       if _is_users_fault(e) else None)
             if not _is_users_fault(e):
                 _internal_exit(e, stream_dir)
             if stream_dir:  # a CUDA error that poisoned the context after the forward: the parent diffs the captures
@@ -308,13 +336,88 @@ def _diff(ref_path, cand_path, atol, rtol, seed, device, json_path, csv_path, st
             err = DiffkitError("candidate", "forward", f"{type(e).__name__}: {first}")
             out.write(error_result(err, ref_path, cand_path, options), error=err)
             sys.exit(2)
+        if both and (result.error is not None or result.verdict not in ("match", "diverged")):
+            _again(both, result.error)  # a side failed: a child per side says which, and diffs what it captured
+        if ref_capture and stream_dir and os.environ.get(EARLIER_ENV) and result.error is None:
+            _failed_before(result, os.environ[EARLIER_ENV])
+        result.meta["processes"] = PROCESSES["both" if both else "per side" if ref_capture and stream_dir else "none"]
         try:
             written = out.write(result)
         except Exception as e:  # writing diffkit's own answer failed: never the candidate's fault
             _internal_exit(e, stream_dir)
         code = EXIT[result.verdict] if written else 2
-        _done(stream_dir, code)
+        _done(both or stream_dir, code)
         sys.exit(code)
+
+
+def _again(both: str, error: ErrorInfo | None) -> None:
+    """An isolated diff's one child running both sides (see _isolated) whose diff did not run clean: what failed
+    noted for its parent (`error`; None: diffkit's own fault, or nothing to say), no answer written, and the exit
+    code that asks for the diff again with a child per side."""
+    if error is not None:
+        import json
+
+        with open(os.path.join(both, "failed"), "w", encoding="utf-8") as fh:
+            json.dump(error.to_dict(), fh)
+    sys.stdout.flush()
+    sys.exit(AGAIN_CODE)
+
+
+def _what_failed(both: str, code: int, why: str | None, err_text: str, ref_path: str, cand_path: str) -> dict | None:
+    """What the one child running both sides hit, for the diff that runs again with a child per side to report
+    if it does not hit it (an ErrorInfo's fields); None when there is nothing a clean second diff should be
+    told: the child's time ran out (that limit was the whole diff's, the sides' own come next), or diffkit
+    itself failed (exit 3, its traceback in the log)."""
+    import json
+
+    if code == AGAIN_CODE:
+        try:
+            with open(os.path.join(both, "failed"), encoding="utf-8") as fh:
+                return json.load(fh)
+        except (OSError, ValueError):
+            return None
+    if code == INTERNAL or (why and why.startswith(HUNG)):
+        return None
+    try:
+        crumb = open(os.path.join(both, "breadcrumb"), encoding="utf-8").read().strip()
+    except OSError:
+        crumb = ""
+    # the kernel call it died in names the side whose file made it; else the innermost line of either model's
+    # file in the stack faulthandler printed (most recent call first)
+    side = ""
+    files = {os.path.realpath(path): name for name, path in (("candidate", cand_path), ("reference", ref_path))}
+    for path, name in files.items():
+        if crumb and path in crumb:
+            side = name
+            break
+    for m in ([] if side else re.finditer(r'File "([^"]+)", line (\d+) in (\S+)', err_text)):
+        name = files.get(os.path.realpath(m.group(1)))
+        if name:
+            side, crumb = name, f"{os.path.basename(m.group(1))}:{m.group(2)} in {m.group(3)}"
+            break
+    who = f"the {side}" if side else "one of the models"
+    how = why or f"exited with status {code}"
+    return {"side": side, "phase": "forward", "stage": crumb,
+            "message": f"the process running both models {how} ({who})", "traceback": err_text[-6000:]}
+
+
+def _failed_before(result: Result, path: str) -> None:
+    """The diff with a child per side ran clean after the one child running both sides failed (see _isolated):
+    the failure happened all the same, so the answer is an error naming it, with every stage of this diff."""
+    import json
+
+    from .pipeline import judge
+
+    try:
+        with open(path, encoding="utf-8") as fh:
+            first = ErrorInfo.from_dict(json.load(fh))
+    except (OSError, ValueError):
+        return
+    first.message = (f"{first.message}; the diff was run again, a child process per side, and it did not fail: "
+                     f"the failure does not repeat (a race, an uninitialised read, or the two models in one "
+                     f"process, as KernelBench runs them?)")
+    result.error = first
+    result.verdict = judge(result)
 
 
 def _internal_exit(e: BaseException, stream_dir: str | None) -> None:
@@ -639,7 +742,7 @@ class _Forked:
     no imports), running `diffkit ARGS` in its own session with `env` and its stderr to `err`.  The
     subset of subprocess.Popen the isolation uses: pid, wait(timeout), poll()."""
 
-    def __init__(self, args: list[str], env: dict, err, quiet: bool = False):
+    def __init__(self, args: list[str], env: dict, err, quiet: bool = False, out=None):
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
@@ -653,10 +756,10 @@ class _Forked:
                 except OSError:  # the parent made it a group leader first: its own group all the same
                     pass
                 os.dup2(err.fileno(), 2)
-                if quiet:  # its standard output goes nowhere
-                    devnull = os.open(os.devnull, os.O_WRONLY)
-                    os.dup2(devnull, 1)
-                    os.close(devnull)
+                if quiet or out is not None:  # its standard output goes nowhere, or into `out`
+                    fd = os.open(os.devnull, os.O_WRONLY) if out is None else os.dup(out.fileno())
+                    os.dup2(fd, 1)
+                    os.close(fd)
                 for sig in (signal.SIGTERM, signal.SIGINT):
                     signal.signal(sig, signal.SIG_DFL)
                 os.environ.clear()
@@ -869,6 +972,7 @@ def _let_go(holder, capture_dir: str, dump: bool, limit: float | None) -> None:
 def _isolated(argv, ref_path, cand_path, options: Options, timeout, out: _Outputs, sanitize=None) -> int:
     """Run each side in its own child process (the reference captured to a file, then the candidate
     diffed against that capture); if a child crashes or hangs, diff what was captured before it."""
+    import json
     import signal
     import subprocess
     import tempfile
@@ -917,18 +1021,20 @@ def _isolated(argv, ref_path, cand_path, options: Options, timeout, out: _Output
         if fork:
             _preload()  # imported once here, not once in each child
 
-        def launch(cmd, cenv, log):
+        def launch(cmd, cenv, log, out_path=None):
             """Start one child, its stderr to `log`, in its own process group (so stopping it also stops
-            what it started: compute-sanitizer, ninja).  A second run after a failure prints nothing."""
+            what it started: compute-sanitizer, ninja).  A second run after a failure prints nothing; a child
+            whose answer may not be the one given prints into `out_path`."""
             quiet = cenv.get(INSURED_ENV) == "again"
-            with open(log, "w") as err_fh:
+            with open(log, "w") as err_fh, open(out_path or os.devnull, "w") as out_fh:
+                out = out_fh if out_path else None
                 if fork and cmd[:3] == base[:3]:  # diffkit itself (not wrapped in compute-sanitizer)
                     try:
-                        return _Forked(cmd[3:], cenv, err_fh, quiet=quiet)
+                        return _Forked(cmd[3:], cenv, err_fh, quiet=quiet, out=out)
                     except OSError:  # no fork here (memory, limits): a fresh interpreter instead
                         pass
                 return subprocess.Popen(cmd, env=cenv, stderr=err_fh, start_new_session=True,
-                                        stdout=subprocess.DEVNULL if quiet else None)
+                                        stdout=subprocess.DEVNULL if quiet else out)
 
         def finish(proc, cmd, log, limit, enough=None, stop=True, answered=None):
             """Wait for a child to end (or `limit` seconds, or until `enough()` says it has done what it was
@@ -990,6 +1096,44 @@ def _isolated(argv, ref_path, cand_path, options: Options, timeout, out: _Output
         # candidate's answer with its exit code; the reference's complete capture (its process may hang at exit)
         answered_by = {"done": lambda: _finished_code(tmp),
                        "ref-done": lambda: 0 if os.path.exists(os.path.join(tmp, "ref-done")) else None} if detach else {}
+
+        if not (given or sanitize or options.is_streaming or os.environ.get("DIFFKIT_TWO_PROCESSES")):
+            # one child runs both sides first, as --no-isolate does in this process: no hand-over of the
+            # reference's values, one process start (on a GPU: one interpreter, one CUDA context).  It answers only when that diff ran clean
+            # (a match or a divergence, no side failing) or a file did not load (a model not built, no inputs:
+            # nothing ran yet); an error of a forward, a crash or a hang of it, or a diffkit bug, and
+            # the diff runs again below, a child per side, which says which side failed and diffs what each
+            # captured before -- and if that one runs clean, its answer is an error all the same: the failure
+            # happened, once (see _failed_before).  DIFFKIT_TWO_PROCESSES=1: straight to a child per side
+            both = os.path.join(tmp, "both")
+            os.mkdir(both)
+            both_cmd = [*base[:3], *argv, "--no-isolate"]
+            log = errlog + "-both"
+            # (what it prints, the candidate's own output included, is kept until it is known to be the answer)
+            printed = os.path.join(both, "stdout")
+            both_env = dict(env, **{BOTH_ENV: both, BOTH_TTY_ENV: "1" if sys.stdout.isatty() else "",
+                                    "DIFFKIT_BREADCRUMB": os.path.join(both, "breadcrumb")})
+            proc = launch(both_cmd, both_env, log, out_path=printed)
+            # it gets --timeout for the whole diff, as --no-isolate does: a side that hangs is found at most one
+            # --timeout late, and a diff longer than that in all (each side within it) runs again, a child per side;
+            # either way at most twice what a child per side alone takes
+            code, why, err_text = finish(proc, both_cmd, log, timeout,
+                                         answered=(lambda: _finished_code(both)) if detach else None)
+            if code in (0, 1, 2) and _finished_code(both) == code:
+                with open(printed, encoding="utf-8", errors="replace") as fh:
+                    try:
+                        sys.stdout.write(fh.read())
+                        sys.stdout.flush()
+                    except BrokenPipeError:
+                        _stdout_gone()
+                sys.stderr.write(err_text)
+                return code
+            earlier = _what_failed(both, code, why, err_text, ref_path, cand_path)
+            if earlier is not None:  # the candidate's process of the diff that follows says so if it runs clean
+                with open(os.path.join(tmp, "earlier.json"), "w", encoding="utf-8") as fh:
+                    json.dump(earlier, fh)
+                cand_env[EARLIER_ENV] = os.path.join(tmp, "earlier.json")
+            code, why, err_text = 0, None, ""
 
         # the candidate's process starts with the reference's: it runs its file (its extensions built or
         # loaded, its imports done) while the reference is captured, then waits for that capture
@@ -1099,6 +1243,7 @@ def _isolated(argv, ref_path, cand_path, options: Options, timeout, out: _Output
         result = run(ref_src, cand_src, options.replace(stream_dir=None, health=False, rerun=False, explain=False),
                      known=read_journal(os.path.join(tmp, "stats.jsonl")), error=error, evidence=evidence)
         result.ref_path, result.cand_path = ref_path, cand_path
+        result.meta["processes"] = PROCESSES["per side"]
         if side == "candidate" and (judged or running):
             _trials_before_the_failure(result, judged, running, what)
         out.write(result)

@@ -1,0 +1,133 @@
+"""An isolated diff: one child process runs both sides first, and answers only when its diff ran
+clean; anything else runs the diff again with a child per side (diffkit.cli._isolated)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+REF = """
+import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def __init__(self, width, depth):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+
+    def forward(self, x):
+        x = self.norm(x)
+        for layer in self.layers:
+            x = torch.relu(layer(x)) + x
+        return x.mean(dim=1)
+
+
+def get_init_inputs():
+    return [24, 3]
+
+
+def get_inputs():
+    return [torch.randn(5, 7, 24)]
+"""
+
+# written unlike the reference: one weight stack, an explicit einsum, its own normalisation; {bug} picks a mistake
+CAND = """
+import os
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+print("candidate file ran")
+FLAG = {flag!r}
+
+
+class ModelNew(nn.Module):
+    def __init__(self, width, depth):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+
+    def forward(self, x):
+        mu = x.mean(-1, keepdim=True)
+        var = (x - mu).pow(2).mean(-1, keepdim=True)
+        h = (x - mu) * torch.rsqrt(var + self.norm.eps) * self.norm.weight + self.norm.bias
+        for i, lin in enumerate(self.layers):
+            if {bug!r} == "raise" or ({bug!r} == "raise_once" and not os.path.exists(FLAG)):
+                open(FLAG, "w").close()
+                raise RuntimeError("kernel launch failed: bad grid")
+            z = torch.einsum("bsi,oi->bso", h, lin.weight)
+            if not ({bug!r} == "no_bias" and i == 1):
+                z = z + lin.bias
+            h = F.relu(z) + h
+        return h.sum(dim=1) / h.shape[1]
+"""
+
+
+def _diff(tmp_path, bug, *extra, two=False):
+    ref, cand = tmp_path / "ref.py", tmp_path / f"cand_{bug}.py"
+    ref.write_text(REF)
+    cand.write_text(CAND.format(bug=bug, flag=str(tmp_path / f"flag_{bug}_{two}")))
+    out_json = tmp_path / f"{bug}_{two}.json"
+    env = dict(os.environ)
+    env.pop("DIFFKIT_TWO_PROCESSES", None)
+    if two:
+        env["DIFFKIT_TWO_PROCESSES"] = "1"
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "cli.py"), "diff", str(ref), str(cand), "--no-report",
+                        "--json", str(out_json), "--device", "cpu", *extra], capture_output=True, text=True,
+                       cwd=str(tmp_path), env=env, timeout=600)
+    return p, json.loads(out_json.read_text())
+
+
+def _answer(d):
+    """What a user reads off a result, without timings and where it ran."""
+    stages = [(s["ref_name"], s["cand_name"], s["status"], s["max_abs"], s["mean_abs"], s["paired_by"])
+              for s in d["stages"]]
+    fd = d["first_divergence"]
+    trials = [(t.get("trial"), t.get("seed"), t.get("allclose"), t.get("max_abs")) for t in d["trials"]]
+    return (d["verdict"], fd and fd["ref_name"], d["root_cause"] and d["root_cause"].get("ref_name"), stages, trials,
+            sorted(f["kind"] for f in d["findings"]), d["error"] and (d["error"]["side"], d["error"]["phase"]))
+
+
+@pytest.mark.parametrize("bug", ["none", "no_bias"])
+def test_a_clean_diff_runs_in_one_child_and_answers_as_a_child_per_side_does(tmp_path, bug):
+    one, d1 = _diff(tmp_path, bug)
+    two, d2 = _diff(tmp_path, bug, two=True)
+    assert one.returncode == two.returncode == (0 if bug == "none" else 1), one.stdout + one.stderr
+    assert d1["meta"]["processes"] == "one child process, both sides"
+    assert d2["meta"]["processes"] == "a child process per side"
+    assert _answer(d1) == _answer(d2)
+    if bug == "no_bias":
+        assert d1["first_divergence"]["ref_name"] == "layers.1"
+    # what the child printed comes out once, its own file's output before the answer
+    assert one.stdout.count("candidate file ran") == 1 and one.stdout.count("diffkit: ") == 1
+    assert one.stdout.index("candidate file ran") < one.stdout.index("diffkit: ")
+    assert one.stdout.splitlines()[-1] == two.stdout.splitlines()[-1]
+
+
+def test_a_failing_candidate_is_answered_by_a_child_per_side(tmp_path):
+    one, d1 = _diff(tmp_path, "raise")
+    two, d2 = _diff(tmp_path, "raise", two=True)
+    assert one.returncode == two.returncode == 2
+    assert d1["meta"]["processes"] == d2["meta"]["processes"] == "a child process per side"
+    assert _answer(d1) == _answer(d2) and d1["error"]["message"] == d2["error"]["message"]
+    assert "bad grid" in d1["error"]["message"]
+    # the first child printed nothing of its own: the candidate's line comes from the diff that answered
+    assert one.stdout.count("candidate file ran") == two.stdout.count("candidate file ran")
+    assert one.stdout.count("diffkit: ERROR") == 1
+
+
+def test_a_failure_that_does_not_repeat_is_still_the_answer(tmp_path):
+    """The first child's candidate raises once; the diff with a child per side after it runs clean: the
+    answer is an error naming the first failure, with every stage of the clean diff."""
+    one, d = _diff(tmp_path, "raise_once")
+    assert one.returncode == 2, one.stdout + one.stderr
+    assert d["verdict"] == "error" and d["error"]["side"] == "candidate"
+    assert "bad grid" in d["error"]["message"] and "does not repeat" in d["error"]["message"]
+    assert d["meta"]["processes"] == "a child process per side"
+    assert {s["status"] for s in d["stages"] if s["max_abs"] is not None} == {"ok"}
+    assert any(s["ref_name"] == "output" and s["status"] == "ok" for s in d["stages"])
