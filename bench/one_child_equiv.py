@@ -8,8 +8,9 @@ once as it is (one child for the whole diff, a child per side only if that one f
 DIFFKIT_TWO_PROCESSES=1 (a child per side from the start).  The reference is the candidate's DIFFKIT_EXPECT
 "reference" when it names one, else the reference whose file name is the longest prefix of the candidate's.
 Prints, per candidate, both wall times and whether the answers agree (verdict, first divergence, root cause,
-every stage's pairing, status and error, the trials, the findings, the error's side and phase); exits 1 if
-any do not.  --json FILE keeps every answer.
+every stage's pairing, status and error, the trials, the findings, the error's side and phase): "same", or
+"numbers" when only the errors differ (a race, an unwritten region: each run reads other values), else
+"DIFFERENT"; exits 1 if any is.  --json FILE keeps every answer.
 """
 import argparse
 import ast
@@ -40,12 +41,15 @@ def reference_of(cand: str) -> str | None:
     return refs.get(best)
 
 
-def answer(d: dict) -> tuple:
-    """What a user reads off a result, without timings and the processes it ran in."""
-    stages = [(s["ref_name"], s["cand_name"], s["paired_by"], s["status"], s["max_abs"], s["mean_abs"])
+def answer(d: dict, numbers: bool = True) -> tuple:
+    """What a user reads off a result, without timings and the processes it ran in (`numbers`: with every
+    stage's and trial's errors; without them, what stays put when a candidate computes otherwise each run)."""
+    stages = [(s["ref_name"], s["cand_name"], s["paired_by"], s["status"]) + ((s["max_abs"], s["mean_abs"])
+                                                                              if numbers else ())
               for s in d.get("stages", [])]
     fd, rc, err = d.get("first_divergence"), d.get("root_cause"), d.get("error")
-    trials = [(t.get("trial"), t.get("seed"), t.get("allclose"), t.get("max_abs")) for t in d.get("trials", [])]
+    trials = [(t.get("trial"), t.get("seed"), t.get("allclose")) + ((t.get("max_abs"),) if numbers else ())
+              for t in d.get("trials", [])]
     return (d.get("verdict"), fd and fd.get("ref_name"), rc and rc.get("ref_name"), stages, trials,
             sorted(f.get("kind", "") for f in d.get("findings", [])), err and (err.get("side"), err.get("phase")))
 
@@ -90,13 +94,17 @@ def main() -> int:
             one, t1, c1 = diff_once(ref, os.path.abspath(cand), args.device, False, tmp)
             two, t2, c2 = diff_once(ref, os.path.abspath(cand), args.device, True, tmp)
             same = answer(one) == answer(two) and c1 == c2
-            differ += not same
-            print(f"{'same     ' if same else 'DIFFERENT'} {os.path.relpath(cand, ROOT):60s} {one.get('verdict')!s:9s} "
+            # (a race or an unwritten region reads other values each run: the same answer, other numbers)
+            alike = same or (answer(one, False) == answer(two, False) and c1 == c2)
+            differ += not alike
+            word = "same     " if same else "numbers  " if alike else "DIFFERENT"
+            print(f"{word} {os.path.relpath(cand, ROOT):60s} {one.get('verdict')!s:9s} "
                   f"exit {c1}/{c2}  one child {t1:6.2f} s ({(one.get('meta') or {}).get('processes')})  "
                   f"a child per side {t2:6.2f} s", flush=True)
-            rows.append({"candidate": os.path.relpath(cand, ROOT), "same": same, "seconds_one": t1, "seconds_two": t2,
+            rows.append({"candidate": os.path.relpath(cand, ROOT), "same": same, "alike": alike, "seconds_one": t1, "seconds_two": t2,
                          "exit": [c1, c2], "one": one, "two": two})
-    print(f"{len(rows)} candidates, {differ} answered differently")
+    print(f"{len(rows)} candidates, {differ} answered differently, "
+          f"{sum(r['alike'] and not r['same'] for r in rows)} with the same answer in other numbers")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
             json.dump(rows, fh)

@@ -166,7 +166,7 @@ def main() -> None:
 @click.option("--junit", "junit_path", type=click.Path(dir_okay=False), default=None, help="write junit.xml here")
 @click.option("--no-isolate", is_flag=True,
               help="run in this process (default: in child processes, so a crashing kernel cannot take the answer with "
-                   "it: one child for the whole diff, then a child per side if it fails)")
+                   "it: a child per side; with no GPU in play one child for the whole diff first)")
 @click.option("--timeout", type=click.FloatRange(min=0), default=DEFAULT_TIMEOUT, show_default=True,
               help="stop a side that runs longer than this (seconds; 0: never; with --no-isolate, the whole diff)")
 @click.option("--max-memory", "max_memory", default=None, metavar="SIZE",
@@ -1097,9 +1097,11 @@ def _isolated(argv, ref_path, cand_path, options: Options, timeout, out: _Output
         answered_by = {"done": lambda: _finished_code(tmp),
                        "ref-done": lambda: 0 if os.path.exists(os.path.join(tmp, "ref-done")) else None} if detach else {}
 
-        if not (given or sanitize or options.is_streaming or os.environ.get("DIFFKIT_TWO_PROCESSES")):
-            # one child runs both sides first, as --no-isolate does in this process: no hand-over of the
-            # reference's values, one process start (on a GPU: one interpreter, one CUDA context).  It answers only when that diff ran clean
+        if detach and not (given or options.is_streaming or os.environ.get("DIFFKIT_TWO_PROCESSES")):
+            # with no GPU in play, one child runs both sides first, as --no-isolate does in this process: no
+            # hand-over of the reference's values, one fork.  (On a GPU the children are fresh interpreters, and
+            # a child per side starts the candidate's beside the reference's: one child for both was no faster
+            # there -- 12.4 s against 12.4 s, bench/gpu_round21.sh -- and a CUDA crash cost it 4x.)  It answers only when that diff ran clean
             # (a match or a divergence, no side failing) or a file did not load (a model not built, no inputs:
             # nothing ran yet); an error of a forward, a crash or a hang of it, or a diffkit bug, and
             # the diff runs again below, a child per side, which says which side failed and diffs what each
@@ -1117,8 +1119,7 @@ def _isolated(argv, ref_path, cand_path, options: Options, timeout, out: _Output
             # it gets --timeout for the whole diff, as --no-isolate does: a side that hangs is found at most one
             # --timeout late, and a diff longer than that in all (each side within it) runs again, a child per side;
             # either way at most twice what a child per side alone takes
-            code, why, err_text = finish(proc, both_cmd, log, timeout,
-                                         answered=(lambda: _finished_code(both)) if detach else None)
+            code, why, err_text = finish(proc, both_cmd, log, timeout, answered=lambda: _finished_code(both))
             if code in (0, 1, 2) and _finished_code(both) == code:
                 with open(printed, encoding="utf-8", errors="replace") as fh:
                     try:

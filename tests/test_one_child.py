@@ -1,4 +1,4 @@
-"""An isolated diff: one child process runs both sides first, and answers only when its diff ran
+"""An isolated diff with no GPU in play: one child process runs both sides first, and answers only when its diff ran
 clean; anything else runs the diff again with a child per side (diffkit.cli._isolated)."""
 import json
 import os

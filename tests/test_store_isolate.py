@@ -95,7 +95,7 @@ def test_not_a_capture(tmp_path):
 
 
 def _cli(*args, timeout=600, two=False):
-    """`diffkit ARGS`; `two`: straight to a child process per side (else one child runs both
+    """`diffkit ARGS`; `two`: straight to a child process per side (else, with no GPU in play, one child runs both
     sides first, and answers a file that does not load by itself)."""
     env = dict(os.environ, DIFFKIT_TWO_PROCESSES="1") if two else None
     return subprocess.run([sys.executable, os.path.join(ROOT, "cli.py"), *args], capture_output=True, text=True,
@@ -837,6 +837,7 @@ def log(line):
         fh.write(line + "\\n")
 
 cli._host_only = lambda device=None: False   # as with a GPU in play
+os.environ["DIFFKIT_TWO_PROCESSES"] = "1"    # a child per side from the start (the hand-over is theirs)
 cli._can_fork = lambda device=None: True      # (forked: the children keep these changes)
 handoff.on_gpu = lambda model, inputs: True  # the reference's values stay in its process
 
