@@ -248,7 +248,13 @@ def headline(result) -> str:
                 else "diffkit: ERROR (no details recorded)")
         if fd is not None:
             return head + f"; earlier, first divergence at stage {fd.index} {fd.ref_name or fd.cand_name or '?'}"
-        return head + (f"; {n} stages compared before it, all within tolerance" if n else "")
+        if not n:
+            return head
+        # (the output compared: the diff ran to its end -- a later trial failed, or a failure that did not repeat
+        # when the diff was run again)
+        reached = any(s.stats is not None for s in result.output_stages)
+        return head + (f"; {n} stages compared, the output among them, all within tolerance" if reached
+                       else f"; {n} stages compared before it, all within tolerance")
     if result.verdict == "diverged":
         structure = getattr(result, "output_structure", None)
         if structure and (fd is None or _is_output(fd)):

@@ -131,3 +131,4 @@ def test_a_failure_that_does_not_repeat_is_still_the_answer(tmp_path):
     assert d["meta"]["processes"] == "a child process per side"
     assert {s["status"] for s in d["stages"] if s["max_abs"] is not None} == {"ok"}
     assert any(s["ref_name"] == "output" and s["status"] == "ok" for s in d["stages"])
+    assert "does not repeat" in one.stdout.splitlines()[-1] and "the output among them" in one.stdout.splitlines()[-1]
