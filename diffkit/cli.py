@@ -35,6 +35,7 @@ EARLIER_ENV = "DIFFKIT_EARLIER"  # that child's failure (a JSON file), for the c
 BOTH_TTY_ENV = "DIFFKIT_BOTH_TTY"  # "1": the diff's own standard output is a terminal (the child's is a file)
 # the phases of an error that comes before either model's forward has run (diffkit.errors): that child answers it
 BEFORE_ANY_FORWARD = ("read", "parse", "import", "build", "init", "inputs")
+BOTH_LIMIT_S = 600.0  # the most that child gets (its --timeout, if shorter): a longer diff runs again, a child per side
 AGAIN_CODE = 4  # how that child says "not clean: run the diff again, a child per side" (never a diff's exit code)
 # where a CLI diff ran its models (the JSON's meta.processes)
 PROCESSES = {"both": "one child process, both sides", "per side": "a child process per side",
@@ -235,9 +236,12 @@ def _diff(ref_path, cand_path, atol, rtol, seed, device, json_path, csv_path, st
     insured = os.environ.get(INSURED_ENV) if ref_capture else None
     if insured == "0":
         options = options.replace(insured=False)
-    # an isolated diff's one child running both sides (see _isolated): it answers only for a clean diff
-    both = os.environ.get(BOTH_ENV) if no_isolate and not (side_only or ref_capture or stream_dir) else None
-    tty = bool(os.environ.get(BOTH_TTY_ENV)) if both else sys.stdout.isatty()
+    # an isolated diff's one child running both sides (see _isolated): it answers only for a clean diff.  (Its
+    # variables are taken out of the environment: nothing the models start -- a nested diffkit -- inherits them)
+    both = os.environ.pop(BOTH_ENV, None) if no_isolate and not (side_only or ref_capture or stream_dir) else None
+    tty = bool(os.environ.pop(BOTH_TTY_ENV, None)) if both else sys.stdout.isatty()
+    earlier = os.environ.pop(EARLIER_ENV, None) if ref_capture and stream_dir else None
+    torch_before = _torch_globals() if both else None
     if both:  # a crash prints its Python stack into the log: which model's file it was in (see _what_failed)
         import faulthandler
 
@@ -316,7 +320,9 @@ def _diff(ref_path, cand_path, atol, rtol, seed, device, json_path, csv_path, st
         except DiffkitError as e:
             if both and e.phase not in BEFORE_ANY_FORWARD:  # (a file that does not load is answered as it is)
                 _again(both, ErrorInfo(e.side, e.phase, e.message, e.where, e.detail))
-            out.write(error_result(e, ref_path, cand_path, options), error=e)
+            failed = error_result(e, ref_path, cand_path, options)
+            failed.meta["processes"] = PROCESSES["both" if both else "per side" if stream_dir else "none"]
+            out.write(failed, error=e)
             _done(both or stream_dir, 2)
             sys.exit(2)
         except Exception as e:
@@ -338,8 +344,12 @@ def _diff(ref_path, cand_path, atol, rtol, seed, device, json_path, csv_path, st
             sys.exit(2)
         if both and (result.error is not None or result.verdict not in ("match", "diverged")):
             _again(both, result.error)  # a side failed: a child per side says which, and diffs what it captured
-        if ref_capture and stream_dir and os.environ.get(EARLIER_ENV) and result.error is None:
-            _failed_before(result, os.environ[EARLIER_ENV])
+        if both and _torch_changed(torch_before):
+            # a model changed torch itself (a function swapped, the default dtype, a precision flag): in one process
+            # that reaches the other model too; a child per side keeps the reference away from it
+            _again(both, None)
+        if earlier and result.error is None:
+            _failed_before(result, earlier)
         result.meta["processes"] = PROCESSES["both" if both else "per side" if ref_capture and stream_dir else "none"]
         try:
             written = out.write(result)
@@ -348,6 +358,34 @@ def _diff(ref_path, cand_path, atol, rtol, seed, device, json_path, csv_path, st
         code = EXIT[result.verdict] if written else 2
         _done(both or stream_dir, code)
         sys.exit(code)
+
+
+def _torch_globals() -> dict:
+    """What a model could change in torch itself for every model in its process: the functions of torch,
+    torch.nn.functional and torch.Tensor and the forward of every torch.nn module class (by identity), the default
+    dtype and the precision flags (see _torch_changed)."""
+    import torch
+    import torch.nn.functional as F
+
+    seen = {}
+    for label, space in (("torch", torch), ("F", F), ("Tensor", torch.Tensor)):
+        for k, v in list(vars(space).items()):
+            if not k.startswith("__"):
+                seen[(label, k)] = id(v)
+    for k, v in list(vars(torch.nn).items()):
+        if isinstance(v, type):
+            seen[("nn", k)] = id(getattr(v, "forward", None))
+    seen["flags"] = (torch.get_default_dtype(), torch.get_float32_matmul_precision(),
+                     torch.are_deterministic_algorithms_enabled(), torch.backends.cuda.matmul.allow_tf32,
+                     torch.backends.cudnn.allow_tf32, torch.backends.cudnn.enabled, torch.is_grad_enabled())
+    return seen
+
+
+def _torch_changed(before: dict) -> list[str]:
+    """The names in `before` (_torch_globals) that are something else now (a name added since -- importing a
+    submodule adds some -- is not a change)."""
+    now = _torch_globals()
+    return [k if isinstance(k, str) else ".".join(k) for k, v in before.items() if k in now and now[k] != v]
 
 
 def _again(both: str, error: ErrorInfo | None) -> None:
@@ -363,11 +401,11 @@ def _again(both: str, error: ErrorInfo | None) -> None:
     sys.exit(AGAIN_CODE)
 
 
-def _what_failed(both: str, code: int, why: str | None, err_text: str, ref_path: str, cand_path: str) -> dict | None:
+def _what_failed(both: str, code: int, why: str | None, err_text: str, ref_path: str, cand_path: str,
+                 limit: float) -> dict | None:
     """What the one child running both sides hit, for the diff that runs again with a child per side to report
-    if it does not hit it (an ErrorInfo's fields); None when there is nothing a clean second diff should be
-    told: the child's time ran out (that limit was the whole diff's, the sides' own come next), or diffkit
-    itself failed (exit 3, its traceback in the log)."""
+    if it does not hit it (an ErrorInfo's fields; "warning": said as a warning, not an error); None when there is
+    nothing a clean second diff should be told (diffkit itself failed: exit 3, its traceback in the log)."""
     import json
 
     if code == AGAIN_CODE:
@@ -376,24 +414,30 @@ def _what_failed(both: str, code: int, why: str | None, err_text: str, ref_path:
                 return json.load(fh)
         except (OSError, ValueError):
             return None
-    if code == INTERNAL or (why and why.startswith(HUNG)):
+    if code == INTERNAL:
         return None
+    if why and why.startswith(HUNG):  # (its limit was both sides' together: the sides' own come next)
+        return {"warning": True, "message": f"run in one child process, both sides together did not finish within "
+                                            f"{limit:g} s (its limit: --timeout, at most {BOTH_LIMIT_S:g} s); with a "
+                                            f"child process per side each did: a diff that long, or a hang that "
+                                            f"does not repeat"}
     try:
         crumb = open(os.path.join(both, "breadcrumb"), encoding="utf-8").read().strip()
     except OSError:
         crumb = ""
     # the kernel call it died in names the side whose file made it; else the innermost line of either model's
-    # file in the stack faulthandler printed (most recent call first)
+    # file in the stack faulthandler printed (most recent call first); one file for both models names neither
     side = ""
-    files = {os.path.realpath(path): name for name, path in (("candidate", cand_path), ("reference", ref_path))}
+    files = {os.path.realpath(cand_path): "candidate"}
+    files[os.path.realpath(ref_path)] = "reference" if os.path.realpath(ref_path) not in files else ""
     for path, name in files.items():
         if crumb and path in crumb:
             side = name
             break
-    for m in ([] if side else re.finditer(r'File "([^"]+)", line (\d+) in (\S+)', err_text)):
-        name = files.get(os.path.realpath(m.group(1)))
-        if name:
-            side, crumb = name, f"{os.path.basename(m.group(1))}:{m.group(2)} in {m.group(3)}"
+    for m in ([] if crumb else re.finditer(r'File "([^"]+)", line (\d+) in (\S+)', err_text)):
+        path = os.path.realpath(m.group(1))
+        if path in files:
+            side, crumb = files[path], f"{os.path.basename(m.group(1))}:{m.group(2)} in {m.group(3)}"
             break
     who = f"the {side}" if side else "one of the models"
     how = why or f"exited with status {code}"
@@ -410,9 +454,13 @@ def _failed_before(result: Result, path: str) -> None:
 
     try:
         with open(path, encoding="utf-8") as fh:
-            first = ErrorInfo.from_dict(json.load(fh))
+            said = json.load(fh)
     except (OSError, ValueError):
         return
+    if said.get("warning"):
+        result.warnings.append(said.get("message", ""))
+        return
+    first = ErrorInfo.from_dict(said)
     first.message = (f"{first.message}; the diff was run again, a child process per side, and it did not fail: "
                      f"the failure does not repeat (a race, an uninitialised read, or the two models in one "
                      f"process, as KernelBench runs them?)")
@@ -610,8 +658,10 @@ class _Outputs:
             notes.append(f"diffkit: ERROR: could not write {e.filename or 'the report'}: {e.strerror or e}")
             written = False
         try:
+            # (color: kept when this process prints into a file for a parent whose output is a terminal)
             click.echo(f"diffkit: ERROR: {error}" if error is not None else text_report(result, color=self.color,
-                                                                                      full=self.full))
+                                                                                      full=self.full),
+                       color=True if self.color else None)
         except BrokenPipeError:  # the reader has gone: nothing more goes to it (the exit code still tells)
             _stdout_gone()
         for note in notes:
@@ -1097,16 +1147,16 @@ def _isolated(argv, ref_path, cand_path, options: Options, timeout, out: _Output
         answered_by = {"done": lambda: _finished_code(tmp),
                        "ref-done": lambda: 0 if os.path.exists(os.path.join(tmp, "ref-done")) else None} if detach else {}
 
-        if detach and not (given or options.is_streaming or os.environ.get("DIFFKIT_TWO_PROCESSES")):
+        if detach and not (given or options.is_streaming or os.environ.get("DIFFKIT_TWO_PROCESSES", "0") != "0"):
             # with no GPU in play, one child runs both sides first, as --no-isolate does in this process: no
-            # hand-over of the reference's values, one fork.  (On a GPU the children are fresh interpreters, and
-            # a child per side starts the candidate's beside the reference's: one child for both was no faster
-            # there -- 12.4 s against 12.4 s, bench/gpu_round21.sh -- and a CUDA crash cost it 4x.)  It answers only when that diff ran clean
-            # (a match or a divergence, no side failing) or a file did not load (a model not built, no inputs:
-            # nothing ran yet); an error of a forward, a crash or a hang of it, or a diffkit bug, and
-            # the diff runs again below, a child per side, which says which side failed and diffs what each
-            # captured before -- and if that one runs clean, its answer is an error all the same: the failure
-            # happened, once (see _failed_before).  DIFFKIT_TWO_PROCESSES=1: straight to a child per side
+            # hand-over of the reference's values, one fork.  It answers only when that diff ran clean (a match
+            # or a divergence, no side failing, torch itself unchanged: _torch_changed) or a file did not load (a
+            # model not built, no inputs: nothing ran yet); else (a forward's error, a crash, a hang, a diffkit
+            # bug) the diff runs again below, a child per side, which says which side failed and diffs what each
+            # captured before -- and if that one runs clean, its answer still names the failure (_failed_before).
+            # DIFFKIT_TWO_PROCESSES=1: straight to a child per side.  (On a GPU the children are fresh
+            # interpreters, and a child per side starts the candidate's beside the reference's: one child for both
+            # was no faster there -- 12.4 s against 12.4 s, bench/gpu_round21.sh -- and a CUDA crash cost it 4x.)
             both = os.path.join(tmp, "both")
             os.mkdir(both)
             both_cmd = [*base[:3], *argv, "--no-isolate"]
@@ -1116,20 +1166,21 @@ def _isolated(argv, ref_path, cand_path, options: Options, timeout, out: _Output
             both_env = dict(env, **{BOTH_ENV: both, BOTH_TTY_ENV: "1" if sys.stdout.isatty() else "",
                                     "DIFFKIT_BREADCRUMB": os.path.join(both, "breadcrumb")})
             proc = launch(both_cmd, both_env, log, out_path=printed)
-            # it gets --timeout for the whole diff, as --no-isolate does: a side that hangs is found at most one
-            # --timeout late, and a diff longer than that in all (each side within it) runs again, a child per side;
-            # either way at most twice what a child per side alone takes
-            code, why, err_text = finish(proc, both_cmd, log, timeout, answered=lambda: _finished_code(both))
+            # it gets --timeout for the whole diff, at most BOTH_LIMIT_S: a side that hangs is found that much
+            # later than a child per side alone finds it, and a longer diff runs again, a child per side
+            limit = min(timeout, BOTH_LIMIT_S) if timeout else BOTH_LIMIT_S
+            code, why, err_text = finish(proc, both_cmd, log, limit, answered=lambda: _finished_code(both))
             if code in (0, 1, 2) and _finished_code(both) == code:
-                with open(printed, encoding="utf-8", errors="replace") as fh:
+                with open(printed, "rb") as fh:  # (as written: in the encoding the child printed in)
                     try:
-                        sys.stdout.write(fh.read())
+                        sys.stdout.flush()
+                        sys.stdout.buffer.write(fh.read())
                         sys.stdout.flush()
                     except BrokenPipeError:
                         _stdout_gone()
                 sys.stderr.write(err_text)
                 return code
-            earlier = _what_failed(both, code, why, err_text, ref_path, cand_path)
+            earlier = _what_failed(both, code, why, err_text, ref_path, cand_path, limit)
             if earlier is not None:  # the candidate's process of the diff that follows says so if it runs clean
                 with open(os.path.join(tmp, "earlier.json"), "w", encoding="utf-8") as fh:
                     json.dump(earlier, fh)

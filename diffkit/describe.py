@@ -244,8 +244,8 @@ def headline(result) -> str:
     fd = result.first_divergence
     if result.verdict == "error":
         e = result.error
-        head = (f"diffkit: ERROR in {e.side} ({e.phase}) at {e.stage or '?'}: {e.message}" if e is not None
-                else "diffkit: ERROR (no details recorded)")
+        head = (f"diffkit: ERROR {'in ' + e.side + ' ' if e.side else ''}({e.phase}) at {e.stage or '?'}: {e.message}"
+                if e is not None else "diffkit: ERROR (no details recorded)")
         if fd is not None:
             return head + f"; earlier, first divergence at stage {fd.index} {fd.ref_name or fd.cand_name or '?'}"
         if not n:

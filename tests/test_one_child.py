@@ -42,8 +42,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-print("candidate file ran")
+print("candidate file ran", os.environ.get("DIFFKIT_BOTH_SIDES"))
 FLAG = {flag!r}
+if {bug!r} == "patch":  # a model that changes torch itself: in one process the reference would run it too
+    _relu = torch.relu
+    torch.relu = lambda t: _relu(t) + 0.01 * t.clamp(max=0)
+if {bug!r} == "float64":
+    torch.set_default_dtype(torch.float64)
 
 
 class ModelNew(nn.Module):
@@ -57,6 +62,10 @@ class ModelNew(nn.Module):
         var = (x - mu).pow(2).mean(-1, keepdim=True)
         h = (x - mu) * torch.rsqrt(var + self.norm.eps) * self.norm.weight + self.norm.bias
         for i, lin in enumerate(self.layers):
+            if {bug!r} == "hang_once" and not os.path.exists(FLAG):
+                open(FLAG, "w").close()
+                import time
+                time.sleep(600)
             if {bug!r} == "raise" or ({bug!r} == "raise_once" and not os.path.exists(FLAG)):
                 open(FLAG, "w").close()
                 raise RuntimeError("kernel launch failed: bad grid")
@@ -68,17 +77,17 @@ class ModelNew(nn.Module):
 """
 
 
-def _diff(tmp_path, bug, *extra, two=False):
+def _diff(tmp_path, bug, *extra, two=False, env_extra=None, encoding="utf-8"):
     ref, cand = tmp_path / "ref.py", tmp_path / f"cand_{bug}.py"
     ref.write_text(REF)
     cand.write_text(CAND.format(bug=bug, flag=str(tmp_path / f"flag_{bug}_{two}")))
     out_json = tmp_path / f"{bug}_{two}.json"
-    env = dict(os.environ)
+    env = dict(os.environ, **(env_extra or {}))
     env.pop("DIFFKIT_TWO_PROCESSES", None)
     if two:
         env["DIFFKIT_TWO_PROCESSES"] = "1"
     p = subprocess.run([sys.executable, os.path.join(ROOT, "cli.py"), "diff", str(ref), str(cand), "--no-report",
-                        "--json", str(out_json), "--device", "cpu", *extra], capture_output=True, text=True,
+                        "--json", str(out_json), "--device", "cpu", *extra], capture_output=True, encoding=encoding,
                        cwd=str(tmp_path), env=env, timeout=600)
     return p, json.loads(out_json.read_text())
 
@@ -107,6 +116,27 @@ def test_a_clean_diff_runs_in_one_child_and_answers_as_a_child_per_side_does(tmp
     assert one.stdout.count("candidate file ran") == 1 and one.stdout.count("diffkit: ") == 1
     assert one.stdout.index("candidate file ran") < one.stdout.index("diffkit: ")
     assert one.stdout.splitlines()[-1] == two.stdout.splitlines()[-1]
+    assert "candidate file ran None" in one.stdout  # (what the models start does not inherit the child's variables)
+
+
+def test_what_the_child_printed_comes_out_as_it_was_written(tmp_path):
+    """Its output is copied byte for byte, in the encoding it was printed in (not decoded and encoded again)."""
+    latin = {"PYTHONIOENCODING": "latin-1:replace"}
+    one, _ = _diff(tmp_path, "no_bias", env_extra=latin, encoding="latin-1")
+    two, _ = _diff(tmp_path, "no_bias", two=True, env_extra=latin, encoding="latin-1")
+    assert one.returncode == two.returncode == 1
+    assert one.stdout == two.stdout and "5×7×24" in one.stdout
+
+
+@pytest.mark.parametrize("bug", ["patch", "float64"])
+def test_a_model_that_changes_torch_itself_is_diffed_a_child_per_side(tmp_path, bug):
+    """A candidate that swaps a torch function or the default dtype would change the reference's forward in
+    the same process: the one child's answer is not taken, and the answer is a child per side's."""
+    one, d1 = _diff(tmp_path, bug)
+    two, d2 = _diff(tmp_path, bug, two=True)
+    assert one.returncode == two.returncode and one.returncode in (1, 2), one.stdout[-2000:]
+    assert d1["meta"]["processes"] == "a child process per side"
+    assert _answer(d1) == _answer(d2)
 
 
 def test_a_failing_candidate_is_answered_by_a_child_per_side(tmp_path):
@@ -132,3 +162,12 @@ def test_a_failure_that_does_not_repeat_is_still_the_answer(tmp_path):
     assert {s["status"] for s in d["stages"] if s["max_abs"] is not None} == {"ok"}
     assert any(s["ref_name"] == "output" and s["status"] == "ok" for s in d["stages"])
     assert "does not repeat" in one.stdout.splitlines()[-1] and "the output among them" in one.stdout.splitlines()[-1]
+
+
+def test_a_hang_that_does_not_repeat_is_said(tmp_path):
+    """The one child hangs once (its --timeout is both sides' together): the diff a child per side runs clean,
+    and its answer says that the first ran out of time."""
+    one, d = _diff(tmp_path, "hang_once", "--timeout", "6")
+    assert one.returncode == 0, one.stdout[-2000:] + one.stderr[-2000:]
+    assert d["meta"]["processes"] == "a child process per side"
+    assert any("did not finish within 6 s" in w and "does not repeat" in w for w in d["warnings"]), d["warnings"]
