@@ -810,6 +810,12 @@ class _Forked:
                     fd = os.open(os.devnull, os.O_WRONLY) if out is None else os.dup(out.fileno())
                     os.dup2(fd, 1)
                     os.close(fd)
+                    if _no_fd(sys.stdout):
+                        # this process's standard output was a stand-in (a StringIO): print into fd 1 all the same
+                        import io
+
+                        sys.stdout = io.TextIOWrapper(os.fdopen(1, "wb", closefd=False),
+                                                      encoding=getattr(sys.stdout, "encoding", None) or "utf-8")
                 for sig in (signal.SIGTERM, signal.SIGINT):
                     signal.signal(sig, signal.SIG_DFL)
                 os.environ.clear()
@@ -872,6 +878,15 @@ class _Forked:
             if fd is not None:
                 os.close(fd)
         return self.returncode
+
+
+def _no_fd(stream) -> bool:
+    """Whether `stream` writes to no file descriptor (a StringIO standing in for standard output)."""
+    try:
+        stream.fileno()
+        return False
+    except (AttributeError, OSError, ValueError):
+        return True
 
 
 def _preload() -> None:
@@ -1174,7 +1189,10 @@ def _isolated(argv, ref_path, cand_path, options: Options, timeout, out: _Output
                 with open(printed, "rb") as fh:  # (as written: in the encoding the child printed in)
                     try:
                         sys.stdout.flush()
-                        sys.stdout.buffer.write(fh.read())
+                        if hasattr(sys.stdout, "buffer"):
+                            sys.stdout.buffer.write(fh.read())
+                        else:  # (a stand-in for standard output that takes text only)
+                            sys.stdout.write(fh.read().decode(sys.stdout.encoding or "utf-8", "replace"))
                         sys.stdout.flush()
                     except BrokenPipeError:
                         _stdout_gone()

@@ -171,3 +171,20 @@ def test_a_hang_that_does_not_repeat_is_said(tmp_path):
     assert one.returncode == 0, one.stdout[-2000:] + one.stderr[-2000:]
     assert d["meta"]["processes"] == "a child process per side"
     assert any("did not finish within 6 s" in w and "does not repeat" in w for w in d["warnings"]), d["warnings"]
+
+
+def test_the_answer_reaches_a_stand_in_for_standard_output(tmp_path):
+    """`diffkit.cli.main` called in a process whose standard output is a StringIO (a notebook's capture): the
+    one child's answer reaches it."""
+    ref, cand = tmp_path / "ref.py", tmp_path / "cand.py"
+    ref.write_text(REF)
+    cand.write_text(CAND.format(bug="no_bias", flag=str(tmp_path / "flag")))
+    script = (f"import io, sys\nfrom diffkit.cli import main\nbuf, real = io.StringIO(), sys.stdout\nsys.stdout = buf\n"
+              f"try:\n    main.main(args=['diff', {str(ref)!r}, {str(cand)!r}, '--no-report', '--trials', '1', "
+              f"'--device', 'cpu'], standalone_mode=False)\nexcept SystemExit as e:\n    code = e.code\n"
+              f"sys.stdout = real\nprint('CODE', code)\nprint(buf.getvalue())\n")
+    env = dict(os.environ)
+    env.pop("DIFFKIT_TWO_PROCESSES", None)
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+    assert "CODE 1" in p.stdout, p.stdout[-2000:] + p.stderr[-2000:]
+    assert "diffkit: DIVERGED at stage" in p.stdout and "candidate file ran" in p.stdout
