@@ -434,10 +434,10 @@ def _what_failed(both: str, code: int, why: str | None, err_text: str, ref_path:
         if crumb and path in crumb:
             side = name
             break
-    for m in ([] if crumb else re.finditer(r'File "([^"]+)", line (\d+) in (\S+)', err_text)):
+    for m in ([] if side else re.finditer(r'File "([^"]+)", line (\d+) in (\S+)', err_text)):
         path = os.path.realpath(m.group(1))
-        if path in files:
-            side, crumb = files[path], f"{os.path.basename(m.group(1))}:{m.group(2)} in {m.group(3)}"
+        if path in files:  # (a kernel call's breadcrumb, when there is one, stays the place named)
+            side, crumb = files[path], crumb or f"{os.path.basename(m.group(1))}:{m.group(2)} in {m.group(3)}"
             break
     who = f"the {side}" if side else "one of the models"
     how = why or f"exited with status {code}"

@@ -188,3 +188,23 @@ def test_the_answer_reaches_a_stand_in_for_standard_output(tmp_path):
     p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
     assert "CODE 1" in p.stdout, p.stdout[-2000:] + p.stderr[-2000:]
     assert "diffkit: DIVERGED at stage" in p.stdout and "candidate file ran" in p.stdout
+
+
+def test_a_crash_of_the_one_child_is_put_on_the_side_whose_file_it_was_in(tmp_path):
+    """From the stack faulthandler printed (innermost model file), under a kernel call's breadcrumb when there is
+    one; one file holding both models names neither side."""
+    from diffkit.cli import _what_failed
+
+    stack = ('Fatal Python error: Segmentation fault\n\nCurrent thread 0x1 (most recent call first):\n'
+             '  File "/lib/helper.py", line 3 in launch\n  File "/m/cand.py", line 17 in forward\n'
+             '  File "/m/ref.py", line 9 in forward\n')
+    got = _what_failed(str(tmp_path), -11, "was killed by SIGSEGV", stack, "/m/ref.py", "/m/cand.py", 600)
+    assert (got["side"], got["stage"]) == ("candidate", "cand.py:17 in forward") and "SIGSEGV" in got["message"]
+    (tmp_path / "breadcrumb").write_text("inside ext:gemm (scope blocks.0) called at /lib/helper.py:3")
+    got = _what_failed(str(tmp_path), -11, "was killed by SIGSEGV", stack, "/m/ref.py", "/m/cand.py", 600)
+    assert (got["side"], got["stage"]) == ("candidate", "inside ext:gemm (scope blocks.0) called at /lib/helper.py:3")
+    assert _what_failed(str(tmp_path), -11, "was killed by SIGSEGV", stack, "/m/cand.py", "/m/cand.py", 600)["side"] == ""
+    assert "one of the models" in _what_failed(str(tmp_path), 7, None, "", "/m/ref.py", "/m/cand.py", 600)["message"]
+    assert _what_failed(str(tmp_path), 3, None, "", "/m/ref.py", "/m/cand.py", 600) is None  # diffkit's own fault
+    hung = _what_failed(str(tmp_path), -9, "did not finish within 5 s and was stopped", "", "/m/ref.py", "/m/cand.py", 5)
+    assert hung["warning"] and "5 s" in hung["message"]
