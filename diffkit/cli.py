@@ -242,6 +242,7 @@ def _diff(ref_path, cand_path, atol, rtol, seed, device, json_path, csv_path, st
     tty = bool(os.environ.pop(BOTH_TTY_ENV, None)) if both else sys.stdout.isatty()
     earlier = os.environ.pop(EARLIER_ENV, None) if ref_capture and stream_dir else None
     torch_before = _torch_globals() if both else None
+    processes = PROCESSES["both" if both else "per side" if ref_capture and stream_dir else "none"]  # (meta.processes)
     if both:  # a crash prints its Python stack into the log: which model's file it was in (see _what_failed)
         import faulthandler
 
@@ -319,26 +320,25 @@ def _diff(ref_path, cand_path, atol, rtol, seed, device, json_path, csv_path, st
             result.ref_path = ref_path
         except DiffkitError as e:
             if both and e.phase not in BEFORE_ANY_FORWARD:  # (a file that does not load is answered as it is)
-                _again(both, ErrorInfo(e.side, e.phase, e.message, e.where, e.detail))
+                _again(both, ErrorInfo.from_dict(e.to_dict()))
             failed = error_result(e, ref_path, cand_path, options)
-            failed.meta["processes"] = PROCESSES["both" if both else "per side" if stream_dir else "none"]
+            failed.meta["processes"] = processes
             out.write(failed, error=e)
             _done(both or stream_dir, 2)
             sys.exit(2)
         except Exception as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
             if both:  # the diff runs again, a child per side
                 import traceback
 
                 text = traceback.format_exc()
                 sys.stderr.write(text)
-                first = str(e).strip().splitlines()[0] if str(e).strip() else ""
                 _again(both, ErrorInfo("candidate", "forward", f"{type(e).__name__}: {first}", "", text[-6000:])
                        if _is_users_fault(e) else None)
             if not _is_users_fault(e):
                 _internal_exit(e, stream_dir)
             if stream_dir:  # a CUDA error that poisoned the context after the forward: the parent diffs the captures
                 raise
-            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
             err = DiffkitError("candidate", "forward", f"{type(e).__name__}: {first}")
             out.write(error_result(err, ref_path, cand_path, options), error=err)
             sys.exit(2)
@@ -350,7 +350,7 @@ def _diff(ref_path, cand_path, atol, rtol, seed, device, json_path, csv_path, st
             _again(both, None)
         if earlier and result.error is None:
             _failed_before(result, earlier)
-        result.meta["processes"] = PROCESSES["both" if both else "per side" if ref_capture and stream_dir else "none"]
+        result.meta["processes"] = processes
         try:
             written = out.write(result)
         except Exception as e:  # writing diffkit's own answer failed: never the candidate's fault
@@ -1091,8 +1091,7 @@ def _isolated(argv, ref_path, cand_path, options: Options, timeout, out: _Output
             what it started: compute-sanitizer, ninja).  A second run after a failure prints nothing; a child
             whose answer may not be the one given prints into `out_path`."""
             quiet = cenv.get(INSURED_ENV) == "again"
-            with open(log, "w") as err_fh, open(out_path or os.devnull, "w") as out_fh:
-                out = out_fh if out_path else None
+            with open(log, "w") as err_fh, (open(out_path, "w") if out_path else contextlib.nullcontext()) as out:
                 if fork and cmd[:3] == base[:3]:  # diffkit itself (not wrapped in compute-sanitizer)
                     try:
                         return _Forked(cmd[3:], cenv, err_fh, quiet=quiet, out=out)
