@@ -75,8 +75,11 @@ def naive(ref, cand, ref_in, cand_in):
             h.remove()
         outs.append(got)
     bad = 0
+    naive.compared = [0, 0]  # modules and elements (a side) it compared: those of one name and shape on both sides
     for name in outs[0]:
         if name in outs[1] and outs[0][name].shape == outs[1][name].shape:
+            naive.compared[0] += 1
+            naive.compared[1] += outs[0][name].numel()
             try:
                 torch.testing.assert_close(outs[1][name], outs[0][name])
             except AssertionError:

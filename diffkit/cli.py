@@ -895,7 +895,7 @@ def _preload() -> None:
     from . import compare, host_kernel, pipeline, report, store, trials, whatif  # noqa: F401
     from .capture import _install_extension_import_hook
 
-    _install_extension_import_hook()  # imports torch.utils.cpp_extension (and setuptools): ~0.08 s a child
+    _install_extension_import_hook()  # (cpp_extension wrapped when a model imports it: inherited by the children)
     host_kernel.library()  # the CPU metric kernel built (first run on this machine) or loaded once, here
 
 

@@ -532,7 +532,7 @@ HOST_PARALLEL_MIN = 1 << 18
 # elements of one pair measured by one task of the native kernel: larger pairs are split, so the worker
 # threads share a single large pair too; a side not in row-major order is gathered GATHER at a time
 NATIVE_SPAN = 1 << 22
-GATHER = 1 << 16
+GATHER = 1 << 18
 
 
 def _native(r: torch.Tensor, c: torch.Tensor) -> bool:
@@ -616,21 +616,54 @@ def _measure_host_many(items: list[tuple[torch.Tensor, torch.Tensor, float, floa
 
 
 def native_rel_l2(c: torch.Tensor, r: torch.Tensor) -> float | None:
-    """||c - r|| / ||r|| (float64 sums) by one call of the native kernel, for equal element counts in
-    row-major order; None where it does not apply (another dtype or device, another layout, or a NaN or
-    an infinity on either side, whose rule `align._rel_err` owns)."""
-    if c.numel() != r.numel() or c.numel() == 0 or not (c.is_contiguous() and r.is_contiguous()) \
-            or not _native(r, c):
+    """||c - r|| / ||r|| (float64 sums) by the native kernel, for equal element counts; None where it does not
+    apply (another dtype or device, or a NaN or an infinity on either side, whose rule `align._rel_err` owns).
+    Both in row-major order: one call.  Both laid out alike over dense memory (a permuted view of a whole
+    buffer on either side): their memory read in place, in memory order (the sums need no order).  Otherwise
+    read in row-major order, a side laid out otherwise gathered a piece at a time (`_Flat`)."""
+    if c.numel() != r.numel() or c.numel() == 0 or not _native(r, c):
         return None
     from . import host_kernel
 
-    p = host_kernel.partials(r.detach(), c.detach(), 0, r.numel(), 0.0, 0.0)
-    if any(p[s] for s in _COUNTS):
+    r, c = r.detach(), c.detach()
+    if not (r.is_contiguous() and c.is_contiguous()):
+        same = _in_memory_order(r, c)
+        if same is not None:
+            r, c = same
+    if r.is_contiguous() and c.is_contiguous():
+        parts = [host_kernel.partials(r, c, 0, r.numel(), 0.0, 0.0)]
+    else:
+        fr, fc = _Flat(r), _Flat(c)
+        n = r.numel()
+        rb = None if fr.flat is not None else torch.empty(min(GATHER, n), dtype=r.dtype)
+        cb = None if fc.flat is not None else torch.empty(min(GATHER, n), dtype=c.dtype)
+        parts = []
+        with _one_thread():
+            for g in range(0, n, GATHER):
+                g2 = min(g + GATHER, n)
+                a, b = fr.part(g, g2, rb).contiguous(), fc.part(g, g2, cb).contiguous()
+                parts.append(host_kernel.partials(a, b, 0, g2 - g, 0.0, 0.0))
+    if any(p[slot] for p in parts for slot in _COUNTS):
         return None
-    d, s = math.sqrt(p[_Part.DIFF_SQ]), math.sqrt(p[_Part.REF_SQ])
+    d, s = math.sqrt(sum(p[_Part.DIFF_SQ] for p in parts)), math.sqrt(sum(p[_Part.REF_SQ] for p in parts))
     if not (math.isfinite(d) and math.isfinite(s)):  # squares past float64's range: the torch way
         return None
     return d / s if s > 0 else (0.0 if d == 0 else math.inf)
+
+
+def _in_memory_order(r: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`r` and `c` (one shape) permuted alike into their memory order, when that makes both contiguous (the same
+    strides over dense memory: a transposed or permuted view of a whole buffer on both sides); else None.
+    Element i of one is then element i of the other, as in row-major order, in another order.  (Gathering
+    a slice in memory order instead of row-major order measured no faster.)"""
+    if r.shape != c.shape:
+        return None
+    keep = [d for d in range(r.dim()) if r.shape[d] != 1]
+    if [r.stride(d) for d in keep] != [c.stride(d) for d in keep]:
+        return None
+    order = sorted(range(r.dim()), key=lambda d: (-r.stride(d), d))
+    pr, pc = r.permute(order), c.permute(order)
+    return (pr, pc) if pr.is_contiguous() and pc.is_contiguous() else None
 
 
 def _cosine(dot: float, nr: float, nc: float) -> float:

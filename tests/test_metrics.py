@@ -226,8 +226,42 @@ def test_native_relative_error_agrees_with_the_torch_rule_and_leaves_specials_to
     monkeypatch.undo()
     c[1, 7] = math.nan
     assert M.native_rel_l2(c, r) is None  # NaN/Inf: the torch rule (finite elements on both sides)
-    assert M.native_rel_l2(c.t(), r.t()) is None  # not row-major
+    assert M.native_rel_l2(c.t(), r.t()) is None  # (in any layout)
     assert M.native_rel_l2(r, r) == 0.0 and M.native_rel_l2(r, torch.zeros_like(r)) == math.inf
+
+
+@pytest.mark.parametrize("layout", ["both permuted alike", "one side permuted", "both transposed", "expanded",
+                                    "strided slice", "gathered in pieces"])
+def test_native_relative_error_reads_any_layout_as_row_major_copies_give_it(layout, monkeypatch):
+    """A pair not in row-major order is measured by the native kernel all the same (its memory in place when
+    both sides are laid out alike over dense memory, else gathered): the relative error of contiguous copies,
+    up to the order of the sums."""
+    if not host_kernel.available():
+        pytest.skip(f"no native kernel here: {host_kernel.why()}")
+    g = torch.Generator().manual_seed(7)
+    base = torch.randn(6, 40, 3, 16, generator=g)
+    noisy = base + 1e-3 * torch.randn(base.shape, generator=g)
+    if layout == "both permuted alike":
+        c, r = noisy.permute(0, 2, 1, 3), base.permute(0, 2, 1, 3)
+    elif layout == "one side permuted":
+        c, r = noisy.permute(0, 2, 1, 3).contiguous(), base.permute(0, 2, 1, 3)
+    elif layout == "both transposed":
+        c, r = noisy.reshape(240, 48).t(), base.reshape(240, 48).t()
+    elif layout == "expanded":
+        row = base[0, 0, 0]
+        c, r = (row + 0.01).expand(50, 16), row.expand(50, 16)
+    elif layout == "strided slice":
+        c, r = noisy.reshape(-1, 48)[:, ::3], base.reshape(-1, 48)[:, ::3]
+    else:
+        monkeypatch.setattr(M, "GATHER", 97)  # many pieces, none a whole row
+        c, r = noisy.permute(3, 1, 0, 2), base.permute(3, 1, 0, 2).contiguous()
+    assert not (c.is_contiguous() and r.is_contiguous())
+    got, want = M.native_rel_l2(c, r), M.native_rel_l2(c.contiguous(), r.contiguous())
+    assert got is not None and got > 0 and got == pytest.approx(want, rel=1e-6)
+    bad = c.contiguous()
+    bad.view(-1)[5] = math.inf
+    assert M.native_rel_l2(bad.t() if bad.dim() == 2 else bad.transpose(0, 1), r.t() if r.dim() == 2 else
+                           r.transpose(0, 1)) is None  # a non-finite value: the torch rule, in any layout
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
