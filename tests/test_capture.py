@@ -340,3 +340,31 @@ def test_a_file_edited_between_two_diffs_in_one_process_is_named_from_its_new_te
     second = diffkit.diff_files(str(ref), str(cand))
     assert not any("act" in n for n in quoted(second, EDITED_AFTER))
     assert first.verdict == second.verdict == "match"
+
+
+def test_cpp_extension_is_wrapped_when_imported_and_not_imported_for_a_model_without_one(tmp_path):
+    """Loading a model installs the extension hook without importing torch.utils.cpp_extension (and setuptools
+    with it); a model that imports it later (at its file's import, or inside forward) gets its importer wrapped,
+    so extensions it loads are registered.  Run in fresh interpreters: this one may have imported both."""
+    import subprocess
+
+    plain = tmp_path / "plain.py"
+    plain.write_text("import torch\nclass Model(torch.nn.Module):\n    def forward(self, x):\n        return x * 2\n"
+                     "def get_inputs():\n    return [torch.ones(3)]\ndef get_init_inputs():\n    return []\n")
+    uses = tmp_path / "uses.py"
+    uses.write_text(plain.read_text().replace("import torch\n", "import torch\n"
+                                              "from torch.utils.cpp_extension import load_inline\n"))
+    probe = (
+        "import sys, diffkit\n"
+        "from diffkit.load import exec_file\n"
+        "exec_file(sys.argv[1], 'cand')\n"
+        "ce = sys.modules.get('torch.utils.cpp_extension')\n"
+        "print('imported' if ce is not None else 'not imported', 'setuptools' in sys.modules)\n"
+        "import torch.utils.cpp_extension as ce\n"
+        "print('wrapped' if getattr(ce._import_module_from_library, '_diffkit', False) else 'bare')\n")
+    for path, first in ((plain, "not imported False"), (uses, "imported")):
+        p = subprocess.run([sys.executable, "-c", probe, str(path)], capture_output=True, text=True, timeout=120,
+                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        assert p.returncode == 0, p.stderr[-2000:]
+        lines = p.stdout.split("\n")
+        assert lines[0].startswith(first) and lines[1] == "wrapped", p.stdout
