@@ -37,7 +37,13 @@ from .measure import _COUNTS, _Packed, _Part
 BLOCK = 256  # lanes of a program
 NUM_WARPS = 2  # (two lanes a thread, next to each other: the per-lane accumulators stay in registers)
 TILE_BLOCKS = 128  # blocks of BLOCK elements a program reads, in a loop (a tile; 64: 2271 against 2476 GB/s, round 8)
-DIRECT_MIN = 1 << 20  # pairs at least this large are launched on their own, tensors passed directly
+# pairs at least this large are launched on their own, tensors passed directly; the rest are read through the batch's
+# address table, one launch for all of them.  (H100, bench/direct_vs_table.py: the table reads as fast as a launch
+# of its own at every size, 890 GB/s against 29 for 256 pairs of 256 Ki elements, 2435 against 452 at 4 Mi, 2560
+# against 2575 at 256 Mi; a launch costs ~70 us of host time, so a diff's hundreds of activations of a few Mi
+# elements each were launch-bound: a 12-block transformer's metric passes 21.5 -> 10.6 ms.  Only pairs of 1 GiB
+# of float32 and more keep a launch each.)
+DIRECT_MIN = 1 << 28
 # the finite-first pass's per-lane running sums: True float64; False the working precision over a tile's
 # blocks, float64 from the tile up (a tile whose magnitudes leave float32's square range is measured again
 # with float64 sums).  The full-rules pass always sums in float64.
