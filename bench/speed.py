@@ -27,7 +27,10 @@ values take).
   metrics    the metric kernel alone through measure_many, as bytes read per second: CUDA, a 1 GiB float32
              pair (Triton); CPU, a 256 MiB pair (the native kernel on the worker threads, and the torch
              passes it replaces)
-Ratios are against `plain` of the same model measured in the same run.
+Ratios are against `plain` of the same model measured in the same run.  On the CPU, `compare`, `default`, `naive`
+and `isolated_warm` also time two plain forwards right before each of their runs (in the same process; for
+`isolated_warm` in a forked child) and print the median of the per-run ratios ("paired"): on a machine whose
+speed drifts by a third from one minute to the next, the ratio of two figures measured seconds apart.
 """
 import argparse
 import json
@@ -80,6 +83,38 @@ TARGETS = {("stack12", "compare"): 2.0, ("stack12", "isolated"): 3.0, ("stack12"
            ("h200", "compare"): 3.0, ("h200", "stream"): 2.0}
 
 
+def _plain_in_a_child(ref_path, cand_path) -> float:
+    """Two plain forwards timed in a forked child (the pair loaded, one untimed forward each first), right before
+    a diff timed in this process: a ratio per run, both measured in the same minute of a machine whose speed
+    drifts (this process runs no torch computation itself: the CLI's forked children need usable thread pools)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            import torch
+
+            import diffkit
+
+            pair = diffkit.load_pair(ref_path, cand_path, device="cpu")
+            with torch.no_grad():
+                pair.ref(*pair.ref_inputs), pair.cand(*pair.cand_inputs)
+                t0 = time.perf_counter()
+                pair.ref(*pair.ref_inputs), pair.cand(*pair.cand_inputs)
+                os.write(w, repr(time.perf_counter() - t0).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    got = b""
+    while True:
+        chunk = os.read(r, 64)
+        if not chunk:
+            break
+        got += chunk
+    os.close(r)
+    os.waitpid(pid, 0)
+    return float(got)
+
+
 def child(model, mode, dev, repeat, max_memory):
     import torch
 
@@ -124,8 +159,10 @@ def child(model, mode, dev, repeat, max_memory):
 
         argv = ["diff", ref_path, cand_path, "--trials", "1", "--no-report"] + (["--device", dev] if dev != "cpu" else [])
         sys.argv = ["diffkit", *argv]
-        times = []
+        times, plains = [], []
         for _ in range(repeat):
+            if dev == "cpu":
+                plains.append(_plain_in_a_child(ref_path, cand_path))
             t0 = time.perf_counter()
             try:
                 cli_main.main(args=argv, standalone_mode=False)
@@ -133,6 +170,9 @@ def child(model, mode, dev, repeat, max_memory):
                 pass
             times.append(time.perf_counter() - t0)
         out.update(seconds=statistics.median(times), all_seconds=times)
+        if plains:
+            out.update(paired_plain_seconds=plains,
+                       paired_ratio=statistics.median(t / p for t, p in zip(times, plains)))
         print("RESULT " + json.dumps(out))
         return
     if mode in ("isolated", "cli_inproc", "isolated_files", "default_cli"):
@@ -181,8 +221,13 @@ def child(model, mode, dev, repeat, max_memory):
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-    times = []
+    times, plains = [], []
     for _ in range(repeat):
+        if mode in ("compare", "default", "naive") and dev == "cpu":
+            t0 = time.perf_counter()  # two plain forwards right before (the ratio per run: `paired_ratio`)
+            with torch.no_grad():
+                ref(*ri), cand(*ci)
+            plains.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         if mode == "plain":
             with torch.no_grad():
@@ -203,6 +248,8 @@ def child(model, mode, dev, repeat, max_memory):
         _sync(dev)
         times.append(time.perf_counter() - t0)
     out.update(seconds=statistics.median(times), all_seconds=times, host_peak_rss=peak_rss())
+    if plains:
+        out.update(paired_plain_seconds=plains, paired_ratio=statistics.median(t / p for t, p in zip(times, plains)))
     if mode in ("compare", "default"):
         out.update(_metric_passes(diffkit, ref, cand, ri, ci, kw, dev))
     if dev == "cuda":
@@ -304,6 +351,8 @@ def main():
             notes.append(f"torch passes {r['torch_passes_bytes_per_s'] / 1e9:.1f} GB/s")
         if "compare_bytes_per_s" in r and "copy_bandwidth" in r:
             notes.append(f"whole diff {100 * r['compare_bytes_per_s'] / r['copy_bandwidth']:.1f}% of copy bandwidth")
+        if r.get("paired_ratio"):
+            notes.append(f"{r['paired_ratio']:.2f}x two plain forwards timed right before each run")
         if r.get("metric_pass_bytes_per_s"):
             notes.append(f"its metric passes: {r['metric_pass_pairs']} pairs, {r['metric_pass_bytes'] / 1e9:.2f} GB in "
                          f"{r['metric_pass_seconds']:.3f} s = {r['metric_pass_bytes_per_s'] / 1e9:.1f} GB/s" + (
