@@ -618,9 +618,9 @@ def _measure_host_many(items: list[tuple[torch.Tensor, torch.Tensor, float, floa
 def native_rel_l2(c: torch.Tensor, r: torch.Tensor) -> float | None:
     """||c - r|| / ||r|| (float64 sums) by the native kernel, for equal element counts; None where it does not
     apply (another dtype or device, or a NaN or an infinity on either side, whose rule `align._rel_err` owns).
-    Both in row-major order: one call.  Both laid out alike over dense memory (a permuted view of a whole
-    buffer on either side): their memory read in place, in memory order (the sums need no order).  Otherwise
-    read in row-major order, a side laid out otherwise gathered a piece at a time (`_Flat`)."""
+    Both in row-major order: one call.  Both laid out alike over dense memory (each a permuted view of a whole
+    buffer, the same permutation): their memory read in place, in memory order (the sums need no order).
+    Otherwise read in row-major order, a side laid out otherwise gathered a piece at a time (`_Flat`)."""
     if c.numel() != r.numel() or c.numel() == 0 or not _native(r, c):
         return None
     from . import host_kernel
