@@ -561,20 +561,7 @@ def _measure_host_many(items: list[tuple[torch.Tensor, torch.Tensor, float, floa
         r, c, atol, rtol = items[i]
         if r.is_contiguous() and c.is_contiguous():
             return [host_kernel.partials(r, c, lo, hi, atol, rtol)]
-        # a side not laid out in row-major order: gathered GATHER elements at a time into buffers (the
-        # kernel's flat indices are then into the buffer: shifted back)
-        fr, fc = _Flat(r), _Flat(c)
-        rb = None if fr.flat is not None else torch.empty(min(GATHER, hi - lo), dtype=r.dtype)
-        cb = None if fc.flat is not None else torch.empty(min(GATHER, hi - lo), dtype=c.dtype)
-        out = []
-        for g in range(lo, hi, GATHER):
-            g2 = min(g + GATHER, hi)
-            a, b = fr.part(g, g2, rb).contiguous(), fc.part(g, g2, cb).contiguous()
-            p = host_kernel.partials(a, b, 0, g2 - g, atol, rtol)
-            for slot in (_Part.MAX_ABS_AT, _Part.MAX_EXCESS_AT, _Part.FIRST_DISAGREE_AT):
-                p[slot] += g
-            out.append(p)
-        return out
+        return _gathered_partials(r, c, lo, hi, atol, rtol)
 
     def one(i):
         r, c, atol, rtol = items[i]
@@ -615,6 +602,26 @@ def _measure_host_many(items: list[tuple[torch.Tensor, torch.Tensor, float, floa
     return out  # type: ignore[return-value]
 
 
+def _gathered_partials(r: torch.Tensor, c: torch.Tensor, lo: int, hi: int, atol: float, rtol: float) -> list[list[float]]:
+    """The native kernel's `_Part` vectors of elements lo..hi-1 (row-major order) of a pair with a side not laid out
+    in that order: gathered GATHER elements at a time into buffers (the kernel's flat indices, into the buffer, are
+    shifted back).  Called with torch's threads at one (`_one_thread`)."""
+    from . import host_kernel
+
+    fr, fc = _Flat(r), _Flat(c)
+    rb = None if fr.flat is not None else torch.empty(min(GATHER, hi - lo), dtype=r.dtype)
+    cb = None if fc.flat is not None else torch.empty(min(GATHER, hi - lo), dtype=c.dtype)
+    out = []
+    for g in range(lo, hi, GATHER):
+        g2 = min(g + GATHER, hi)
+        a, b = fr.part(g, g2, rb).contiguous(), fc.part(g, g2, cb).contiguous()
+        p = host_kernel.partials(a, b, 0, g2 - g, atol, rtol)
+        for slot in (_Part.MAX_ABS_AT, _Part.MAX_EXCESS_AT, _Part.FIRST_DISAGREE_AT):
+            p[slot] += g
+        out.append(p)
+    return out
+
+
 def native_rel_l2(c: torch.Tensor, r: torch.Tensor) -> float | None:
     """||c - r|| / ||r|| (float64 sums) by the native kernel, for equal element counts; None where it does not
     apply (another dtype or device, or a NaN or an infinity on either side, whose rule `align._rel_err` owns).
@@ -633,16 +640,8 @@ def native_rel_l2(c: torch.Tensor, r: torch.Tensor) -> float | None:
     if r.is_contiguous() and c.is_contiguous():
         parts = [host_kernel.partials(r, c, 0, r.numel(), 0.0, 0.0)]
     else:
-        fr, fc = _Flat(r), _Flat(c)
-        n = r.numel()
-        rb = None if fr.flat is not None else torch.empty(min(GATHER, n), dtype=r.dtype)
-        cb = None if fc.flat is not None else torch.empty(min(GATHER, n), dtype=c.dtype)
-        parts = []
         with _one_thread():
-            for g in range(0, n, GATHER):
-                g2 = min(g + GATHER, n)
-                a, b = fr.part(g, g2, rb).contiguous(), fc.part(g, g2, cb).contiguous()
-                parts.append(host_kernel.partials(a, b, 0, g2 - g, 0.0, 0.0))
+            parts = _gathered_partials(r, c, 0, r.numel(), 0.0, 0.0)
     if any(p[slot] for p in parts for slot in _COUNTS):
         return None
     d, s = math.sqrt(sum(p[_Part.DIFF_SQ] for p in parts)), math.sqrt(sum(p[_Part.REF_SQ] for p in parts))
