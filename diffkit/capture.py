@@ -255,33 +255,49 @@ def _wrap_extension_importer(ce: types.ModuleType) -> None:
 
 
 class _ExtensionImportWatch:
-    """A finder first on sys.meta_path that answers for torch.utils.cpp_extension only: the spec the
-    other finders give, its loader wrapped so that the module, once executed, gets its importer wrapped
-    (`_wrap_extension_importer`).  It leaves sys.meta_path then."""
+    """A finder first on sys.meta_path that answers for torch.utils.cpp_extension only: the spec the finders
+    after it give, its loader wrapped (`_WrappingLoader`) so that the module, once executed, gets its importer
+    wrapped (`_wrap_extension_importer`).  It stays there (one string compared an import): a lookup that imports
+    nothing (`importlib.util.find_spec`) or an import that fails leaves it for the next one, and no finder is
+    removed while an import walks the list."""
 
     def find_spec(self, name, path, target=None):
         if name != _CPP_EXTENSION:
             return None
-        import importlib.machinery
-
-        try:
-            sys.meta_path.remove(self)
-        except ValueError:
-            pass
-        spec = importlib.machinery.PathFinder.find_spec(name, path, target)
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        run = spec.loader.exec_module
-
-        def exec_module(module):
-            run(module)
-            _wrap_extension_importer(module)
-
-        spec.loader.exec_module = exec_module  # (this spec's own loader object)
+        for finder in list(sys.meta_path):
+            if isinstance(finder, _ExtensionImportWatch):
+                continue
+            find = getattr(finder, "find_spec", None)
+            spec = find(name, path, target) if find is not None else None
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            spec.loader = _WrappingLoader(spec.loader)
         return spec
 
     def invalidate_caches(self) -> None:
         pass
+
+
+class _WrappingLoader:
+    """A module's loader, its `exec_module` followed by `_wrap_extension_importer`; everything else the loader's
+    own (source, code, resources)."""
+
+    def __init__(self, inner) -> None:
+        self._inner = inner
+
+    def create_module(self, spec):
+        create = getattr(self._inner, "create_module", None)
+        return create(spec) if create is not None else None
+
+    def exec_module(self, module) -> None:
+        self._inner.exec_module(module)
+        _wrap_extension_importer(module)
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
 
 
 def _is_extension_function(obj: Any) -> bool:

@@ -345,7 +345,8 @@ def test_a_file_edited_between_two_diffs_in_one_process_is_named_from_its_new_te
 def test_cpp_extension_is_wrapped_when_imported_and_not_imported_for_a_model_without_one(tmp_path):
     """Loading a model installs the extension hook without importing torch.utils.cpp_extension (and setuptools
     with it); a model that imports it later (at its file's import, or inside forward) gets its importer wrapped,
-    so extensions it loads are registered.  Run in fresh interpreters: this one may have imported both."""
+    so extensions it loads are registered -- a lookup before the import (`importlib.util.find_spec`) included.
+    Run in fresh interpreters: this one may have imported both."""
     import subprocess
 
     plain = tmp_path / "plain.py"
@@ -360,6 +361,8 @@ def test_cpp_extension_is_wrapped_when_imported_and_not_imported_for_a_model_wit
         "exec_file(sys.argv[1], 'cand')\n"
         "ce = sys.modules.get('torch.utils.cpp_extension')\n"
         "print('imported' if ce is not None else 'not imported', 'setuptools' in sys.modules)\n"
+        "import importlib.util\n"
+        "assert importlib.util.find_spec('torch.utils.cpp_extension') is not None  # a lookup, as libraries make\n"
         "import torch.utils.cpp_extension as ce\n"
         "print('wrapped' if getattr(ce._import_module_from_library, '_diffkit', False) else 'bare')\n")
     for path, first in ((plain, "not imported False"), (uses, "imported")):

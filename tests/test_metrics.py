@@ -258,6 +258,9 @@ def test_native_relative_error_reads_any_layout_as_row_major_copies_give_it(layo
     assert not (c.is_contiguous() and r.is_contiguous())
     got, want = M.native_rel_l2(c, r), M.native_rel_l2(c.contiguous(), r.contiguous())
     assert got is not None and got > 0 and got == pytest.approx(want, rel=1e-6)
+    monkeypatch.setattr(M, "REL_GATHER_MAX", 10)  # past it, a pair that must be gathered goes to the torch passes
+    in_place = layout in ("both permuted alike", "both transposed")
+    assert (M.native_rel_l2(c, r) is not None) == in_place
     bad = c.contiguous()
     bad.view(-1)[5] = math.inf
     assert M.native_rel_l2(bad.t() if bad.dim() == 2 else bad.transpose(0, 1), r.t() if r.dim() == 2 else
