@@ -238,12 +238,12 @@ def child(model, mode, dev, repeat, max_memory):
         else:
             r = diffkit.compare(ref, cand, ri, cand_inputs=ci, **kw)
             fd = r.first_divergence
+            measured = [(s.stats.numel, getattr(torch, s.ref.dtype).itemsize) for s in r.stages
+                        if s.stats is not None and s.ref is not None]
             out.update(verdict=r.verdict, stages=len(r.stages), cand_records=r.meta.get("cand_records"),
                        first=fd.ref_name if fd else None, streaming={k: r.meta[k] for k in (
                            "lockstep", "reference_tiers", "spilled_bytes", "peak_device_bytes") if k in r.meta},
-                       compared_elements=sum(s.stats.numel for s in r.stages if s.stats is not None and s.ref is not None),
-                       compared_bytes=sum(2 * s.stats.numel * torch.empty((), dtype=getattr(torch, s.ref.dtype)).element_size()
-                                          for s in r.stages if s.stats is not None and s.ref is not None))
+                       compared_elements=sum(n for n, _ in measured), compared_bytes=sum(2 * n * b for n, b in measured))
             del r
         _sync(dev)
         times.append(time.perf_counter() - t0)
