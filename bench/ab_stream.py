@@ -1,6 +1,7 @@
 """A/B of the streaming diff of the 24-block transformer (CUDA, 40G), diffkit imported from the folder
-given (bench only): `python bench/ab_stream.py OLD_ROOT NEW_ROOT ...` runs each in its own process,
-in turns, REPEAT rounds; prints each run's plain and streaming medians."""
+given: `python bench/ab_stream.py OLD_ROOT NEW_ROOT ...` runs each in its own process, in turns, ROUNDS rounds
+(default 2) of REPEAT timed streaming diffs (default 5); prints each run's plain and streaming medians.
+`OLD=OLD_ROOT bash bench/gpu.sh ab` runs it against this tree."""
 import os
 import statistics
 import subprocess

@@ -1,10 +1,9 @@
-"""Everything GPU-side, in a few calls (device time is scarce).
+"""The axial-attention GPU figures and the extension build, for bench/gpu.sh (parts `tests`, `axial`, `sanitizer`).
 
     python bench/gpu_run.py build      # build both CUDA extensions at once (two processes)
-    python bench/gpu_run.py tests      # pytest -m cuda: every CUDA/Triton candidate, sanitizers, streaming
     python bench/gpu_run.py timing     # GPU diff wall time vs two plain forwards (axial, B4 64x64 dim256)
     python bench/gpu_run.py sanitizer  # the raw compute-sanitizer logs of the two sanitizer cases
-Scale figures: bench/scale.py --preset h200 --dtype float32|bfloat16.
+The CUDA tests: `bash bench/gpu.sh tests`. Scale figures: bench/scale.py --preset h200 --dtype float32|bfloat16.
 """
 import os
 import subprocess
@@ -35,12 +34,6 @@ def build():
         "import runpy; runpy.run_path('kernels/cuda_ops.py')['load']()")]
     codes = [p.wait() for p in procs]
     print(f"extensions built in {time.perf_counter() - t0:.1f} s, exit codes {codes}")
-
-
-def tests():
-    sys.stdout.flush()
-    subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "-m", "cuda", "-p", "no:cacheprovider",
-                    os.path.join(ROOT, "tests", "test_gpu.py")], cwd=ROOT)
 
 
 def timing():
@@ -104,7 +97,7 @@ def sanitizer():
 
 if __name__ == "__main__":
     env_report()
-    for phase in sys.argv[1:] or ["build", "tests", "timing"]:
+    for phase in sys.argv[1:] or ["build", "timing"]:
         print(f"\n######## {phase}")
         sys.stdout.flush()
         globals()[phase]()

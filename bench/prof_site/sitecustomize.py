@@ -1,6 +1,6 @@
 """Profile every Python process started with this folder on PYTHONPATH and DIFFKIT_PROFILE_DIR set: each
 writes <pid>.prof (cProfile) and <pid>.txt (its command line, start and end times) there at exit.
-Used by bench/gpu_round11.sh to see where an isolated diff's children spend their time."""
+Used by `bash bench/gpu.sh profile` to see where an isolated diff's processes spend their time."""
 import os
 
 _DIR = os.environ.get("DIFFKIT_PROFILE_DIR")

@@ -1,0 +1,156 @@
+#!/usr/bin/env bash
+# Everything GPU-side, in named parts: `bash bench/gpu.sh PART [PART ...]`, from the repository root or anywhere.
+# Each part fits one 10-minute device call (the tool library's `run`, which runs this on a GPU machine from the repo
+# root with $OUT set); JSON and logs go under $OUT (default /tmp), what a part measures is printed.
+# docs/performance.md says which target each part measures and its figure now.
+#
+#   tests     the CUDA-marked tests (pytest -m cuda), five pytest processes side by side, T s each (default 470);
+#             the two CUDA extensions are built once first (bench/gpu_run.py build). Log: $OUT/cuda_tests.log
+#   speed     bench/speed.py --preset h200: the 24-block transformer (B4 S2048 D1024 float32): plain, compare (full
+#             capture, its metric passes timed alone), stream (40G), metrics (1 GiB pair). NEEDS AN H200: the full
+#             capture peaks at ~108 GB beyond the models (on an H100 `compare` reads "error"). $OUT/speed_h200.json
+#   stream    the streaming diff of the same transformer at 40G (fits an H100): speed.py h200:plain,h200:stream;
+#             PROFILE=1 adds bench/lockstep_profile.py (both threads under cProfile, syncs, device busy time)
+#   mid       the same transformer at 12 blocks, B4 S1024 D1024 (fits an H100): plain, compare (with its metric
+#             passes), default, the CLI in one process (--no-isolate), isolated, five trials; fresh processes for
+#             the CLI modes, as a user runs them. $OUT/speed_mid.json
+#   metrics   the metric kernel: tests/test_metrics.py -m cuda, bench/metrics_kernel_tune.py (the kernel alone over
+#             its knobs), bench/direct_vs_table.py (a launch per pair against the address table), speed.py
+#             h200:metrics (a 1 GiB float32 pair through measure_many, against a device copy)
+#   host      bench/host_overhead.py: how fast this box's host runs diffkit's own Python (tiny forwards)
+#   axial     bench/gpu_run.py timing: the axial-attention CUDA candidate at B4 64x64 dim 256 (issue 6's figure)
+#   sanitizer bench/gpu_run.py sanitizer: the raw compute-sanitizer logs of the memcheck and racecheck cases
+#   scale     bench/scale.py --preset h200 --dtype float32 --max-memory 40G: plain / stream / full / by-hand, each
+#             in its own process, with device peak and host RSS (NEEDS AN H200 for `full`). $OUT/scale_h200.json
+#   profile   where an isolated `diffkit diff` of the `mid` transformer spends its time: every Python process
+#             profiled through bench/prof_site (needs children that honour PYTHONPATH)
+#   equiv     bench/equivalence.py record --gpu over the CUDA/Triton candidates: $OUT/equiv_cuda.json; with
+#             BEFORE=FILE (a record of another tree, carried), compared with it
+#   ab        OLD=TREE: bench/ab_stream.py TREE . -- the streaming diff with another tree's diffkit and this one's,
+#             in turns (ROUNDS, default 3)
+#   all       tests speed stream mid metrics host axial (more than one call's worth: run parts one call at a time)
+#
+# Knobs: OUT, T (tests' limit per process), REPEAT (speed/stream/mid repeats), SPEED_ONLY (speed.py --only for
+# `speed`), PROFILE, BEFORE, OLD, ROUNDS.
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp}
+mkdir -p "$OUT"
+[ $# -gt 0 ] || { sed -n 2,34p "$0"; exit 2; }
+parts=("$@")
+[ "${parts[*]}" = all ] && parts=(tests speed stream mid metrics host axial)
+for p in "${parts[@]}"; do
+  grep -q "^part_$p()" "$0" || { echo "unknown part: $p (see: bash bench/gpu.sh)"; exit 2; }
+done
+export PYTHONUNBUFFERED=1
+
+python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
+python -c "import triton; print('triton', triton.__version__)" 2>/dev/null || echo "triton: not installed"
+nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader 2>/dev/null
+lscpu 2>/dev/null | grep -E "Model name|^CPU\(s\)" | head -2
+# diffkit's child processes import the installed package (not the current folder): install this tree if needed
+if command -v nvidia-smi >/dev/null && ! (cd / && python -c "import diffkit" 2>/dev/null); then
+  python -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 \
+    && echo "diffkit installed from this tree (editable)" || echo "warning: diffkit is not importable outside this tree"
+fi
+
+speed() {  # speed.py with a limit; its last lines are the summary
+  local limit=$1; shift
+  timeout "$limit" python bench/speed.py "$@" 2>&1 | grep -v Warning | tail -"${TAIL:-16}"
+}
+
+part_tests() {
+  python bench/gpu_run.py build 2>&1 | tail -1
+  local T=${T:-470} i=0
+  run() { i=$((i + 1)); ( timeout "$T" python -m pytest -q -m cuda -p no:cacheprovider -rf "$@" > "$OUT/cuda_$i.log" 2>&1 ) & }
+  run tests/test_gpu.py -k "cuda_candidate and axial"
+  run tests/test_gpu.py -k "cuda_candidate and (invariant or row_softmax)"
+  run tests/test_gpu.py -k "cuda_candidate and not axial and not invariant and not row_softmax"
+  run tests/ --ignore=tests/test_fused.py -k "not cuda_candidate" --continue-on-collection-errors
+  run tests/test_fused.py
+  wait
+  : > "$OUT/cuda_tests.log"
+  for f in $(seq 1 $i); do
+    { echo "== group $f"; cat "$OUT/cuda_$f.log"; } >> "$OUT/cuda_tests.log"
+    echo "== group $f: $(grep -E "passed|failed|error" "$OUT/cuda_$f.log" | tail -1)"
+    grep -E "^(FAILED|ERROR)" "$OUT/cuda_$f.log" | head -8
+    rm -f "$OUT/cuda_$f.log"
+  done
+}
+
+part_speed() {
+  speed "${SPEED_S:-500}" --preset h200 --repeat "${REPEAT:-5}" \
+    --only "${SPEED_ONLY:-h200:plain,h200:compare,h200:stream,h200:metrics}" --json "$OUT/speed_h200.json"
+}
+
+part_stream() {
+  speed "${STREAM_S:-300}" --preset h200 --repeat "${REPEAT:-5}" --only h200:plain,h200:stream --json "$OUT/speed_stream.json"
+  if [ "${PROFILE:-0}" = 1 ]; then
+    timeout 200 python bench/lockstep_profile.py > "$OUT/lockstep_profile.txt" 2>&1
+    tail -5 "$OUT/lockstep_profile.txt"
+  fi
+}
+
+part_mid() {
+  speed "${MID_S:-400}" --preset h200 --repeat "${REPEAT:-3}" \
+    --only gpu_mid:plain,gpu_mid:compare,gpu_mid:default,gpu_mid:cli_inproc,gpu_mid:isolated,gpu_mid:default_cli \
+    --json "$OUT/speed_mid.json"
+}
+
+part_metrics() {
+  timeout 200 python -m pytest -q -m cuda -p no:cacheprovider -rf tests/test_metrics.py 2>&1 | tail -3
+  timeout 120 python bench/metrics_kernel_tune.py 2>&1 | grep -v Warning | tail -16
+  timeout 90 python bench/direct_vs_table.py 2>&1 | grep -v Warning | tail -8
+  TAIL=4 speed 120 --preset h200 --repeat 5 --only h200:metrics
+}
+
+part_host() { timeout 120 python bench/host_overhead.py --repeat 5 2>&1 | grep -v Warning; }
+part_axial() { timeout 300 python bench/gpu_run.py timing 2>&1 | grep -v Warning | head -12; }
+part_sanitizer() { timeout 560 python bench/gpu_run.py sanitizer 2>&1 | grep -v Warning; }
+
+part_scale() {
+  timeout 560 python bench/scale.py --preset h200 --dtype float32 --max-memory 40G --repeat 1 \
+    --json "$OUT/scale_h200.json" 2>&1 | grep -v Warning | tail -12
+}
+
+part_profile() {
+  local dir=$OUT/prof root=$PWD
+  mkdir -p "$dir"
+  (cd /tmp && env DIFFKIT_DEPTH=12 DIFFKIT_BATCH=4 DIFFKIT_SEQ=1024 DIFFKIT_DIM=1024 DIFFKIT_HEADS=16 \
+    PYTHONPATH="$root/bench/prof_site:$root" DIFFKIT_PROFILE_DIR="$dir" \
+    timeout 300 python -m diffkit.cli diff "$root/references/deep_transformer.py" "$root/kernels/deep_transformer_fused.py" \
+    --trials 1 --no-report --device cuda 2>&1 | tail -2)
+  python - "$dir" <<'PY'
+import glob, os, pstats, sys
+d = sys.argv[1]
+for txt in sorted(glob.glob(os.path.join(d, "*.txt"))):
+    lines = open(txt).read().splitlines()
+    start, end = float(lines[1].split()[1]), float(lines[2].split()[1])
+    print(f"== {lines[0][-90:]}  {end - start:.2f} s")
+    pstats.Stats(txt[:-4] + ".prof").sort_stats("cumulative").print_stats(14)
+PY
+  rm -rf "$dir"  # (each process's .prof: too many files to come back; the summaries above are printed)
+}
+
+part_equiv() {
+  local cands=(kernels/fused/axial_attention_cuda_ok.py kernels/fused/axial_attention_cuda_tail.py
+               kernels/axial_attention_cuda.py kernels/axial_attention_cuda_race.py kernels/fused/swiglu_mlp_cuda_tail.py
+               kernels/row_softmax_cuda.py kernels/invariant_point_attention_crash.py kernels/transformer_block_triton.py
+               kernels/transformer_block_triton_tail.py kernels/triangle_multiplicative_update_cuda_tail.py)
+  timeout 560 python bench/equivalence.py record --gpu --tree . --out "$OUT/equiv_cuda.json" "${cands[@]}" 2>&1 | tail -14
+  if [ -n "${BEFORE:-}" ]; then python bench/equivalence.py compare "$BEFORE" "$OUT/equiv_cuda.json"; fi
+}
+
+part_ab() {
+  [ -d "${OLD:-}/diffkit" ] || { echo "ab: set OLD to a tree holding another diffkit/ (carried)"; return 1; }
+  ROUNDS=${ROUNDS:-3} timeout 400 python bench/ab_stream.py "$OLD" . 2>&1 | grep -v Warning
+}
+
+status=0
+for p in "${parts[@]}"; do
+  echo; echo "######## $p ($(date -u +%H:%M:%S))"
+  T0=$(date +%s)
+  "part_$p" || status=1
+  echo "######## $p took $(( $(date +%s) - T0 )) s"
+done
+exit $status
