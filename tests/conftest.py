@@ -2,6 +2,7 @@ import ast
 import os
 import re
 import runpy
+import subprocess
 import sys
 
 import pytest
@@ -10,7 +11,25 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REFS = os.path.join(ROOT, "references")
 KERNELS = os.path.join(ROOT, "kernels")
+CLI = os.path.join(ROOT, "cli.py")
 sys.path.insert(0, ROOT)
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (the default, see pyproject.toml): a worker per CPU this process may use (its affinity mask and
+    cgroup quota), not per physical core as xdist's psutil-based guess does (a 2-vCPU machine of one
+    hyper-threaded core would get one worker). PYTEST_XDIST_AUTO_NUM_WORKERS still overrides it."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS", "").isdigit():
+        return int(os.environ["PYTEST_XDIST_AUTO_NUM_WORKERS"])
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        with open("/sys/fs/cgroup/cpu.max", encoding="ascii") as fh:
+            quota, period = fh.read().split()
+        if quota != "max":
+            cpus = min(cpus, max(1, int(quota) // int(period)))
+    except (OSError, ValueError):
+        pass
+    return max(1, cpus)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -20,6 +39,17 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+def run_cli(*args, cwd=ROOT, env=None, timeout=600, **kw) -> subprocess.CompletedProcess:
+    """`python cli.py ARGS` (= `diffkit ARGS`) in a fresh interpreter, its output captured as text.
+
+    cwd: the repository root unless given. env: variables set (or replaced) over the current environment,
+    read at the call (a monkeypatched variable reaches the child). timeout: seconds before
+    subprocess.TimeoutExpired (a hung child fails its test rather than the whole run). Other keyword arguments
+    go to subprocess.run."""
+    return subprocess.run([sys.executable, CLI, *map(str, args)], capture_output=True, text=True, cwd=cwd,
+                          env=None if env is None else {**os.environ, **env}, timeout=timeout, **kw)
 
 
 def expectation(path):

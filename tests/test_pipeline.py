@@ -3,8 +3,6 @@ against a candidate file) gives the same answer; the result round-trips through 
 `judge` decides the verdict."""
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -15,14 +13,9 @@ from diffkit.options import Options, Tolerance
 from diffkit.pipeline import judge
 from diffkit.result import Result
 
-from conftest import ROOT, candidates
+from conftest import candidates, run_cli
 
 BROKEN = [c for c in candidates() if c[3] is not None and c[3].get("verdict") != "error"]
-
-
-def _cli(*args, cwd=ROOT):
-    return subprocess.run([sys.executable, os.path.join(ROOT, "cli.py"), *args], capture_output=True, text=True,
-                          cwd=cwd)
 
 
 def _answer(data: dict) -> tuple:
@@ -39,16 +32,16 @@ def test_every_surface_gives_the_same_answer(name, ref, cand, exp, ops, tmp_path
     assert in_process[1] is not None  # (an intermediate may diverge under a passing output: then "match")
     streaming = _answer(diffkit.diff_files(ref, cand, max_memory=1 << 30).to_dict())
 
-    isolated = _cli("diff", ref, cand, "--json", str(tmp_path / "iso.json"), "--no-report")
+    isolated = run_cli("diff", ref, cand, "--json", str(tmp_path / "iso.json"), "--no-report")
     code = {"match": 0, "diverged": 1}[in_process[0]]
     assert isolated.returncode == code, isolated.stdout + isolated.stderr
-    captures = [_cli("capture", ref, "-o", str(tmp_path / "ref.dkt")),
-                _cli("capture", cand, "--side", "cand", "--inputs-from", ref, "-o", str(tmp_path / "cand.dkt"))]
+    captures = [run_cli("capture", ref, "-o", str(tmp_path / "ref.dkt")),
+                run_cli("capture", cand, "--side", "cand", "--inputs-from", ref, "-o", str(tmp_path / "cand.dkt"))]
     assert all(p.returncode == 0 for p in captures), [p.stdout[-2000:] + p.stderr[-2000:] for p in captures]
-    two = _cli("diff", str(tmp_path / "ref.dkt"), str(tmp_path / "cand.dkt"), "--json", str(tmp_path / "two.json"),
-               "--no-report")
+    two = run_cli("diff", str(tmp_path / "ref.dkt"), str(tmp_path / "cand.dkt"), "--json", str(tmp_path / "two.json"),
+                  "--no-report")
     assert two.returncode == code, two.stdout + two.stderr
-    against = _cli("diff", str(tmp_path / "ref.dkt"), cand, "--json", str(tmp_path / "against.json"), "--no-report")
+    against = run_cli("diff", str(tmp_path / "ref.dkt"), cand, "--json", str(tmp_path / "against.json"), "--no-report")
     assert against.returncode == code, against.stdout + against.stderr
 
     answers = {"in-process": in_process, "streaming": streaming,
@@ -127,8 +120,8 @@ def test_cli_rejects_bad_tolerances():
     from conftest import KERNELS, REFS
 
     for flag in (["--atol", "nan"], ["--atol", "-1"], ["--rtol", "inf"]):
-        proc = _cli("diff", os.path.join(REFS, "tempered_softmax.py"), os.path.join(KERNELS, "tempered_softmax_cpp.py"),
-                    *flag, "--no-report")
+        proc = run_cli("diff", os.path.join(REFS, "tempered_softmax.py"),
+                       os.path.join(KERNELS, "tempered_softmax_cpp.py"), *flag, "--no-report")
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, (flag, proc.stderr[-500:])
 
 

@@ -3,8 +3,6 @@ five trials on KernelBench's seeds, the candidate run twice per trial -- and dif
 to KernelBench's own procedure on every bundled candidate."""
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -15,7 +13,7 @@ from diffkit.options import Options
 from diffkit.result import Result
 from diffkit.trials import trial_seeds
 
-from conftest import KERNELS, REFS, ROOT, candidates
+from conftest import KERNELS, REFS, candidates, run_cli
 
 
 # ----------------------------------------------------------------------------- KernelBench, re-implemented
@@ -92,10 +90,10 @@ def test_trial_seeds_are_kernelbench_s_and_leave_the_global_generator_alone():
 
 
 # ----------------------------------------------------------------------------- the CLI, as users run it
-def _cli(*args, tmp_path, name="r.json"):
+def _diff_json(*args, tmp_path, name="r.json"):
+    """`diffkit diff ARGS --json TMP/NAME --no-report`: the process and the JSON it wrote (None if none)."""
     out = tmp_path / name
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "cli.py"), "diff", *args, "--json", str(out),
-                           "--no-report"], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    proc = run_cli("diff", *args, "--json", str(out), "--no-report")
     data = json.loads(out.read_text()) if out.exists() else None
     return proc, data
 
@@ -103,27 +101,27 @@ def _cli(*args, tmp_path, name="r.json"):
 def test_batchnorm_with_running_statistics_diverges_in_every_trial(tmp_path, ops):
     ref, cand = os.path.join(REFS, "gemm_batchnorm_softmax.py"), os.path.join(KERNELS,
                                                                             "gemm_batchnorm_softmax_running_stats.py")
-    proc, data = _cli(ref, cand, tmp_path=tmp_path)
+    proc, data = _diff_json(ref, cand, tmp_path=tmp_path)
     assert proc.returncode == 1 and data["verdict"] == "diverged", proc.stdout[-2000:] + proc.stderr[-2000:]
     assert data["first_divergence"]["ref_name"] == "bn"
     assert len(data["trials"]) == 5 and not any(t["allclose"] for t in data["trials"])
     assert any("training mode" in w and "--eval" in w for w in data["warnings"])
     # in eval mode both normalise with the running statistics: the same candidate passes
-    proc, data = _cli(ref, cand, "--eval", tmp_path=tmp_path, name="eval.json")
+    proc, data = _diff_json(ref, cand, "--eval", tmp_path=tmp_path, name="eval.json")
     assert proc.returncode == 0 and data["verdict"] == "match", proc.stdout[-2000:]
     assert data["meta"]["protocol"]["eval"] is True
 
 
 def test_constant_folded_into_a_bias_at_construction_matches(tmp_path):
     ref, cand = os.path.join(REFS, "conv_tanh_pool.py"), os.path.join(KERNELS, "conv_tanh_pool_fused.py")
-    proc, data = _cli(ref, cand, tmp_path=tmp_path)
+    proc, data = _diff_json(ref, cand, tmp_path=tmp_path)
     assert proc.returncode == 0 and data["verdict"] == "match", proc.stdout[-2000:] + proc.stderr[-2000:]
     (differ,) = data["weights"]["differ"]
     assert differ["name"] == "conv.bias" and differ["looks_like"].startswith("constant shift by -0.5")
     assert not data["weights"]["copied"] and not data["weights"]["synced"]
     assert any("conv.bias (constant shift by -0.5" in w for w in data["warnings"])
     # copying the reference's weights over it (the old default) breaks it
-    proc, data = _cli(ref, cand, "--sync-weights", tmp_path=tmp_path, name="sync.json")
+    proc, data = _diff_json(ref, cand, "--sync-weights", tmp_path=tmp_path, name="sync.json")
     assert proc.returncode == 1 and data["verdict"] == "diverged"
     assert data["weights"]["copied"] == ["conv.bias"]
 
@@ -143,7 +141,7 @@ def test_bug_beyond_an_input_range_is_found_by_a_later_trial_and_named(tmp_path)
     ref, cand = os.path.join(REFS, "gelu.py"), os.path.join(KERNELS, "gelu_tail_fast_path.py")
     first, hits = _first_trial_with_input_below(ref, -3.0)
     assert first is not None and not hits[0], "precondition: trial 1's inputs never reach the broken range"
-    proc, data = _cli(ref, cand, tmp_path=tmp_path)
+    proc, data = _diff_json(ref, cand, tmp_path=tmp_path)
     assert proc.returncode == 1 and data["verdict"] == "diverged", proc.stdout[-2000:] + proc.stderr[-2000:]
     assert [not t["allclose"] for t in data["trials"]] == hits
     seed = data["trials"][first - 1]["seed"]
@@ -153,7 +151,7 @@ def test_bug_beyond_an_input_range_is_found_by_a_later_trial_and_named(tmp_path)
     for t in data["trials"]:
         assert set(t) >= {"seed", "max_abs", "mean_abs", "allclose"}
     # one trial (the old protocol) does not see it
-    proc, data = _cli(ref, cand, "--trials", "1", tmp_path=tmp_path, name="one.json")
+    proc, data = _diff_json(ref, cand, "--trials", "1", tmp_path=tmp_path, name="one.json")
     assert proc.returncode == 0 and data["verdict"] == "match" and len(data["trials"]) == 1
 
 
@@ -171,8 +169,8 @@ def test_nondeterministic_candidate_diverges_or_is_warned():
 
 
 def test_nondeterministic_candidate_through_the_cli(tmp_path):
-    proc, data = _cli(os.path.join(REFS, "row_softmax.py"), os.path.join(KERNELS, "row_softmax_fused.py"),
-                      tmp_path=tmp_path)
+    proc, data = _diff_json(os.path.join(REFS, "row_softmax.py"), os.path.join(KERNELS, "row_softmax_fused.py"),
+                            tmp_path=tmp_path)
     assert proc.returncode == 0 and data["verdict"] == "match"
     assert any(f["kind"] == "nondeterministic" for f in data["findings"])
     assert "nondeterministic" in proc.stdout
@@ -258,9 +256,8 @@ def test_a_reference_whose_randomness_stays_within_tolerance_is_not_said_to_be_u
 def test_trials_must_be_positive(tmp_path):
     with pytest.raises(ValueError):
         Options(trials=0)
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "cli.py"), "diff", os.path.join(REFS, "gelu.py"),
-                           os.path.join(KERNELS, "gelu_tail_fast_path.py"), "--trials", "0"], capture_output=True,
-                          text=True, cwd=ROOT)
+    proc = run_cli("diff", os.path.join(REFS, "gelu.py"), os.path.join(KERNELS, "gelu_tail_fast_path.py"), "--trials",
+                   "0")
     assert proc.returncode == 2 and "--trials" in proc.stderr and "Traceback" not in proc.stderr
 
 
@@ -275,8 +272,7 @@ def test_trials_survive_the_json_round_trip():
 def test_captured_reference_carries_its_trials(tmp_path):
     ref, cand = os.path.join(REFS, "gelu.py"), os.path.join(KERNELS, "gelu_tail_fast_path.py")
     dkt = tmp_path / "ref.dkt"
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "cli.py"), "capture", ref, "-o", str(dkt)],
-                          capture_output=True, text=True, cwd=ROOT)
+    proc = run_cli("capture", ref, "-o", str(dkt))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert sorted(p for p in os.listdir(dkt) if p.startswith("trial-")) == [f"trial-{k}.dkt" for k in range(2, 6)]
     live = diffkit.diff_files(ref, cand)
@@ -548,7 +544,7 @@ def test_a_later_failing_trial_is_diffed_stage_by_stage_from_the_state_it_ran_in
             expect.append((ref_model(*x) - cand_model(*x)).abs().max().item())
     answers = []
     for mode in ([], ["--no-isolate"]):
-        proc, data = _cli(str(ref), str(cand), *mode, tmp_path=tmp_path, name=f"r{len(answers)}.json")
+        proc, data = _diff_json(str(ref), str(cand), *mode, tmp_path=tmp_path, name=f"r{len(answers)}.json")
         assert proc.returncode == 1 and data["verdict"] == "diverged", proc.stdout[-2000:] + proc.stderr[-2000:]
         assert [t["allclose"] for t in data["trials"]] == [True, True, False, False, False]
         assert data["meta"]["trials"]["reported"] == 3
@@ -595,7 +591,7 @@ def test_a_bare_tensor_against_one_in_a_container_fails_as_kernelbench_fails_it(
     ref, cand = tmp_path / "ref.py", tmp_path / "cand.py"
     ref.write_text(FORM_MODEL.format(cls="Model", ret=ref_ret))
     cand.write_text(FORM_MODEL.format(cls="ModelNew", ret=cand_ret))
-    proc, data = _cli(str(ref), str(cand), *mode, tmp_path=tmp_path)
+    proc, data = _diff_json(str(ref), str(cand), *mode, tmp_path=tmp_path)
     assert proc.returncode == 1 and data["verdict"] == "diverged", proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "Output structure mismatch" in proc.stdout and "holding one tensor [3, 10]" in proc.stdout
     assert any(w.startswith(f"the {held} returns a ") and "output.shape" in w for w in data["warnings"])
@@ -606,7 +602,7 @@ def test_both_returning_the_same_container_are_compared_tensor_by_tensor(tmp_pat
     ref, cand = tmp_path / "ref.py", tmp_path / "cand.py"
     ref.write_text(FORM_MODEL.format(cls="Model", ret="h, h.sum()"))
     cand.write_text(FORM_MODEL.format(cls="ModelNew", ret="(h, h.sum(0).sum())"))
-    proc, data = _cli(str(ref), str(cand), tmp_path=tmp_path)
+    proc, data = _diff_json(str(ref), str(cand), tmp_path=tmp_path)
     assert proc.returncode == 0 and data["verdict"] == "match", proc.stdout[-2000:] + proc.stderr[-2000:]
     assert any("reference returns a tuple" in w and "KernelBench" in w for w in data["warnings"])
     # the one-line answer does not say KernelBench passes it: its evaluator fails every candidate of this reference
@@ -632,7 +628,7 @@ def test_a_reference_raising_on_trial_one_is_not_said_to_hold_too_few_trials(tmp
     ref, cand = tmp_path / "ref.py", tmp_path / "cand.py"
     ref.write_text(FORM_MODEL.format(cls="Model", ret="h").replace("return h", "raise RuntimeError('no')"))
     cand.write_text(FORM_MODEL.format(cls="ModelNew", ret="h"))
-    proc, data = _cli(str(ref), str(cand), tmp_path=tmp_path)
+    proc, data = _diff_json(str(ref), str(cand), tmp_path=tmp_path)
     assert proc.returncode == 2 and data["verdict"] == "error" and data["error"]["side"] == "reference"
     assert not any("--trials" in w for w in data["warnings"]), data["warnings"]
 
@@ -822,7 +818,7 @@ def test_a_reference_changing_its_inputs_hands_the_candidate_the_changed_inputs(
                     capture_reference(str(ref), where)
                 left = CaptureFile.open(where).inputs_left()
                 assert sorted(left) == ["input[0]", "input[1]"]
-            proc, data = _cli(where, str(cand), tmp_path=tmp_path, name=f"{name}.json")
+            proc, data = _diff_json(where, str(cand), tmp_path=tmp_path, name=f"{name}.json")
             assert data is not None, proc.stdout[-2000:] + proc.stderr[-2000:]
             verdict, warnings, trials = data["verdict"], data["warnings"], data["trials"]
             first = (data.get("first_divergence") or {}).get("ref_name")
@@ -920,7 +916,7 @@ def test_a_candidate_draws_where_the_reference_s_forward_left_the_generator(tmp_
     expected = kernelbench_passes(str(ref), str(cand))
     first = _kernelbench_first_trial_error(str(ref), str(cand))
     if mode == "isolated":
-        proc, data = _cli(str(ref), str(cand), tmp_path=tmp_path)
+        proc, data = _diff_json(str(ref), str(cand), tmp_path=tmp_path)
         assert data is not None, proc.stdout[-2000:] + proc.stderr[-2000:]
         verdict, trials = data["verdict"], data["trials"]
     else:
@@ -984,7 +980,7 @@ def test_running_statistics_moved_by_the_forwards_are_not_other_weights(tmp_path
     ref, cand = tmp_path / "normed.py", tmp_path / "no_residual.py"
     ref.write_text(NORMED_REF)
     cand.write_text(NORMED_NO_RESIDUAL)
-    proc, data = _cli(str(ref), str(cand), *([] if isolate else ["--no-isolate"]), tmp_path=tmp_path)
+    proc, data = _diff_json(str(ref), str(cand), *([] if isolate else ["--no-isolate"]), tmp_path=tmp_path)
     assert data is not None and data["verdict"] == "diverged", proc.stdout[-2000:] + proc.stderr[-2000:]
     kinds = [f["kind"] for f in (data.get("first_divergence") or {}).get("diagnosis", [])]
     kinds += [f["kind"] for f in (data.get("root_cause") or {}).get("diagnosis", [])]
@@ -1104,7 +1100,7 @@ def test_lazy_modules_are_diffed_as_kernelbench_runs_them(tmp_path, ref_src, can
     cand.write_text(cand_src)
     expected = kernelbench_passes(str(ref), str(cand))
     if mode == "isolated":
-        proc, data = _cli(str(ref), str(cand), tmp_path=tmp_path)
+        proc, data = _diff_json(str(ref), str(cand), tmp_path=tmp_path)
         assert data is not None, proc.stdout[-2000:] + proc.stderr[-2000:]
         verdict, error = data["verdict"], data.get("error")
     else:
@@ -1417,7 +1413,7 @@ def test_trials_of_a_forward_changing_its_own_state_see_kernelbench_s_state(tmp_
     cand.write_text(cand_src)
     expected = _kernelbench_trial_errors(str(ref), str(cand))
     if mode == "isolated":
-        proc, data = _cli(str(ref), str(cand), tmp_path=tmp_path)
+        proc, data = _diff_json(str(ref), str(cand), tmp_path=tmp_path)
         assert data is not None, proc.stdout[-2000:] + proc.stderr[-2000:]
         trials = data["trials"]
     else:
@@ -1522,7 +1518,7 @@ def test_attributes_that_become_tensors_are_put_back_without_error(tmp_path):
     cand.write_text(WARMED_SCALE)
     r = diffkit.diff_files(str(ref), str(cand))
     assert r.error is None and r.verdict == "match" and kernelbench_passes(str(ref), str(cand)), r.summary_line()
-    proc, data = _cli(str(ref), str(cand), tmp_path=tmp_path)
+    proc, data = _diff_json(str(ref), str(cand), tmp_path=tmp_path)
     assert proc.returncode == 0 and data["verdict"] == "match", proc.stdout[-2000:] + proc.stderr[-2000:]
 
 

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import diffkit
 
-from conftest import ROOT
+from conftest import ROOT, run_cli
 
 REF = """
 import torch, torch.nn as nn
@@ -181,10 +181,6 @@ def test_structured_outputs_that_differ_are_a_divergence(isolate, ref, cand):
     assert data["verdict"] == "diverged" and data["error"] is None
 
 
-def _cli(*args, **kw):
-    return subprocess.run([sys.executable, os.path.join(ROOT, "cli.py"), *args], capture_output=True, text=True, **kw)
-
-
 @pytest.fixture()
 def files(tmp_path):
     ref = tmp_path / "ref.py"
@@ -197,7 +193,7 @@ def files(tmp_path):
                                   ["--max-memory", "-3G"], ["--timeout", "-1"], ["--max-memory", "lots"]])
 def test_bad_flags_are_usage_errors(files, flag):
     tmp, ref = files
-    proc = _cli("diff", str(ref), str(ref), "--no-report", *flag)
+    proc = run_cli("diff", str(ref), str(ref), "--no-report", *flag)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and "Error" in proc.stderr, proc.stderr[-800:]
 
 
@@ -205,7 +201,7 @@ def test_unwritable_json_is_a_clear_error(files):
     tmp, ref = files
     cand = tmp / "cand.py"
     cand.write_text(ref.read_text().replace("class Model(", "class ModelNew("))
-    proc = _cli("diff", str(ref), str(cand), "--no-report", "--no-isolate", "--json", "/proc/no/such/dir/r.json")
+    proc = run_cli("diff", str(ref), str(cand), "--no-report", "--no-isolate", "--json", "/proc/no/such/dir/r.json")
     assert proc.returncode == 2 and "Traceback" not in proc.stdout + proc.stderr
     assert "could not write" in proc.stderr
 
@@ -215,7 +211,7 @@ def test_sys_exit_in_forward_is_an_error_of_that_side(files):
     cand = tmp / "cand.py"
     cand.write_text("import sys, torch, torch.nn as nn\nclass ModelNew(nn.Module):\n    def forward(self, x):\n"
                     "        sys.exit(0)\n")
-    proc = _cli("diff", str(ref), str(cand), "--no-report", "--no-isolate")
+    proc = run_cli("diff", str(ref), str(cand), "--no-report", "--no-isolate")
     assert proc.returncode == 2 and "SystemExit" in proc.stdout, proc.stdout[-800:]
 
 
@@ -224,7 +220,7 @@ def test_source_with_a_pep263_coding_line_is_read(files):
     cand = tmp / "cand.py"
     cand.write_bytes("# -*- coding: latin-1 -*-\n# café\nimport torch, torch.nn as nn\n"
                      "class ModelNew(nn.Module):\n    def forward(self, x):\n        return x * 2\n".encode("latin-1"))
-    proc = _cli("diff", str(ref), str(cand), "--no-report", "--no-isolate")
+    proc = run_cli("diff", str(ref), str(cand), "--no-report", "--no-isolate")
     assert proc.returncode == 0, proc.stdout[-800:] + proc.stderr[-800:]
 
 
@@ -247,7 +243,7 @@ def test_internal_error_exits_3_and_says_it_is_diffkits_fault(files, planted):
         f"setattr(target, {name!r}, boom)\n")
     env = dict(os.environ, PYTHONPATH=str(sitecustom) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     for mode in (["--no-isolate"], []):
-        proc = _cli("diff", str(ref), str(cand), "--no-report", "--json", str(tmp / "r.json"), *mode, env=env)
+        proc = run_cli("diff", str(ref), str(cand), "--no-report", "--json", str(tmp / "r.json"), *mode, env=env)
         assert proc.returncode == 3, (mode, proc.stdout[-800:], proc.stderr[-800:])
         assert "bug in diffkit" in proc.stderr and "ERROR in candidate" not in proc.stdout, proc.stdout[-800:]
 

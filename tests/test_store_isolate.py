@@ -13,7 +13,7 @@ from diffkit import DiffkitError
 from diffkit.compare import run_captured
 from diffkit.store import CaptureFile, load_trace, save_trace
 
-from conftest import KERNELS, REFS, ROOT
+from conftest import KERNELS, REFS, ROOT, run_cli
 
 
 def _trace():
@@ -94,21 +94,18 @@ def test_not_a_capture(tmp_path):
         load_trace(str(tmp_path))
 
 
-def _cli(*args, timeout=600, two=False):
-    """`diffkit ARGS`; `two`: straight to a child process per side (else, with no GPU in play, one child runs both
-    sides first, and answers a file that does not load by itself)."""
-    env = dict(os.environ, DIFFKIT_TWO_PROCESSES="1") if two else None
-    return subprocess.run([sys.executable, os.path.join(ROOT, "cli.py"), *args], capture_output=True, text=True,
-                          cwd=ROOT, timeout=timeout, env=env)
+# run_cli(..., env=TWO_PROCESSES): straight to a child process per side (else, with no GPU in play, one child runs
+# both sides first, and answers a file that does not load by itself)
+TWO_PROCESSES = {"DIFFKIT_TWO_PROCESSES": "1"}
 
 
 def test_capture_command_and_diff_of_two_captures(tmp_path, ops):
-    ref = _cli("capture", os.path.join(REFS, "transformer_block.py"), "-o", str(tmp_path / "ref.dkt"))
+    ref = run_cli("capture", os.path.join(REFS, "transformer_block.py"), "-o", str(tmp_path / "ref.dkt"))
     assert ref.returncode == 0, ref.stdout + ref.stderr
-    cand = _cli("capture", os.path.join(KERNELS, "transformer_block_no_scale.py"), "--side", "cand", "--inputs-from",
-                os.path.join(REFS, "transformer_block.py"), "-o", str(tmp_path / "cand.dkt"))
+    cand = run_cli("capture", os.path.join(KERNELS, "transformer_block_no_scale.py"), "--side", "cand", "--inputs-from",
+                   os.path.join(REFS, "transformer_block.py"), "-o", str(tmp_path / "cand.dkt"))
     assert cand.returncode == 0, cand.stdout + cand.stderr
-    out = _cli("diff", str(tmp_path / "ref.dkt"), str(tmp_path / "cand.dkt"), "--no-report")
+    out = run_cli("diff", str(tmp_path / "ref.dkt"), str(tmp_path / "cand.dkt"), "--no-report")
     assert out.returncode == 1 and "forward:scores" in out.stdout.strip().splitlines()[-1]
 
 
@@ -130,8 +127,8 @@ class ModelNew(_base["ModelNew"]):
 def test_crash_or_hang_in_the_child_keeps_what_was_captured(tmp_path, action, why, ops):
     cand = tmp_path / "cand.py"
     cand.write_text(CRASH.format(kernels=KERNELS, action=action))
-    out = _cli("diff", os.path.join(REFS, "transformer_block.py"), str(cand), "--timeout", "60", "--json",
-               str(tmp_path / "r.json"), "--no-report")
+    out = run_cli("diff", os.path.join(REFS, "transformer_block.py"), str(cand), "--timeout", "60", "--json",
+                  str(tmp_path / "r.json"), "--no-report")
     assert out.returncode == 2, out.stdout + out.stderr
     data = json.loads((tmp_path / "r.json").read_text())
     assert data["verdict"] == "error" and data["error"]["side"] == "candidate" and why in data["error"]["message"]
@@ -145,8 +142,8 @@ def test_streaming_child_crash_keeps_its_measured_stages(tmp_path, ops):
     through its stats journal, so the parent still reports those stages as compared."""
     cand = tmp_path / "cand.py"
     cand.write_text(CRASH.format(kernels=KERNELS, action="ctypes.string_at(0)"))
-    out = _cli("diff", os.path.join(REFS, "transformer_block.py"), str(cand), "--timeout", "60", "--max-memory", "64K",
-               "--json", str(tmp_path / "r.json"), "--no-report")
+    out = run_cli("diff", os.path.join(REFS, "transformer_block.py"), str(cand), "--timeout", "60", "--max-memory",
+                  "64K", "--json", str(tmp_path / "r.json"), "--no-report")
     assert out.returncode == 2, out.stdout + out.stderr
     data = json.loads((tmp_path / "r.json").read_text())
     assert data["verdict"] == "error" and "SIGSEGV" in data["error"]["message"]
@@ -155,14 +152,15 @@ def test_streaming_child_crash_keeps_its_measured_stages(tmp_path, ops):
 
 
 def test_streaming_flags_on_the_command_line(tmp_path):
-    out = _cli("diff", os.path.join(REFS, "axial_attention.py"), os.path.join(KERNELS, "axial_attention_missing_bias.py"),
-               "--max-memory", "64K", "--stop-at-first", "--json", str(tmp_path / "r.json"), "--no-report")
+    out = run_cli("diff", os.path.join(REFS, "axial_attention.py"),
+                  os.path.join(KERNELS, "axial_attention_missing_bias.py"), "--max-memory", "64K", "--stop-at-first",
+                  "--json", str(tmp_path / "r.json"), "--no-report")
     assert out.returncode == 1, out.stdout + out.stderr
     data = json.loads((tmp_path / "r.json").read_text())
     assert data["meta"]["mode"] == "streaming" and data["meta"]["stopped"]
     assert data["first_divergence"]["ref_name"] == "row_attn.out_proj"
-    bad = _cli("diff", os.path.join(REFS, "axial_attention.py"), os.path.join(KERNELS, "axial_attention_cpp.py"),
-               "--max-memory", "lots", "--no-report")
+    bad = run_cli("diff", os.path.join(REFS, "axial_attention.py"), os.path.join(KERNELS, "axial_attention_cpp.py"),
+                  "--max-memory", "lots", "--no-report")
     assert bad.returncode == 2 and "--max-memory" in bad.stderr + bad.stdout
 
 
@@ -198,8 +196,8 @@ def test_a_crashing_candidate_is_run_again_for_its_values(tmp_path, always):
     with every stage of the diff that ran clean."""
     cand = tmp_path / "cand.py"
     cand.write_text(FLAKY.format(refs=REFS, flag=str(tmp_path / "crashed"), always=always))
-    out = _cli("diff", os.path.join(REFS, "transformer_block.py"), str(cand), "--json", str(tmp_path / "r.json"),
-               "--no-report")
+    out = run_cli("diff", os.path.join(REFS, "transformer_block.py"), str(cand), "--json", str(tmp_path / "r.json"),
+                  "--no-report")
     assert out.returncode == 2, out.stdout + out.stderr
     assert out.stdout.count("diffkit: ERROR") == 1  # the second run printed nothing:
     assert out.stdout.count("candidate module ran") == 1  # not even the candidate's own output
@@ -256,7 +254,7 @@ def test_candidate_file_runs_while_the_reference_is_captured(tmp_path):
     ref, cand = tmp_path / "ref.py", tmp_path / "cand.py"
     ref.write_text(SLOW_REF.format(refs=REFS, log=log))
     cand.write_text(COUNTED_CAND.format(refs=REFS, log=log))
-    out = _cli("diff", str(ref), str(cand), "--trials", "1", "--no-report")
+    out = run_cli("diff", str(ref), str(cand), "--trials", "1", "--no-report")
     assert out.returncode == 0, out.stdout + out.stderr
     events = [line.split() for line in open(log).read().splitlines()]
     runs = [float(t) for name, t in events if name == "cand-file-run"]
@@ -273,7 +271,7 @@ def test_a_failing_reference_stops_the_waiting_candidate(tmp_path):
     ref.write_text("import torch\nraise RuntimeError('this reference is broken')\n")
     cand.write_text(COUNTED_CAND.format(refs=REFS, log=log))
     for two in (False, True):
-        out = _cli("diff", str(ref), str(cand), "--no-report", two=two)
+        out = run_cli("diff", str(ref), str(cand), "--no-report", env=TWO_PROCESSES if two else None)
         assert out.returncode == 2, out.stdout + out.stderr
         assert out.stdout.count("diffkit:") == 1 and "this reference is broken" in out.stdout
     # (with no GPU in play the one child running both sides answers the reference's error before the candidate's
@@ -302,7 +300,8 @@ def _diff_built_ahead(tmp_path, broken: bool):
     ref, cand = tmp_path / "ref.py", tmp_path / "cand.py"
     ref.write_text(SLOW_REF.format(refs=REFS, log=log))
     cand.write_text(BUILT_CAND.format(refs=REFS, log=log, broken=broken))
-    return _cli("diff", str(ref), str(cand), "--trials", "1", "--no-report", "--json", str(tmp_path / "r.json")), log, cand
+    out = run_cli("diff", str(ref), str(cand), "--trials", "1", "--no-report", "--json", str(tmp_path / "r.json"))
+    return out, log, cand
 
 
 def test_the_candidate_is_built_while_the_reference_is_captured(tmp_path):
@@ -434,9 +433,9 @@ def test_auto_tolerance_asks_for_one_process(tmp_path):
     """--tolerance auto re-runs the reference in float64 beside the candidate: an isolated diff, a captured
     reference or a streaming diff says so as a usage error (it was an internal error from the child)."""
     ref, cand = os.path.join(REFS, "transformer_block.py"), os.path.join(KERNELS, "transformer_block_no_scale.py")
-    out = _cli("diff", ref, cand, "--tolerance", "auto", "--no-report")
+    out = run_cli("diff", ref, cand, "--tolerance", "auto", "--no-report")
     assert out.returncode == 2 and "--no-isolate" in out.stderr and "INTERNAL" not in out.stdout + out.stderr
-    out = _cli("diff", ref, cand, "--tolerance", "auto", "--no-report", "--no-isolate", "--max-memory", "1M")
+    out = run_cli("diff", ref, cand, "--tolerance", "auto", "--no-report", "--no-isolate", "--max-memory", "1M")
     assert out.returncode == 2 and "--max-memory" in out.stderr
 
 
@@ -462,7 +461,7 @@ def test_a_candidate_stopped_while_it_builds_releases_its_lock(tmp_path):
     ref, cand = tmp_path / "ref.py", tmp_path / "cand.py"
     ref.write_text("import time\ntime.sleep(1.5)\nraise RuntimeError('this reference is broken')\n")
     cand.write_text(LOCKING_CAND.format(log=log, lock=lock))
-    out = _cli("diff", str(ref), str(cand), "--no-report", timeout=50, two=True)
+    out = run_cli("diff", str(ref), str(cand), "--no-report", timeout=50, env=TWO_PROCESSES)
     assert out.returncode == 2 and "this reference is broken" in out.stdout, out.stdout + out.stderr
     assert open(log).read() == "locked\n" and not os.path.exists(lock)
 
@@ -515,8 +514,8 @@ def test_a_reference_process_dying_after_its_capture_is_complete_still_gives_one
     ref.write_text(EXIT_CRASH)
     cand.write_text(EXIT_CAND)
     monkeypatch.setenv("DIFFKIT_NO_FORK", "1")  # fresh interpreters: atexit handlers run as the process ends
-    out = _cli("diff", str(ref), str(cand), "--trials", "1", "--no-report", "--json", str(tmp_path / "r.json"),
-               "--timeout", "120")
+    out = run_cli("diff", str(ref), str(cand), "--trials", "1", "--no-report", "--json", str(tmp_path / "r.json"),
+                  "--timeout", "120")
     assert out.returncode == 0, out.stdout + out.stderr
     data = json.loads((tmp_path / "r.json").read_text())
     assert data["verdict"] == "match" and data.get("error") is None
@@ -682,7 +681,7 @@ def test_a_reference_process_hanging_at_exit_does_not_hold_the_diff(tmp_path, mo
     cand.write_text(SLOW_EXIT_CAND.replace("{how!r}", repr("slow")))
     monkeypatch.setenv("DIFFKIT_NO_FORK", "1")  # fresh interpreters: atexit handlers run as the process ends
     started = time.monotonic()
-    out = _cli("diff", str(ref), str(cand), "--trials", "1", "--no-report", "--device", "cpu", "--timeout", "100")
+    out = run_cli("diff", str(ref), str(cand), "--trials", "1", "--no-report", "--device", "cpu", "--timeout", "100")
     took = time.monotonic() - started
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.count("diffkit: MATCH") == 1, out.stdout
@@ -901,7 +900,8 @@ def test_handed_over_values_give_the_diff_of_one_process(tmp_path, ops):
     assert out.returncode == 1, out.stdout + out.stderr
     held = int(next(ln for ln in log if ln.startswith("held")).split()[1])
     assert held > 10 and f"received {held}" in log and "released" in log and "dumped" not in log, log
-    one = _cli("diff", ref, cand, "--no-isolate", "--trials", "2", "--json", str(tmp_path / "one.json"), "--no-report")
+    one = run_cli("diff", ref, cand, "--no-isolate", "--trials", "2", "--json", str(tmp_path / "one.json"),
+                  "--no-report")
     expect = json.loads((tmp_path / "one.json").read_text())
     assert data["first_divergence"]["ref_name"] == expect["first_divergence"]["ref_name"] == "forward:scores"
     assert [(s["ref_name"], s["status"], s["max_abs"]) for s in data["stages"]] == \
@@ -998,7 +998,7 @@ def test_a_reference_crashing_on_a_later_trial_is_reported_as_the_reference(tmp_
     ref, cand = tmp_path / "ref.py", tmp_path / "cand.py"
     ref.write_text(LATE_SEGFAULT_REF)
     cand.write_text(LATE_SEGFAULT_REF.replace("class Model", "class ModelNew").replace("if self.seen == 3", "if 0"))
-    out = _cli("diff", str(ref), str(cand), "--json", str(tmp_path / "r.json"), "--no-report", "--timeout", "120")
+    out = run_cli("diff", str(ref), str(cand), "--json", str(tmp_path / "r.json"), "--no-report", "--timeout", "120")
     assert out.returncode == 2, out.stdout + out.stderr
     data = json.loads((tmp_path / "r.json").read_text())
     assert data["error"]["side"] == "reference" and "SIGSEGV" in data["error"]["message"], data["error"]
@@ -1026,8 +1026,8 @@ def test_a_model_that_returns_its_input_is_diffed_from_its_capture(tmp_path):
     (tmp_path / "cand.py").write_text(
         "import torch\nclass ModelNew(torch.nn.Module):\n    def forward(self, x):  # off under trial 4's seed\n"
         "        return x + 1e-3 if torch.initial_seed() == 839703249 else x.clone()\n")
-    out = _cli("diff", str(tmp_path / "ref.py"), str(tmp_path / "cand.py"), "--no-report", "--json",
-               str(tmp_path / "r.json"))
+    out = run_cli("diff", str(tmp_path / "ref.py"), str(tmp_path / "cand.py"), "--no-report", "--json",
+                  str(tmp_path / "r.json"))
     data = json.loads((tmp_path / "r.json").read_text())
     assert out.returncode == 1 and data["verdict"] == "diverged", out.stdout[-1500:] + out.stderr[-1500:]
     assert [t["allclose"] for t in data["trials"]] == [True, True, True, False, True], data["trials"]
@@ -1042,8 +1042,8 @@ def test_a_candidate_process_that_dies_on_a_later_trial_is_reported_on_that_tria
     (tmp_path / "cand.py").write_text(
         "import torch\nclass ModelNew(torch.nn.Module):\n    def forward(self, x):\n"
         f"        if torch.initial_seed() == 2197670066:\n            {how}\n        return x.sin()\n")
-    out = _cli("diff", str(tmp_path / "ref.py"), str(tmp_path / "cand.py"), "--no-report", "--json",
-               str(tmp_path / "r.json"))
+    out = run_cli("diff", str(tmp_path / "ref.py"), str(tmp_path / "cand.py"), "--no-report", "--json",
+                  str(tmp_path / "r.json"))
     data = json.loads((tmp_path / "r.json").read_text())
     assert out.returncode == 2 and data["verdict"] == "error", out.stdout[-1500:]
     assert [(t["trial"], t["allclose"]) for t in data["trials"]] == [(1, True), (2, True), (3, False)], data["trials"]
@@ -1189,8 +1189,8 @@ def test_a_reference_raising_on_a_later_trial_is_placed_at_its_line(tmp_path, mo
     (tmp_path / "ref.py").write_text(RAISES_LATER_REF)
     (tmp_path / "cand.py").write_text(RAISES_LATER_REF.replace("class Model(", "class ModelNew(").replace(
         "raise ValueError", "pass  # raise ValueError"))
-    out = _cli("diff", str(tmp_path / "ref.py"), str(tmp_path / "cand.py"), "--no-report", "--json",
-               str(tmp_path / "r.json"), *mode)
+    out = run_cli("diff", str(tmp_path / "ref.py"), str(tmp_path / "cand.py"), "--no-report", "--json",
+                  str(tmp_path / "r.json"), *mode)
     data = json.loads((tmp_path / "r.json").read_text())
     assert out.returncode == 2 and data["error"]["side"] == "reference", out.stdout[-1500:] + out.stderr[-1500:]
     k = next(t["trial"] for t in data["trials"] if t.get("error"))
