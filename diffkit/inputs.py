@@ -6,6 +6,10 @@ tensor (`[x, x]`: a write through one is seen through the other), tensors that s
 `expand`) still share it, and each keeps its sizes, strides and offset (a transposed or expanded input stays
 so: a kernel that reads memory in order, or a `.view()` that needs contiguous strides, behaves as it would
 there).
+
+Also how capture names them (`input_name`), which of them a forward changed in place (`changed_inputs`, bit
+for bit: `same_bits`), and the inputs with those changes applied, as the candidate is handed them
+(`input_values`).
 """
 from __future__ import annotations
 
@@ -14,7 +18,10 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-__all__ = ["copy_inputs", "layout", "as_made", "rebuild"]
+from .tensorargs import path_key
+
+__all__ = ["copy_inputs", "layout", "as_made", "rebuild", "input_name", "input_names", "input_values", "changed_inputs",
+           "same_bits"]
 
 
 def _plain(t: torch.Tensor) -> bool:
@@ -88,8 +95,6 @@ def as_made(captured: Any, made: Any, want: list | None = None) -> Any:
     values in the same structure (non-tensor leaves equal too) and, given `want` (the `layout` the captured
     inputs had when they were made), is laid out so; else `captured`: the objects as they were, or their values as
     stored."""
-    from .capture import same_bits
-
     a, spec_a = pytree.tree_flatten(captured)
     b, spec_b = pytree.tree_flatten(made)
     if spec_a != spec_b or len(a) != len(b):
@@ -152,3 +157,65 @@ def rebuild(captured: Any, want: list | None) -> Any:
     for i, t in zip(tensors, out):
         leaves[i] = t
     return pytree.tree_unflatten(leaves, spec)
+
+
+def input_name(pos: tuple) -> str:
+    """The record name of the forward's input tensor at position `pos` of its arguments (`_tensors`)."""
+    return f"input[{']['.join(map(str, pos))}]"
+
+
+def input_names(kind: str, name: str, aliases: Any) -> list[str]:
+    """The `input_name`s a record (or a capture file's entry for one) answers to: its own name for an input
+    record, and any input name among its aliases (an input the forward returns as it is becomes the output
+    record, its input name an alias)."""
+    own = [name] if kind == "input" else []
+    return own + [a for a in aliases or () if isinstance(a, str) and a.startswith("input[")]
+
+
+def input_values(inputs: Any, values: dict[str, torch.Tensor]) -> Any:
+    """`inputs` (a forward's nested arguments) with the tensors named in `values` (by `input_name`)
+    replaced by a copy of those values: the reference's inputs as its forward left them, for the candidate."""
+    if not values:
+        return inputs
+    # written into a copy of the inputs, so that one the reference changed through another (`[x, x]`, a view) and
+    # the layout of each stay as they were; a value that cannot be written so (overlapping memory) replaces its input
+    flat, spec = pytree.tree_flatten_with_path(copy_inputs(inputs))
+    leaves = []
+    for path, v in flat:
+        name = input_name(tuple(path_key(k) for k in path)) if isinstance(v, torch.Tensor) else None
+        got = values.get(name) if name is not None else None
+        if got is not None and tuple(got.shape) == tuple(v.shape) and got.dtype == v.dtype:
+            try:
+                with torch.no_grad():
+                    v.copy_(got.detach().to(v.device))
+            except RuntimeError:
+                v = got.detach().to(v.device).clone()
+        leaves.append(v)
+    return pytree.tree_unflatten(leaves, spec)
+
+
+def changed_inputs(given: list[tuple[str, torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Of a forward's inputs given as (name, the tensor it got, a copy taken before), those it changed in
+    place, by name, as it left them (bit for bit: a NaN left as it was is no change)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, live, before in given:
+        try:
+            changed = not same_bits(before, live.detach())
+        except RuntimeError:  # (a tensor that cannot be read back here)
+            continue
+        if changed:
+            out[name] = live.detach()
+    return out
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors hold the same bits (a NaN equals itself), compared in place as integers of the
+    same width: no float64 copies, no index lists."""
+    if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
+        return False
+    if a.is_complex():
+        a, b = torch.view_as_real(a), torch.view_as_real(b)
+    if a.is_floating_point():
+        ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+        a, b = a.contiguous().view(ints), b.contiguous().view(ints)
+    return bool(torch.equal(a, b))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import linecache
 import os
+import re
 import sys
 import weakref
 from dataclasses import dataclass
@@ -48,6 +49,14 @@ class Site:
         if len(self.labels) == 1:
             return self.labels[0] if n == 1 else f"{self.labels[0]}[{i}]"
         return self.text if n == 1 else f"{self.text}[{i}]"
+
+
+UNKNOWN_SITE = Site("", 0, "?", (), "?")  # where no user frame was found
+
+
+def store_label(site: Site) -> str:
+    """The name a store `y[i] = v` is recorded under: the tensor written, `y`."""
+    return site.labels[0] if site.labels else (re.match(r"[\w.]+", site.text) or [site.text])[0]
 
 
 _skip_cache: dict[str, bool] = {}
