@@ -16,13 +16,13 @@ import time
 
 import click
 
-from .errors import DiffkitError
-from .options import FOLD_AFTER, Options, Tolerance
+from .compare import error_result
+from .errors import EXIT, INTERNAL, DiffkitError
+from .flags import DIFF_OPTIONS
+from .options import Options, Tolerance
+from .processes import python_command, stop as _stop
 from .result import ErrorInfo, Result
-
-EXIT = {"match": 0, "diverged": 1, "error": 2}
-INTERNAL = 3  # diffkit's own fault, never the user's
-DEFAULT_TIMEOUT = 1800.0  # seconds per side; a kernel that never returns must not hold a CI job forever
+from .suite import suite
 INSURED_ENV = "DIFFKIT_INSURED"  # how an isolated diff tells its candidate child what its capture file keeps
 AFTER_ENV = "DIFFKIT_AFTER"  # the file an isolated diff's candidate child waits for (its reference's capture)
 HANDOVER_ENV = "DIFFKIT_HANDOVER"  # set for an isolated diff's reference child: on a GPU, keep the values and hand
@@ -85,17 +85,6 @@ def _internal_error(e: BaseException) -> None:
                f"not in your files; please report it with the traceback above", err=True)
 
 
-def error_result(e: DiffkitError, ref_path: str, cand_path: str, options: Options) -> Result:
-    """The result of a diff that could not run (a file that does not load, build or construct)."""
-    from .pipeline import judge
-
-    result = Result(verdict="", stages=[], first_divergence=None,
-                    error=ErrorInfo(e.side, e.phase, e.message, e.where, e.detail), output=None,
-                    atol=options.tolerance.atol, rtol=options.tolerance.rtol, ref_path=ref_path, cand_path=cand_path)
-    result.verdict = judge(result)
-    return result
-
-
 def _options(atol, rtol, tolerance, **rest) -> Options:
     from .stream import parse_size
 
@@ -133,77 +122,16 @@ def main() -> None:
     """diffkit: find the first stage where a hand-written kernel stops matching its PyTorch reference."""
 
 
-@main.command()
+# (the hidden flags: how an isolated diff tells its children their part; see _isolated)
+_CHILD_FLAGS = [click.Option(["--stream-dir"], type=click.Path(file_okay=False), default=None, hidden=True),
+                click.Option(["--side-only"], type=click.Choice(["ref"]), default=None, hidden=True),
+                click.Option(["--ref-capture"], type=click.Path(file_okay=False), default=None, hidden=True)]
+
+
+@main.command(params=[*DIFF_OPTIONS, *_CHILD_FLAGS])
 @click.argument("ref_path", metavar="REF")
 @click.argument("cand_path", metavar="CAND")
-@click.option("--atol", type=float, default=None, help="absolute tolerance (default by dtype: 1e-4 fp32, 1e-2 fp16/bf16)")
-@click.option("--rtol", type=float, default=None, help="relative tolerance (default as --atol)")
-@click.option("--seed", type=int, default=42, show_default=True,
-              help="KernelBench's seed: each trial's input seed is drawn from it (models are always built with 42)")
-@click.option("--trials", type=click.IntRange(min=1), default=5, show_default=True,
-              help="KernelBench trials, each on fresh inputs: the first diffed stage by stage, later ones by their "
-                   "outputs, the first failing one then diffed in full")
-@click.option("--eval", "eval_mode", is_flag=True,
-              help="put both models in eval() (default: as constructed, as KernelBench runs them: BatchNorm uses "
-                   "batch statistics, dropout is live)")
-@click.option("--sync-weights", is_flag=True,
-              help="copy the reference's parameters and buffers into the candidate by name (default: nothing is "
-                   "copied, as in KernelBench; differing ones are reported)")
-@click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="run both models here")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="write result.json here")
-@click.option("--csv", "csv_path", type=click.Path(dir_okay=False), default=None, help="write one CSV row per stage")
-@click.option("--strict", is_flag=True, help="intermediate stages out of tolerance make the verdict diverged")
-@click.option("--train", is_flag=True, hidden=True, help="no effect: training mode is the default now")
-@click.option("--full", is_flag=True, help="print every stage (default: fold long models around the divergence)")
-@click.option("--tolerance", type=click.Choice(["fixed", "auto"]), default="fixed", show_default=True,
-              help="auto: judge each stage against a float64 run of the reference (TorchDynamo's same() rule)")
-@click.option("--reinit-zero", is_flag=True, help="give all-zero weight matrices random values for the diff")
-@click.option("--report-dir", type=click.Path(file_okay=False), default=None,
-              help="write index.html, stages.csv, result.json, summary.md, junit.xml here "
-                   "(default: reports/<candidate name>/)")
-@click.option("--no-report", is_flag=True, help="write no report directory")
-@click.option("--html", "html_path", type=click.Path(dir_okay=False), default=None, help="write the HTML report here")
-@click.option("--markdown", "md_path", type=click.Path(dir_okay=False), default=None, help="write summary.md here")
-@click.option("--junit", "junit_path", type=click.Path(dir_okay=False), default=None, help="write junit.xml here")
-@click.option("--no-isolate", is_flag=True,
-              help="run in this process (default: in child processes, so a crashing kernel cannot take the answer with "
-                   "it: a child per side; with no GPU in play one child for the whole diff first)")
-@click.option("--timeout", type=click.FloatRange(min=0), default=DEFAULT_TIMEOUT, show_default=True,
-              help="stop a side that runs longer than this (seconds; 0: never; with --no-isolate, the whole diff)")
-@click.option("--max-memory", "max_memory", default=None, metavar="SIZE",
-              help="streaming diff: hold at most SIZE (e.g. 512M, 4G) of captured values on the device (CPU: in "
-                   "memory); the rest goes to pinned host memory, then disk. Default without the flag: in-memory diff")
-@click.option("--stream", "stream", is_flag=True,
-              help="streaming diff with the default budget (a quarter of the free device memory)")
-@click.option("--only", "only", default=None, metavar="PATTERNS",
-              help="capture only records whose names match these comma-separated globs (e.g. 'blocks.3.*'); "
-                   "inputs and the output are always kept")
-@click.option("--stop-at-first", is_flag=True, help="end the candidate's forward at its first divergent stage")
-@click.option("--sanitize", type=click.Choice(["memcheck", "racecheck"]), default=None,
-              help="run the candidate's process under compute-sanitizer and attach its reports (kernel, thread, "
-                   "address) to the stage that launched the kernel")
-@click.option("--stream-dir", type=click.Path(file_okay=False), default=None, hidden=True)
-@click.option("--side-only", type=click.Choice(["ref"]), default=None, hidden=True)
-@click.option("--ref-capture", type=click.Path(file_okay=False), default=None, hidden=True)
-@click.option("--explain/--no-explain", "explain", default=None,
-              help="what-if runs of the reference on a divergence: plant one plausible kernel mistake at a time "
-                   "(no bias, wrong axis, missing scale, transposed weight, unwritten tail …) and name the one that "
-                   "reproduces the candidate (default: on when the divergent kernel covers several reference stages)")
-@click.option("--stat", "stat", type=click.Choice(["elementwise", "max", "mean", "median"]), default="elementwise",
-              show_default=True,
-              help="which statistic of the error must stay within tolerance, per stage and for the output: every "
-                   "element (torch.allclose's rule, KernelBench's), or max/mean/median |c - r| <= atol + rtol x the "
-                   "same statistic of |r|")
-@click.option("--explain-budget", type=click.IntRange(min=0), default=1000, show_default=True,
-              help="forwards of the reference the what-if search may spend")
-@click.option("--explain-seconds", type=click.FloatRange(min=0), default=60.0, show_default=True,
-              help="seconds the what-if search may spend: past them it tries no more variants and says how many it "
-                   "left (0: no limit)")
-@click.option("--fold/--no-fold", "fold", default=True, show_default=True,
-              help="fold the candidate's loop results that no reference record can pair with (a call site's results "
-                   f"of sizes no reference record has, after its first {FOLD_AFTER}): their dataflow is kept, no record is made "
-                   "(--no-fold: record every one)")
-def diff(ref_path, cand_path, atol, rtol, seed, device, json_path, csv_path, strict, train, full, tolerance,
+def diff(ref_path, cand_path, atol, rtol, seed, device, json_path, csv_path, strict, full, tolerance,
          reinit_zero, report_dir, no_report, html_path, md_path, junit_path, no_isolate, timeout, max_memory, stream,
          only, stop_at_first, sanitize, stream_dir, side_only, ref_capture, trials=5, eval_mode=False,
          sync_weights=False, explain=None, explain_budget=1000, explain_seconds=60.0, stat="elementwise", fold=True):
@@ -213,7 +141,7 @@ def diff(ref_path, cand_path, atol, rtol, seed, device, json_path, csv_path, str
     against a captured reference runs on the capture's inputs and weights."""
     _install_signal_handlers()
     try:
-        _diff(ref_path, cand_path, atol, rtol, seed, device, json_path, csv_path, strict, train, full, tolerance,
+        _diff(ref_path, cand_path, atol, rtol, seed, device, json_path, csv_path, strict, full, tolerance,
               reinit_zero, report_dir, no_report, html_path, md_path, junit_path, no_isolate, timeout, max_memory,
               stream, only, stop_at_first, sanitize, stream_dir, side_only, ref_capture,
               protocol={"trials": trials, "eval": eval_mode, "sync_weights": sync_weights, "explain": explain,
@@ -223,7 +151,7 @@ def diff(ref_path, cand_path, atol, rtol, seed, device, json_path, csv_path, str
         sys.exit(128 + t.signum)
 
 
-def _diff(ref_path, cand_path, atol, rtol, seed, device, json_path, csv_path, strict, train, full, tolerance,
+def _diff(ref_path, cand_path, atol, rtol, seed, device, json_path, csv_path, strict, full, tolerance,
           reinit_zero, report_dir, no_report, html_path, md_path, junit_path, no_isolate, timeout, max_memory, stream,
           only, stop_at_first, sanitize, stream_dir, side_only, ref_capture, protocol=None):
     from .compare import capture_reference, diff_files, is_capture
@@ -291,9 +219,11 @@ def _diff(ref_path, cand_path, atol, rtol, seed, device, json_path, csv_path, st
     with _deadline(0 if stream_dir or both else timeout, ref_path, cand_path, options, out):
         if side_only == "ref":  # an isolated diff's reference process: capture, then leave the rest to the other
             from .handoff import Holder
+            from .trials import TRIAL_DIR
 
             parent = os.getppid()
-            holder = Holder(os.path.join(stream_dir, "ref.dkt")) if os.environ.get(HANDOVER_ENV) else None
+            holder = Holder(os.path.join(stream_dir, "ref.dkt"), keep=TRIAL_DIR) if os.environ.get(HANDOVER_ENV) \
+                else None
             try:
                 capture_reference(ref_path, os.path.join(stream_dir, "ref.dkt"), options,
                                   on_init=lambda init: _publish_init(stream_dir, init),
@@ -771,22 +701,6 @@ def _reap_at_exit() -> None:
         thread.join(max(0.0, end - time.monotonic()))
 
 
-def _stop(proc) -> None:
-    """Stop a child and everything it started: SIGTERM to its process group, SIGKILL if it lingers."""
-    import signal
-
-    for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, None)):
-        try:
-            os.killpg(proc.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-        try:
-            proc.wait(timeout=wait)
-            return
-        except Exception:
-            continue
-
-
 class _Forked:
     """A child process forked from this one (torch and diffkit already imported: no interpreter start,
     no imports), running `diffkit ARGS` in its own session with `env` and its stderr to `err`.  The
@@ -1049,7 +963,7 @@ def _isolated(argv, ref_path, cand_path, options: Options, timeout, out: _Output
     # (errors ignored at its removal: a child stopped once it answered may still have had files open in it)
     with tempfile.TemporaryDirectory(prefix="diffkit-", dir=_handoff_dir(options), ignore_cleanup_errors=True) as tmp:
         env = dict(os.environ, CUDA_LAUNCH_BLOCKING="1", DIFFKIT_BREADCRUMB=os.path.join(tmp, "breadcrumb"))
-        base = [sys.executable, "-m", "diffkit.cli", *argv, "--no-isolate", "--stream-dir", tmp]
+        base = [*python_command(), *argv, "--no-isolate", "--stream-dir", tmp]
         given = is_capture(ref_path)
         ref_dkt = ref_path if given else os.path.join(tmp, "ref.dkt")
         # on a GPU the reference's process keeps its values on the device and hands them over (diffkit.handoff)
@@ -1330,14 +1244,13 @@ def _isolated(argv, ref_path, cand_path, options: Options, timeout, out: _Output
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="run the model here")
 @click.option("--eval", "eval_mode", is_flag=True, help="put the model in eval() (default: as constructed, as "
               "KernelBench runs it)")
-@click.option("--train", is_flag=True, hidden=True, help="no effect: training mode is the default now")
 @click.option("--inputs-from", "inputs_from", type=click.Path(exists=True, dir_okay=False), default=None,
               help="take get_inputs()/get_init_inputs() from this reference file (for a candidate file)")
 @click.option("--limit", type=int, default=None, help="print at most this many records")
 @click.option("-o", "--output", type=click.Path(file_okay=False), default=None,
               help="save the records (values and metadata), the model's parameters and its inputs as a capture "
                    "directory for `diffkit diff`")
-def capture_cmd(model_path, side, seed, trials, device, eval_mode, train, inputs_from, limit, output):
+def capture_cmd(model_path, side, seed, trials, device, eval_mode, inputs_from, limit, output):
     """Run one forward of MODEL.py (KernelBench's first trial) under capture and print its records."""
     from .compare import capture_reference
     from .load import load_reference
@@ -1375,7 +1288,6 @@ def capture_cmd(model_path, side, seed, trials, device, eval_mode, train, inputs
     sys.exit(2 if trace.error else 0)
 
 
-from .suite import suite  # noqa: E402  (the suite command; its logic is all in suite.py)
 main.add_command(suite)
 
 if __name__ == "__main__":

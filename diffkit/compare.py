@@ -13,14 +13,14 @@ from .errors import DiffkitError
 from .load import LoadedPair, load_candidate_for_capture, load_pair, sync_weights
 from .options import Options
 from .pipeline import (CaptureSource, ModelSource, TraceSource, apply_auto_tolerance, capture_writer, clone_inputs,
-                       may_be_random, named_tensors, reference_health, reinit_zero_parameters, rerun_differences, run,
-                       run_captured)
-from .result import Result
+                       judge, may_be_random, named_tensors, reference_health, reinit_zero_parameters,
+                       rerun_differences, run, run_captured)
+from .result import ErrorInfo, Result
 from .trials import (CapturedTrials, LiveCandidate, LiveReference, restore_state, run_trials, snapshot_state,
                      trial_seeds)
 
 __all__ = ["compare", "compare_traces", "diff_files", "capture_reference", "run_captured", "reference_health",
-           "reinit_zero_parameters", "apply_auto_tolerance", "is_capture"]
+           "reinit_zero_parameters", "apply_auto_tolerance", "is_capture", "error_result"]
 
 
 def compare(ref_model: torch.nn.Module, cand_model: torch.nn.Module, inputs: Sequence[Any], atol: float | None = None,
@@ -44,6 +44,15 @@ def compare_traces(ref: Trace, cand: Trace, atol: float | None = None, rtol: flo
     """Diff two captured traces (no models: nothing is re-run)."""
     opts = options or Options.build(atol=atol, rtol=rtol, **settings)
     return run(TraceSource(ref), TraceSource(cand), opts)
+
+
+def error_result(e: DiffkitError, ref_path: str, cand_path: str, options: Options) -> Result:
+    """The result of a diff that could not run (a file that does not load, build or construct)."""
+    result = Result(verdict="", stages=[], first_divergence=None,
+                    error=ErrorInfo(e.side, e.phase, e.message, e.where, e.detail), output=None,
+                    atol=options.tolerance.atol, rtol=options.tolerance.rtol, ref_path=ref_path, cand_path=cand_path)
+    result.verdict = judge(result)
+    return result
 
 
 def is_capture(path: str) -> bool:

@@ -25,3 +25,9 @@ class DiffkitError(Exception):
     def to_dict(self) -> dict:
         return {"side": self.side, "phase": self.phase, "message": self.message, "stage": self.where,
                 "traceback": self.detail}
+
+
+# diffkit's exit codes, defined once (the CLI's, a suite's, the supervisor's): a diff's by its verdict, and 3 for
+# an internal error (diffkit's own fault, never the user's: its traceback is printed)
+EXIT = {"match": 0, "diverged": 1, "error": 2}
+INTERNAL = 3

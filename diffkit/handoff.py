@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import os
 import pickle
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from .store import CaptureWriter, write_after_forward
 
 HANDOFF_FILE = "handoff.pkl"  # the handles (written whole or not at all)
 RELEASE = "handoff-release"  # asked of the holding process: exit
@@ -85,6 +88,9 @@ class Holder:
     (`hand_over`), then kept until it is released or asked to write it out (`serve`)."""
 
     capture_dir: str
+    # the names in the capture directory that its dump keeps (a compiled pattern: the later trials' captures,
+    # trials.TRIAL_DIR); None keeps none
+    keep: Any = None
     trace: Any = None
     params: dict = field(default_factory=dict)
     info: dict = field(default_factory=dict)
@@ -138,11 +144,6 @@ class Holder:
         so (`DUMPED`, which holds "ok", or why the values could not be written).  The capture is written
         beside the directory and put in its place once complete (its later trials moved over): if writing
         it fails (no room left), the directory stays as it was, complete, with names and shapes."""
-        import shutil
-
-        from .store import CaptureWriter, write_after_forward
-        from .trials import TRIAL_DIR
-
         try:
             os.unlink(os.path.join(self.capture_dir, HANDOFF_FILE))  # later readers read the files
         except FileNotFoundError:
@@ -167,7 +168,7 @@ class Holder:
             os.rename(where, old)
             os.rename(new, where)
             for name in os.listdir(old):
-                if TRIAL_DIR.fullmatch(name):
+                if self.keep is not None and self.keep.fullmatch(name):
                     os.rename(os.path.join(old, name), os.path.join(where, name))
             shutil.rmtree(old, ignore_errors=True)
         except (OSError, RuntimeError, ValueError) as e:

@@ -69,15 +69,13 @@ class DiffkitFixture:
                 raise TypeError("diffkit.compare: give two models or two file paths")
             if inputs is not None:
                 raise TypeError("diffkit.compare: files bring their own inputs (get_inputs()); drop `inputs`")
-            from .compare import diff_files
+            from .compare import diff_files, error_result
             from .errors import DiffkitError
+            from .options import Options
 
             try:
                 result = diff_files(os.fspath(ref), os.fspath(cand), atol=atol, rtol=rtol, **settings)
             except DiffkitError as e:  # a file that does not load or build: an answer, with a report
-                from .cli import error_result
-                from .options import Options
-
                 result = error_result(e, os.fspath(ref), os.fspath(cand), Options.build(atol=atol, rtol=rtol))
         else:
             if inputs is None:

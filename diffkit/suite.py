@@ -12,7 +12,7 @@ Discovery (`discover`):
   A candidate with no reference, or with several, is an errored pair that says so; nothing is dropped.
 
 Each pair runs as ``python -m diffkit.cli diff REF CAND --report-dir OUT/<name> --json
-OUT/<name>/result.json`` plus the diff options given to the suite, in a pool of workers (one per
+OUT/<name>/result.json`` (started by `processes.python_command`: this diffkit, whatever the current folder holds) plus the diff options given to the suite, in a pool of workers (one per
 visible GPU, each child seeing only its GPU; ``--workers N`` on CPU).  The verdicts are read back with
 `Result.from_json`; a child that fails without an answer (killed, internal error, past the suite's
 deadline) is an ``error`` entry with the reason from its log.  After every finished pair the summary
@@ -41,6 +41,10 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import click
+
+from .errors import EXIT, INTERNAL
+from .flags import DIFF_OPTIONS
+from .processes import python_command, stop as _stop
 
 KB_CANDIDATE = re.compile(r"^level_?(?P<level>\d+)_problem_(?P<problem>\d+)_sample_(?P<sample>\d+)_kernel\.py$")
 KB_REFERENCE = re.compile(r"^(?P<problem>\d+)_.*\.py$")
@@ -478,8 +482,8 @@ def exit_code(entries: Sequence[SuiteEntry]) -> int:
     """0 all match, 1 any diverged (none errored), 2 any errored or not run."""
     verdicts = {e.verdict for e in entries}
     if "error" in verdicts or None in verdicts:
-        return 2
-    return 1 if "diverged" in verdicts else 0
+        return EXIT["error"]
+    return EXIT["diverged"] if "diverged" in verdicts else EXIT["match"]
 
 
 # ----------------------------------------------------------------------------- running
@@ -529,9 +533,10 @@ class Runner:
             return list(self.running)
 
     def command(self, entry: SuiteEntry) -> list[str]:
+        """A pair's `diffkit` arguments."""
         d = self.pair_dir(entry)
-        return [sys.executable, "-m", "diffkit.cli", "diff", entry.ref, entry.cand, "--report-dir", d,
-                "--json", os.path.join(d, "result.json"), *self.diff_args]
+        return ["diff", entry.ref, entry.cand, "--report-dir", d, "--json", os.path.join(d, "result.json"),
+                *self.diff_args]
 
     def run(self, entry: SuiteEntry) -> SuiteEntry:
         """Diff one pair; an entry with verdict None when the suite was stopped before it finished."""
@@ -558,14 +563,18 @@ class Runner:
         start = time.monotonic()
         why = None
         with open(log_path, "w", encoding="utf-8") as log:
-            log.write("$ " + " ".join(self.command(entry)) + (f"  (CUDA_VISIBLE_DEVICES={slot})" if slot else "")
+            # (the command as a user would type it; the child itself is started by `python_command`, which runs
+            # this diffkit whatever the current folder holds)
+            log.write("$ " + " ".join([sys.executable, "-m", "diffkit.cli", *self.command(entry)])
+                      + (f"  (CUDA_VISIBLE_DEVICES={slot})" if slot else "")
                       + "\n")
             log.flush()
             with self._lock:
                 if self.stop.is_set():
                     return entry
                 # its own process group: stopping it stops what it started (the per-side children, ninja …)
-                proc = subprocess.Popen(self.command(entry), stdout=log, stderr=subprocess.STDOUT, env=env,
+                proc = subprocess.Popen([*python_command(), *self.command(entry)], stdout=log,
+                                        stderr=subprocess.STDOUT, env=env,
                                         stdin=subprocess.DEVNULL, start_new_session=True)
                 self._procs.add(proc)
                 self.running.add(entry.name)
@@ -603,7 +612,7 @@ class Runner:
                 unreadable = f"its result.json does not read back ({type(e).__name__}: {e})"
         if result is not None:
             entry_from_result(entry, result)
-            expected = {"match": 0, "diverged": 1, "error": 2}.get(result.verdict)
+            expected = EXIT.get(result.verdict)
             if code != expected:  # e.g. the report could not be written: the diff said so and exited 2
                 entry.verdict, entry.error = "error", f"diff exited {code}: {_reason(log_text)}"
             else:
@@ -614,7 +623,7 @@ class Runner:
         if why is None:
             if code is not None and code < 0:
                 why = f"killed by {signal.Signals(-code).name}"
-            elif code == 3:
+            elif code == INTERNAL:
                 why = "internal error of diffkit"
             else:
                 why = f"exited with status {code}"
@@ -633,12 +642,6 @@ class Runner:
             t.start()
         for t in threads:
             t.join()
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    from .cli import _stop as stop_group
-
-    stop_group(proc)
 
 
 class _Progress:
@@ -769,9 +772,7 @@ def run_suite(entries: list[SuiteEntry], out_dir: str, diff_args: list[str], *, 
 # ----------------------------------------------------------------------------- the command
 def _diff_options() -> list[click.Option]:
     """The options of `diffkit diff` a suite passes through (only those `diff` has)."""
-    from .cli import diff
-
-    by_name = {p.name: p for p in diff.params if isinstance(p, click.Option)}
+    by_name = {p.name: p for p in DIFF_OPTIONS}
     return [by_name[n] for n in PASS_THROUGH if n in by_name]
 
 
