@@ -2,7 +2,7 @@
 called through ctypes.
 
 One pass over both tensors gives every sufficient statistic of a range (the slots of
-`measure._Part`), where the torch path makes about ten passes.  The library is built the first time
+`metric_slots.Part`), where the torch path makes about ten passes.  The library is built the first time
 a process asks for it (about a second) into a cache directory keyed by the source, the compiler and
 the CPU (on Linux it is built for the CPU it runs on), checked on a pair with known answers, and
 loaded from there afterwards.  Without a C compiler, or when the build or the check fails,
@@ -26,9 +26,11 @@ import threading
 
 import torch
 
+from .metric_slots import Part
+
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "host_metrics.c")
 FLAGS = ["-O3", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno"]
-SLOTS = 16  # len(measure._Part)
+SLOTS = len(Part)
 # the dtypes the kernel reads (as the `is_double` flag it is given)
 DTYPES = {torch.float32: 0, torch.float64: 1}
 
@@ -240,7 +242,7 @@ def supports(t: torch.Tensor) -> bool:
 
 
 def partials(r: torch.Tensor, c: torch.Tensor, lo: int, hi: int, atol: float, rtol: float) -> list[float]:
-    """The `_Part` slots of elements lo..hi-1 of `r` and `c` (both `supports`-ed and contiguous, same element
+    """The `Part` slots of elements lo..hi-1 of `r` and `c` (both `supports`-ed and contiguous, same element
     count; flat indices into the whole tensors).  Runs without the GIL."""
     assert r.is_contiguous() and c.is_contiguous() and 0 <= lo <= hi <= min(r.numel(), c.numel())
     out = (ctypes.c_double * SLOTS)()

@@ -4,7 +4,7 @@
  * releases the GIL, so worker threads measure side by side).  No Python or torch headers.
  *
  * dk_partials(r, r_is_double, c, c_is_double, lo, hi, atol, rtol, out) fills out[0..15] with the
- * slots of diffkit.measure._Part for elements lo..hi-1 of the flat arrays r and c (float32 or
+ * slots of diffkit.metric_slots.Part for elements lo..hi-1 of the flat arrays r and c (float32 or
  * float64 each), with the same per-element rules as `_partials` (torch.allclose's, in float64):
  *   diff     |c - r| where both are finite, else 0
  *   bound    atol + rtol |r|

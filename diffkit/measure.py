@@ -12,18 +12,24 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from enum import IntEnum
 
 import torch
 
-# KernelBench's tolerances, chosen by the reference tensor's dtype
-DEFAULT_TOLERANCE = {torch.float16: 1e-2, torch.bfloat16: 1e-2}
+from . import host_kernel, metrics_kernel  # (cheap: each builds or compiles its kernel on first use only)
+from .metric_slots import COUNTS, Packed, Part
+
+# KernelBench's tolerances, chosen by the reference tensor's dtype (field.md: 1e-4 float32, 1e-2 half);
+# `options.Tolerance` takes them from here
+HALF_TOLERANCE = 1e-2
 FLOAT32_TOLERANCE = 1e-4
+_HALF = (torch.float16, torch.bfloat16)
 
 
 def default_tolerance(dtype: torch.dtype) -> float:
-    return DEFAULT_TOLERANCE.get(dtype, FLOAT32_TOLERANCE)
+    """KernelBench's tolerance for a reference of this dtype."""
+    return HALF_TOLERANCE if dtype in _HALF else FLOAT32_TOLERANCE
 
 
 def tolerances(atol: float | None, rtol: float | None, dtype: torch.dtype) -> tuple[float, float]:
@@ -142,51 +148,6 @@ def _unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(idx))
 
 
-class _Part(IntEnum):
-    """The slots of one chunk's sufficient statistics (`_partials`), combined over the chunks by
-    `measure_async`.  Flat indices are into the whole tensor; absolute errors are over elements
-    finite on both sides (a NaN/Inf pair counts as 0 there and is judged by its own rule)."""
-
-    MISMATCHES = 0  # elements out of tolerance, or with a NaN/Inf the other side does not share
-    MAX_ABS = 1  # the largest |c - r|
-    MAX_ABS_AT = 2  # its flat index (the first of equal maxima)
-    SUM_ABS = 3  # the sum of |c - r|
-    MAX_REL = 4  # the largest |c - r| / |r| where r != 0
-    DOT = 5  # the sum of r * c over finite values (a non-finite value counts as 0)
-    REF_SQ = 6  # the sum of r * r, likewise
-    CAND_SQ = 7  # the sum of c * c, likewise
-    REF_NAN = 8  # NaN and Inf counts (0 for integer tensors); these four slots stay consecutive
-    REF_INF = 9
-    CAND_NAN = 10
-    CAND_INF = 11
-    MAX_EXCESS = 12  # the largest |c - r| - (atol + rtol * |r|): how far the worst element is out of tolerance
-    MAX_EXCESS_AT = 13  # its flat index
-    FIRST_DISAGREE_AT = 14  # the flat index of the first NaN/Inf disagreement, inf if there is none
-    DIFF_SQ = 15  # the sum of (c - r)^2
-
-
-_COUNTS = (_Part.REF_NAN, _Part.REF_INF, _Part.CAND_NAN, _Part.CAND_INF)
-assert _COUNTS == tuple(range(_COUNTS[0], _COUNTS[-1] + 1)), "the NaN/Inf counts are summed as one slice"
-
-
-class _Packed(IntEnum):
-    """The slots of the vector that carries one pair's metrics to the host (see `PendingStats`)."""
-
-    MISMATCHES = 0
-    MAX_ABS = 1
-    MEAN_ABS = 2
-    MAX_REL = 3
-    COSINE = 4
-    REF_NAN = 5
-    REF_INF = 6
-    CAND_NAN = 7
-    CAND_INF = 8
-    WORST_AT = 9  # the worst element's flat index (see `measure_async`)
-    WORST_REF = 10  # its reference and candidate values
-    WORST_CAND = 11
-    REL_L2 = 12  # ||c - r|| / ||r|| over finite elements (align's value-agreement measure)
-
-
 @functools.cache
 def _slot_names(slots: type[IntEnum]) -> tuple[str, ...]:
     return tuple(s.name.lower() for s in slots)
@@ -205,7 +166,7 @@ def _pack(slots: type[IntEnum], **values: torch.Tensor) -> torch.Tensor:
 class PendingStats:
     """Metrics computed on the tensors' device, on their way to the host.
 
-    The scalars travel as one small float64 vector (slots: `_Packed`) through pinned memory behind
+    The scalars travel as one small float64 vector (slots: `Packed`) through pinned memory behind
     a CUDA event, so measuring many pairs costs no synchronisation until `result()` is asked for."""
 
     def __init__(self, packed: torch.Tensor | None, shape: tuple[int, ...], atol: float, rtol: float,
@@ -229,17 +190,17 @@ class PendingStats:
     def result(self) -> Stats:
         if self._stats is None:
             host = self._batch[0].row(self._batch[1]) if self._batch is not None else self._host.tolist()
-            self.rel_l2 = host[_Packed.REL_L2]
-            worst_ref, worst_cand = host[_Packed.WORST_REF], host[_Packed.WORST_CAND]
+            self.rel_l2 = host[Packed.REL_L2]
+            worst_ref, worst_cand = host[Packed.WORST_REF], host[Packed.WORST_CAND]
             abs_err = abs(worst_cand - worst_ref)
             if abs_err != abs_err:  # NaN against a number (or a NaN and an infinity): as far apart as can be
                 abs_err = float("inf")
             self._stats = Stats(
-                numel=math.prod(self.shape), max_abs=host[_Packed.MAX_ABS], mean_abs=host[_Packed.MEAN_ABS],
-                max_rel=host[_Packed.MAX_REL], mismatches=int(host[_Packed.MISMATCHES]), cosine=host[_Packed.COSINE],
-                ref_nan=int(host[_Packed.REF_NAN]), ref_inf=int(host[_Packed.REF_INF]),
-                cand_nan=int(host[_Packed.CAND_NAN]), cand_inf=int(host[_Packed.CAND_INF]),
-                worst=Worst(index=_unravel(int(host[_Packed.WORST_AT]), self.shape), ref=worst_ref, cand=worst_cand,
+                numel=math.prod(self.shape), max_abs=host[Packed.MAX_ABS], mean_abs=host[Packed.MEAN_ABS],
+                max_rel=host[Packed.MAX_REL], mismatches=int(host[Packed.MISMATCHES]), cosine=host[Packed.COSINE],
+                ref_nan=int(host[Packed.REF_NAN]), ref_inf=int(host[Packed.REF_INF]),
+                cand_nan=int(host[Packed.CAND_NAN]), cand_inf=int(host[Packed.CAND_INF]),
+                worst=Worst(index=_unravel(int(host[Packed.WORST_AT]), self.shape), ref=worst_ref, cand=worst_cand,
                             abs_err=abs_err),
                 atol=self.atol, rtol=self.rtol)
             self._host = self._batch = None
@@ -247,7 +208,7 @@ class PendingStats:
 
 
 class _HostBatch:
-    """The packed vectors of a batch of pairs ([pairs, len(_Packed)] on a CUDA device), copied to
+    """The packed vectors of a batch of pairs ([pairs, len(Packed)] on a CUDA device), copied to
     pinned host memory in one transfer behind one event; read row by row."""
 
     def __init__(self, packed: torch.Tensor):
@@ -312,8 +273,6 @@ def measure_many(items: list[tuple[torch.Tensor, torch.Tensor, float, float]]) -
         for i, pending in zip(host, _measure_host_many([items[i] for i in host])):
             out[i] = pending
     if groups:
-        from . import metrics_kernel
-
         for (_, _, _, atol, rtol), idx in groups.items():
             if not metrics_kernel.available():
                 for i in idx:
@@ -415,7 +374,7 @@ def compare_elements(rd: torch.Tensor, cd: torch.Tensor, atol: float, rtol: floa
 
 
 def _partials(r: torch.Tensor, c: torch.Tensor, atol: float, rtol: float, exact: bool, offset: int) -> torch.Tensor:
-    """One chunk's sufficient statistics, as a float64 vector (slots: `_Part`); `offset` is the
+    """One chunk's sufficient statistics, as a float64 vector (slots: `Part`); `offset` is the
     chunk's first flat index."""
     cplx = r.is_complex() or c.is_complex()
     rd = _numbers(r, cplx)
@@ -425,7 +384,7 @@ def _partials(r: torch.Tensor, c: torch.Tensor, atol: float, rtol: float, exact:
         diff = (cd - rd).abs()
         bad = c != r
         nan_bad = torch.zeros_like(bad)
-        counts = {slot.name.lower(): zero for slot in _COUNTS}
+        counts = {slot.name.lower(): zero for slot in COUNTS}
         fr, fc = rd, cd
         bound = atol + rtol * rd.abs()
     else:
@@ -444,7 +403,7 @@ def _partials(r: torch.Tensor, c: torch.Tensor, atol: float, rtol: float, exact:
     first_nb = torch.where(any_nb, torch.argmax(nan_bad.to(torch.uint8)).to(torch.float64) + offset, float("inf"))
     dot = (fr.conj() * fc).real.sum() if cplx else (fr * fc).sum()
     # `take`, not indexing: indexing with a device scalar waits for the device
-    return _pack(_Part, mismatches=bad.sum(dtype=torch.float64), max_abs=diff.take(i_d),
+    return _pack(Part, mismatches=bad.sum(dtype=torch.float64), max_abs=diff.take(i_d),
                  max_abs_at=i_d.to(torch.float64) + offset, sum_abs=diff.sum(), max_rel=rel.max(),
                  dot=dot, ref_sq=(fr.abs() ** 2).sum(), cand_sq=(fc.abs() ** 2).sum(), **counts,
                  max_excess=excess.take(i_ex), max_excess_at=i_ex.to(torch.float64) + offset,
@@ -481,8 +440,6 @@ def measure_async(ref: torch.Tensor, cand: torch.Tensor, atol: float, rtol: floa
     r = ref.detach().reshape(-1)
     c = cand.detach().reshape(-1)
     if floating and r.is_cuda:
-        from . import metrics_kernel
-
         if metrics_kernel.available():
             with torch.cuda.device(r.device):
                 return PendingStats(metrics_kernel.packed(r, c, atol, rtol), shape, atol, rtol)
@@ -496,23 +453,23 @@ def _packed_exact(r: torch.Tensor, c: torch.Tensor, atol: float, rtol: float) ->
     step = CHUNK_CUDA if r.is_cuda else CHUNK
     parts = torch.stack([_partials(r[i:i + step], c[i:i + step], atol, rtol, exact, i) for i in range(0, n, step)])
     # combine the chunks (argmax takes the first of equal maxima, as one pass over the whole would)
-    mism = parts[:, _Part.MISMATCHES].sum()
-    dot, nr, nc = parts[:, _Part.DOT].sum(), parts[:, _Part.REF_SQ].sum().sqrt(), parts[:, _Part.CAND_SQ].sum().sqrt()
+    mism = parts[:, Part.MISMATCHES].sum()
+    dot, nr, nc = parts[:, Part.DOT].sum(), parts[:, Part.REF_SQ].sum().sqrt(), parts[:, Part.CAND_SQ].sum().sqrt()
     denom = nr * nc
     cosine = torch.where(denom > 0, dot / torch.where(denom > 0, denom, 1.0), (nr == nc).to(torch.float64))
-    by_excess = parts[:, _Part.MAX_EXCESS_AT].take(torch.argmax(parts[:, _Part.MAX_EXCESS]))
-    by_diff = parts[:, _Part.MAX_ABS_AT].take(torch.argmax(parts[:, _Part.MAX_ABS]))
-    first_nb = parts[:, _Part.FIRST_DISAGREE_AT].min()
+    by_excess = parts[:, Part.MAX_EXCESS_AT].take(torch.argmax(parts[:, Part.MAX_EXCESS]))
+    by_diff = parts[:, Part.MAX_ABS_AT].take(torch.argmax(parts[:, Part.MAX_ABS]))
+    first_nb = parts[:, Part.FIRST_DISAGREE_AT].min()
     # the worst element: the first NaN/Inf disagreement, else the element exceeding its tolerance by
     # the most (all passing: the largest error)
     flat = torch.where(first_nb < n, first_nb, torch.where(mism > 0, by_excess, by_diff)).to(torch.int64)
-    counts = parts[:, _COUNTS[0]:_COUNTS[-1] + 1].sum(0)
-    return _pack(_Packed, mismatches=mism, max_abs=parts[:, _Part.MAX_ABS].max(),
-                 mean_abs=parts[:, _Part.SUM_ABS].sum() / n, max_rel=parts[:, _Part.MAX_REL].max(), cosine=cosine,
-                 **{slot.name.lower(): counts[k] for k, slot in enumerate(_COUNTS)},
+    counts = parts[:, COUNTS[0]:COUNTS[-1] + 1].sum(0)
+    return _pack(Packed, mismatches=mism, max_abs=parts[:, Part.MAX_ABS].max(),
+                 mean_abs=parts[:, Part.SUM_ABS].sum() / n, max_rel=parts[:, Part.MAX_REL].max(), cosine=cosine,
+                 **{slot.name.lower(): counts[k] for k, slot in enumerate(COUNTS)},
                  worst_at=flat.to(torch.float64), worst_ref=_real(r.take(flat)),
                  worst_cand=_real(c.take(flat)),
-                 rel_l2=parts[:, _Part.DIFF_SQ].sum().sqrt() / torch.where(nr > 0, nr, 1.0))
+                 rel_l2=parts[:, Part.DIFF_SQ].sum().sqrt() / torch.where(nr > 0, nr, 1.0))
 
 
 # the working precision of the fast paths: half types are widened to float32 chunk by chunk (their
@@ -541,8 +498,6 @@ REL_GATHER_MAX = 1 << 21
 def _native(r: torch.Tensor, c: torch.Tensor) -> bool:
     """Whether the pair goes to the native CPU kernel (`host_kernel`): float32/float64 CPU tensors with memory
     of their own (read in place when laid out in row-major order, else gathered a piece at a time)."""
-    from . import host_kernel
-
     return host_kernel.supports(r) and host_kernel.supports(c) and host_kernel.available()
 
 
@@ -551,8 +506,6 @@ def _measure_host_many(items: list[tuple[torch.Tensor, torch.Tensor, float, floa
     threads.  Pairs the native kernel reads are cut into spans of NATIVE_SPAN elements, one kernel call
     each (ctypes lets go of the GIL), and each pair's spans combined (`_from_parts`); the rest run the
     torch passes one pair per worker, each on one thread (torch releases the GIL inside an op)."""
-    from . import host_kernel
-
     items = [(r.detach(), c.detach(), atol, rtol) for r, c, atol, rtol in items]
     native = [i for i, (r, c, _, _) in enumerate(items) if _native(r, c)]
     spans = [(i, lo, min(lo + NATIVE_SPAN, items[i][0].numel())) for i in native
@@ -606,11 +559,9 @@ def _measure_host_many(items: list[tuple[torch.Tensor, torch.Tensor, float, floa
 
 
 def _gathered_partials(r: torch.Tensor, c: torch.Tensor, lo: int, hi: int, atol: float, rtol: float) -> list[list[float]]:
-    """The native kernel's `_Part` vectors of elements lo..hi-1 (row-major order) of a pair with a side not laid out
+    """The native kernel's `Part` vectors of elements lo..hi-1 (row-major order) of a pair with a side not laid out
     in that order: gathered GATHER elements at a time into buffers (the kernel's flat indices, into the buffer, are
     shifted back).  Called with torch's threads at one (`_one_thread`)."""
-    from . import host_kernel
-
     fr, fc = _Flat(r), _Flat(c)
     rb = None if fr.flat is not None else torch.empty(min(GATHER, hi - lo), dtype=r.dtype)
     cb = None if fc.flat is not None else torch.empty(min(GATHER, hi - lo), dtype=c.dtype)
@@ -619,7 +570,7 @@ def _gathered_partials(r: torch.Tensor, c: torch.Tensor, lo: int, hi: int, atol:
         g2 = min(g + GATHER, hi)
         a, b = fr.part(g, g2, rb).contiguous(), fc.part(g, g2, cb).contiguous()
         p = host_kernel.partials(a, b, 0, g2 - g, atol, rtol)
-        for slot in (_Part.MAX_ABS_AT, _Part.MAX_EXCESS_AT, _Part.FIRST_DISAGREE_AT):
+        for slot in (Part.MAX_ABS_AT, Part.MAX_EXCESS_AT, Part.FIRST_DISAGREE_AT):
             p[slot] += g
         out.append(p)
     return out
@@ -634,8 +585,6 @@ def native_rel_l2(c: torch.Tensor, r: torch.Tensor) -> float | None:
     REL_GATHER_MAX elements (beyond, None: the torch passes)."""
     if c.numel() != r.numel() or c.numel() == 0 or not _native(r, c):
         return None
-    from . import host_kernel
-
     r, c = r.detach(), c.detach()
     if not (r.is_contiguous() and c.is_contiguous()):
         same = _in_memory_order(r, c)
@@ -648,9 +597,9 @@ def native_rel_l2(c: torch.Tensor, r: torch.Tensor) -> float | None:
     else:
         with _one_thread():
             parts = _gathered_partials(r, c, 0, r.numel(), 0.0, 0.0)
-    if any(p[slot] for p in parts for slot in _COUNTS):
+    if any(p[slot] for p in parts for slot in COUNTS):
         return None
-    d, s = math.sqrt(sum(p[_Part.DIFF_SQ] for p in parts)), math.sqrt(sum(p[_Part.REF_SQ] for p in parts))
+    d, s = math.sqrt(sum(p[Part.DIFF_SQ] for p in parts)), math.sqrt(sum(p[Part.REF_SQ] for p in parts))
     if not (math.isfinite(d) and math.isfinite(s)):  # squares past float64's range: the torch way
         return None
     return d / s if s > 0 else (0.0 if d == 0 else math.inf)
@@ -680,39 +629,39 @@ def _cosine(dot: float, nr: float, nc: float) -> float:
     return max(-1.0, min(1.0, cos)) if cos == cos else cos
 
 
-# the slots of `_Part` that add up over chunks
-_SUMMED = (_Part.MISMATCHES, _Part.SUM_ABS, _Part.DOT, _Part.REF_SQ, _Part.CAND_SQ, _Part.DIFF_SQ, *_COUNTS)
+# the slots of `Part` that add up over chunks
+_SUMMED = (Part.MISMATCHES, Part.SUM_ABS, Part.DOT, Part.REF_SQ, Part.CAND_SQ, Part.DIFF_SQ, *COUNTS)
 
 
 def _combined(parts: list[list[float]]) -> tuple[dict, float, float]:
-    """Chunks' `_Part` vectors (host lists) combined: the summed slots, the largest relative error and the
+    """Chunks' `Part` vectors (host lists) combined: the summed slots, the largest relative error and the
     first NaN/Inf disagreement (the maxima with their indices are the caller's: ties are broken its way)."""
     tot = {slot: 0.0 for slot in _SUMMED}
     max_rel, first_nb = 0.0, math.inf
     for p in parts:
         for slot in _SUMMED:
             tot[slot] += p[slot]
-        max_rel = max(max_rel, p[_Part.MAX_REL])
-        first_nb = min(first_nb, p[_Part.FIRST_DISAGREE_AT])
+        max_rel = max(max_rel, p[Part.MAX_REL])
+        first_nb = min(first_nb, p[Part.FIRST_DISAGREE_AT])
     return tot, max_rel, first_nb
 
 
 def _from_parts(parts: list[list[float]], r: torch.Tensor, c: torch.Tensor, atol: float, rtol: float) -> PendingStats:
-    """One pair's Stats from the `_Part` vectors of its consecutive spans (in index order, as host lists):
+    """One pair's Stats from the `Part` vectors of its consecutive spans (in index order, as host lists):
     sums added, maxima kept with the first index holding them, the worst element chosen as
     `_packed_exact` chooses it, and its values read from the tensors."""
     n, shape = r.numel(), tuple(r.shape)
     tot, max_rel, first_nb = _combined(parts)
-    mism, sum_abs, dot, diff_sq = tot[_Part.MISMATCHES], tot[_Part.SUM_ABS], tot[_Part.DOT], tot[_Part.DIFF_SQ]
-    ref_sq, cand_sq = tot[_Part.REF_SQ], tot[_Part.CAND_SQ]
-    counts = [tot[s] for s in _COUNTS]
+    mism, sum_abs, dot, diff_sq = tot[Part.MISMATCHES], tot[Part.SUM_ABS], tot[Part.DOT], tot[Part.DIFF_SQ]
+    ref_sq, cand_sq = tot[Part.REF_SQ], tot[Part.CAND_SQ]
+    counts = [tot[s] for s in COUNTS]
     max_abs, at_abs = -math.inf, 0
-    max_exc, at_exc = -math.inf, int(parts[0][_Part.MAX_EXCESS_AT])  # (all -inf: the first element, as argmax)
+    max_exc, at_exc = -math.inf, int(parts[0][Part.MAX_EXCESS_AT])  # (all -inf: the first element, as argmax)
     for p in parts:
-        if p[_Part.MAX_ABS] > max_abs:  # (strictly: an earlier span keeps an equal maximum)
-            max_abs, at_abs = p[_Part.MAX_ABS], int(p[_Part.MAX_ABS_AT])
-        if p[_Part.MAX_EXCESS] > max_exc:
-            max_exc, at_exc = p[_Part.MAX_EXCESS], int(p[_Part.MAX_EXCESS_AT])
+        if p[Part.MAX_ABS] > max_abs:  # (strictly: an earlier span keeps an equal maximum)
+            max_abs, at_abs = p[Part.MAX_ABS], int(p[Part.MAX_ABS_AT])
+        if p[Part.MAX_EXCESS] > max_exc:
+            max_exc, at_exc = p[Part.MAX_EXCESS], int(p[Part.MAX_EXCESS_AT])
     flat = int(first_nb) if first_nb < n else (at_exc if mism > 0 else at_abs)
     return _host_stats(_Flat(r), _Flat(c), shape, flat, max_abs=max_abs, sum_abs=sum_abs, max_rel=max_rel,
                        mism=mism, counts=counts, dot=dot, ref_sq=ref_sq, cand_sq=cand_sq, diff_sq=diff_sq,
@@ -824,18 +773,8 @@ def _measure_host_1(r: torch.Tensor, c: torch.Tensor, atol: float, rtol: float, 
     n = r.numel()
     work = torch.float64 if torch.float64 in (r.dtype, c.dtype) else torch.float32
     fr, fc = _Flat(r), _Flat(c)
-    mism = 0
-    sum_abs = diff_sq = ref_sq = cand_sq = dot = 0.0
-    max_abs = max_rel = 0.0
-    max_abs_chunk = max_exc_chunk = None  # the first chunk holding the maximum
-    max_exc = -math.inf
-    exact_parts: list[tuple[int, list[float]]] = []  # chunks with NaN/Inf, measured by `_partials`
+    acc = _HostSums()
     step = CHUNK_HOST
-
-    def exact(start: int, a: torch.Tensor, b: torch.Tensor) -> None:
-        """The chunk at `start` (its values `a`, `b`, widened to the working precision: exact) by `_partials`."""
-        exact_parts.append((start, _partials(a, b, atol, rtol, False, start).tolist()))
-
     # the groups of rows: whole chunks, GROUP_ROWS at a time, then the short last chunk as a row of its own
     full = n // step * step
     groups = [(g, min(GROUP_ROWS, (full - g) // step), step) for g in range(0, full, GROUP_ROWS * step)]
@@ -846,7 +785,6 @@ def _measure_host_1(r: torch.Tensor, c: torch.Tensor, atol: float, rtol: float, 
     # a tensor not laid out in row-major order is gathered a group at a time (in the working precision)
     r_buf = None if fr.flat is not None else torch.empty(size, dtype=work)
     c_buf = None if fc.flat is not None else torch.empty(size, dtype=work)
-    norm = torch.linalg.vector_norm
     # rows whose largest error is within atol (as the working precision rounds it: the bound is computed
     # there) hold no element out of tolerance
     gate = min(atol, float(torch.tensor(atol, dtype=work)))
@@ -861,58 +799,9 @@ def _measure_host_1(r: torch.Tensor, c: torch.Tensor, atol: float, rtol: float, 
         # max |c - r| / |r| as the larger magnitude of d / r's extremes (IEEE division is sign-symmetric,
         # so |d / r| is d / |r| exactly)
         q = torch.div(d, a, out=q_buf[:rows * length].view(rows, length))
-        # the sums of squares as norms (one pass each, nothing written), squared on the host
-        per_row = torch.stack([d.amax(dim=1), q.amin(dim=1), q.amax(dim=1), d.sum(dim=1), norm(d, dim=1),
-                               norm(a, dim=1), norm(b, dim=1)]).tolist()
-        excess = None
-        if any(x > gate for x in per_row[0]):  # (False for NaN) some row out of atol: the excess is needed
-            e = torch.add(d, a.abs(), alpha=-rtol)  # |c - r| - rtol |r|: how far past the bound, less atol
-            # out of tolerance by torch.isclose's own rule in the working precision: |c - r| > atol + |rtol r|
-            bound = a.abs().mul_(rtol).add_(atol)
-            excess = torch.stack([e.amax(dim=1), (d > bound).sum(dim=1).to(work)]).tolist()
-        for i, (dmax, lo, hi, sa, nd, na, nb) in enumerate(zip(*per_row)):
-            start = g + i * length
-            if not math.isfinite(dmax):
-                exact(start, a[i], b[i])
-                continue
-            if dmax > atol and excess is not None:
-                emax = excess[0][i] - atol
-                row_mism = int(excess[1][i])
-            else:
-                emax, row_mism = dmax - atol, 0  # every element within atol: a bound on the excess, at most 0
-            if math.isfinite(lo) and math.isfinite(hi):
-                rmax = max(-lo, hi)
-            else:  # an exact zero in the reference (0/0, d/0): over r != 0 only
-                rmax = float(q[i].abs().nan_to_num_(nan=0.0, posinf=0.0).amax())
-            dd, rr, cc = nd * nd, na * na, nb * nb
-            if not (math.isfinite(dd) and math.isfinite(rr) and math.isfinite(cc)) or \
-                    (dd == 0.0 and dmax > 0) or (rr == 0.0 and float(a[i].abs().amax()) > 0):
-                # squares beyond float32's range (or below it): this chunk the exact float64 way
-                exact(start, a[i], b[i])
-                continue
-            mism += row_mism
-            max_rel = max(max_rel, rmax)
-            sum_abs += sa
-            diff_sq, ref_sq, cand_sq, dot = diff_sq + dd, ref_sq + rr, cand_sq + cc, dot + (rr + cc - dd) / 2
-            if max_abs_chunk is None or dmax > max_abs:
-                max_abs, max_abs_chunk = dmax, start
-            if max_exc_chunk is None or emax > max_exc:
-                max_exc, max_exc_chunk = emax, start
-    tot, rel, first_nb = _combined([p for _, p in exact_parts])
-    mism += int(tot[_Part.MISMATCHES])
-    sum_abs, diff_sq, dot = sum_abs + tot[_Part.SUM_ABS], diff_sq + tot[_Part.DIFF_SQ], dot + tot[_Part.DOT]
-    ref_sq, cand_sq = ref_sq + tot[_Part.REF_SQ], cand_sq + tot[_Part.CAND_SQ]
-    max_rel = max(max_rel, rel)
-    counts = [int(tot[s]) for s in _COUNTS]
-    by_abs = by_exc = None  # (value, flat index) found in the exact chunks
-    for start, p in exact_parts:
-        if (max_abs_chunk is None or p[_Part.MAX_ABS] > max_abs
-                or (p[_Part.MAX_ABS] == max_abs and start < max_abs_chunk)):
-            max_abs, max_abs_chunk, by_abs = p[_Part.MAX_ABS], start, int(p[_Part.MAX_ABS_AT])
-        if (max_exc_chunk is None or p[_Part.MAX_EXCESS] > max_exc
-                or (p[_Part.MAX_EXCESS] == max_exc and start < max_exc_chunk)):
-            max_exc, max_exc_chunk, by_exc = p[_Part.MAX_EXCESS], start, int(p[_Part.MAX_EXCESS_AT])
-    exact_starts = {start for start, _ in exact_parts}
+        _host_group(acc, g, length, a, b, d, q, atol, rtol, gate)
+    counts, by_abs, by_exc, first_nb = _host_add_exact(acc)
+    exact_starts = {start for start, _ in acc.exact_parts}
 
     def locate(chunk: int, excess: bool) -> int:
         """The flat index of the first maximum of d (or e) in the chunk at `chunk`."""
@@ -923,12 +812,102 @@ def _measure_host_1(r: torch.Tensor, c: torch.Tensor, atol: float, rtol: float, 
 
     if first_nb < n:
         flat = int(first_nb)
-    elif mism > 0:
-        flat = by_exc if max_exc_chunk in exact_starts else locate(max_exc_chunk, True)
+    elif acc.mism > 0:
+        flat = by_exc if acc.max_exc_chunk in exact_starts else locate(acc.max_exc_chunk, True)
     else:
-        flat = by_abs if max_abs_chunk in exact_starts else locate(max_abs_chunk, False)
-    return _host_stats(fr, fc, shape, flat, max_abs=max_abs, sum_abs=sum_abs, max_rel=max_rel, mism=mism,
-                       counts=counts, dot=dot, ref_sq=ref_sq, cand_sq=cand_sq, diff_sq=diff_sq, atol=atol, rtol=rtol)
+        flat = by_abs if acc.max_abs_chunk in exact_starts else locate(acc.max_abs_chunk, False)
+    return _host_stats(fr, fc, shape, flat, max_abs=acc.max_abs, sum_abs=acc.sum_abs, max_rel=acc.max_rel,
+                       mism=acc.mism, counts=counts, dot=acc.dot, ref_sq=acc.ref_sq, cand_sq=acc.cand_sq,
+                       diff_sq=acc.diff_sq, atol=atol, rtol=rtol)
+
+
+@dataclass
+class _HostSums:
+    """`_measure_host_1`'s running sums and maxima over the chunks measured so far."""
+
+    mism: int = 0
+    sum_abs: float = 0.0
+    diff_sq: float = 0.0
+    ref_sq: float = 0.0
+    cand_sq: float = 0.0
+    dot: float = 0.0
+    max_abs: float = 0.0
+    max_rel: float = 0.0
+    max_abs_chunk: int | None = None  # the first chunk holding the maximum
+    max_exc_chunk: int | None = None
+    max_exc: float = -math.inf
+    exact_parts: list[tuple[int, list[float]]] = field(default_factory=list)  # chunks with NaN/Inf, by `_partials`
+
+    def exact(self, start: int, a: torch.Tensor, b: torch.Tensor, atol: float, rtol: float) -> None:
+        """The chunk at `start` (its values `a`, `b`, widened to the working precision: exact) by `_partials`."""
+        self.exact_parts.append((start, _partials(a, b, atol, rtol, False, start).tolist()))
+
+
+def _host_group(acc: _HostSums, g: int, length: int, a: torch.Tensor, b: torch.Tensor, d: torch.Tensor,
+                q: torch.Tensor, atol: float, rtol: float, gate: float) -> None:
+    """One group of rows of `_measure_host_1` (the chunks at g, g + length, …: values `a`, `b` in the working
+    precision, d = |b - a|, q = d / a) added to `acc`."""
+    work = a.dtype
+    norm = torch.linalg.vector_norm
+    # the sums of squares as norms (one pass each, nothing written), squared on the host
+    per_row = torch.stack([d.amax(dim=1), q.amin(dim=1), q.amax(dim=1), d.sum(dim=1), norm(d, dim=1),
+                           norm(a, dim=1), norm(b, dim=1)]).tolist()
+    excess = None
+    if any(x > gate for x in per_row[0]):  # (False for NaN) some row out of atol: the excess is needed
+        e = torch.add(d, a.abs(), alpha=-rtol)  # |c - r| - rtol |r|: how far past the bound, less atol
+        # out of tolerance by torch.isclose's own rule in the working precision: |c - r| > atol + |rtol r|
+        bound = a.abs().mul_(rtol).add_(atol)
+        excess = torch.stack([e.amax(dim=1), (d > bound).sum(dim=1).to(work)]).tolist()
+    for i, (dmax, lo, hi, sa, nd, na, nb) in enumerate(zip(*per_row)):
+        start = g + i * length
+        if not math.isfinite(dmax):
+            acc.exact(start, a[i], b[i], atol, rtol)
+            continue
+        if dmax > atol and excess is not None:
+            emax = excess[0][i] - atol
+            row_mism = int(excess[1][i])
+        else:
+            emax, row_mism = dmax - atol, 0  # every element within atol: a bound on the excess, at most 0
+        if math.isfinite(lo) and math.isfinite(hi):
+            rmax = max(-lo, hi)
+        else:  # an exact zero in the reference (0/0, d/0): over r != 0 only
+            rmax = float(q[i].abs().nan_to_num_(nan=0.0, posinf=0.0).amax())
+        dd, rr, cc = nd * nd, na * na, nb * nb
+        if not (math.isfinite(dd) and math.isfinite(rr) and math.isfinite(cc)) or \
+                (dd == 0.0 and dmax > 0) or (rr == 0.0 and float(a[i].abs().amax()) > 0):
+            # squares beyond float32's range (or below it): this chunk the exact float64 way
+            acc.exact(start, a[i], b[i], atol, rtol)
+            continue
+        acc.mism += row_mism
+        acc.max_rel = max(acc.max_rel, rmax)
+        acc.sum_abs += sa
+        acc.diff_sq, acc.ref_sq, acc.cand_sq, acc.dot = (acc.diff_sq + dd, acc.ref_sq + rr, acc.cand_sq + cc,
+                                                         acc.dot + (rr + cc - dd) / 2)
+        if acc.max_abs_chunk is None or dmax > acc.max_abs:
+            acc.max_abs, acc.max_abs_chunk = dmax, start
+        if acc.max_exc_chunk is None or emax > acc.max_exc:
+            acc.max_exc, acc.max_exc_chunk = emax, start
+
+
+def _host_add_exact(acc: _HostSums) -> tuple[list[int], int | None, int | None, float]:
+    """The chunks `_measure_host_1` measured by `_partials` added to `acc`: the NaN/Inf counts, the flat indices
+    of the largest error and excess where an exact chunk holds them (else None), the first NaN/Inf disagreement."""
+    tot, rel, first_nb = _combined([p for _, p in acc.exact_parts])
+    acc.mism += int(tot[Part.MISMATCHES])
+    acc.sum_abs, acc.diff_sq, acc.dot = acc.sum_abs + tot[Part.SUM_ABS], acc.diff_sq + tot[Part.DIFF_SQ], \
+        acc.dot + tot[Part.DOT]
+    acc.ref_sq, acc.cand_sq = acc.ref_sq + tot[Part.REF_SQ], acc.cand_sq + tot[Part.CAND_SQ]
+    acc.max_rel = max(acc.max_rel, rel)
+    counts = [int(tot[s]) for s in COUNTS]
+    by_abs = by_exc = None  # (value, flat index) found in the exact chunks
+    for start, p in acc.exact_parts:
+        if (acc.max_abs_chunk is None or p[Part.MAX_ABS] > acc.max_abs
+                or (p[Part.MAX_ABS] == acc.max_abs and start < acc.max_abs_chunk)):
+            acc.max_abs, acc.max_abs_chunk, by_abs = p[Part.MAX_ABS], start, int(p[Part.MAX_ABS_AT])
+        if (acc.max_exc_chunk is None or p[Part.MAX_EXCESS] > acc.max_exc
+                or (p[Part.MAX_EXCESS] == acc.max_exc and start < acc.max_exc_chunk)):
+            acc.max_exc, acc.max_exc_chunk, by_exc = p[Part.MAX_EXCESS], start, int(p[Part.MAX_EXCESS_AT])
+    return counts, by_abs, by_exc, first_nb
 
 
 def _ranked(key: torch.Tensor, flat: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

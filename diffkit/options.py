@@ -9,17 +9,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-# KernelBench's tolerances, chosen by the reference tensor's dtype (field.md: 1e-4 float32, 1e-2 half)
-HALF_TOLERANCE = 1e-2
-FLOAT32_TOLERANCE = 1e-4
-_HALF = (torch.float16, torch.bfloat16)
+# KernelBench's tolerances by the reference's dtype: defined once, in measure (the lower layer)
+from .measure import FLOAT32_TOLERANCE, HALF_TOLERANCE, STATS, default_tolerance  # noqa: F401
 
 TOLERANCE_MODES = ("fixed", "auto")
-
-
-def default_tolerance(dtype: torch.dtype) -> float:
-    """KernelBench's tolerance for a reference of this dtype."""
-    return HALF_TOLERANCE if dtype in _HALF else FLOAT32_TOLERANCE
 
 
 @dataclass(frozen=True)
@@ -43,8 +36,6 @@ class Tolerance:
     def __post_init__(self):
         if self.mode not in TOLERANCE_MODES:
             raise ValueError(f"tolerance mode must be one of {', '.join(TOLERANCE_MODES)}, not {self.mode!r}")
-        from .measure import STATS
-
         if self.stat not in STATS:
             raise ValueError(f"stat must be one of {', '.join(STATS)}, not {self.stat!r}")
         for name in ("atol", "rtol"):

@@ -13,6 +13,9 @@ import math
 
 import torch
 
+from .align import to_ref_layout
+from .measure import worst_elements as ranked_elements
+
 MAX_PIXELS = 192  # heatmaps are pooled to at most this many cells per side
 
 
@@ -88,8 +91,6 @@ def error_profile(result, ax=None):
 def values(stage) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(reference, candidate brought into the reference's layout) of a stage, on the reference's
     device; None when either value was not kept or the two cannot be put side by side."""
-    from .align import to_ref_layout
-
     ref, cand = stage.ref_value, stage.cand_value
     if ref is None or cand is None:
         return None
@@ -279,9 +280,7 @@ def error_distribution(stage):
 def worst_elements(stage, k: int = 10) -> list[dict]:
     """The stage's k worst elements, worst first, ranked as `Stats.worst` is (see
     `measure.worst_elements`); [] when the stage has no metrics or its values were not kept."""
-    from .measure import worst_elements as ranked
-
     pair = values(stage)
     if pair is None or stage.stats is None:
         return []
-    return ranked(*pair, stage.stats.atol, stage.stats.rtol, k)
+    return ranked_elements(*pair, stage.stats.atol, stage.stats.rtol, k)

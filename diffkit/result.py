@@ -16,7 +16,11 @@ from typing import Any, Callable
 
 import torch
 
-from .measure import Stats, Worst
+from . import plots
+from .describe import headline
+from .load import WeightReport
+from .measure import FLOAT32_TOLERANCE, Stats, Worst
+from .render import result_html, stage_html, stages_csv
 
 STATUSES = ("ok", "diverged", "after-divergence", "unmatched")
 VERDICTS = ("match", "diverged", "error")
@@ -318,15 +322,11 @@ class Stage:
         }
 
     def _repr_html_(self) -> str:
-        from .render import stage_html
-
         return stage_html(self)
 
     def heatmap(self):
         """reference | candidate | |difference| heatmaps (a matplotlib Figure)."""
-        from .plots import heatmap
-
-        return heatmap(self)
+        return plots.heatmap(self)
 
 
 def _jsonable(t: Any) -> Any:
@@ -440,14 +440,12 @@ class Result:
         stat = getattr(out, "stat", None) or self.meta.get("stat") or "elementwise"
         if self.atol is not None and self.rtol is not None:
             return {"atol": self.atol, "rtol": self.rtol, "by_dtype": False, "stat": stat}
-        return {"atol": self.atol if self.atol is not None else (out.atol if out else 1e-4),
-                "rtol": self.rtol if self.rtol is not None else (out.rtol if out else 1e-4), "by_dtype": True,
-                "stat": stat}
+        return {"atol": self.atol if self.atol is not None else (out.atol if out else FLOAT32_TOLERANCE),
+                "rtol": self.rtol if self.rtol is not None else (out.rtol if out else FLOAT32_TOLERANCE),
+                "by_dtype": True, "stat": stat}
 
     # ----------------------------------------------------------------- text
     def summary_line(self) -> str:
-        from .describe import headline
-
         return headline(self)
 
     # ----------------------------------------------------------------- data
@@ -488,8 +486,6 @@ class Result:
     @classmethod
     def from_dict(cls, d: dict) -> "Result":
         """A result read back from `to_dict` / result.json (without tensor values)."""
-        from .load import WeightReport
-
         stages = [Stage.from_dict(s) for s in d.get("stages") or []]
         by_index = {s.index: s for s in stages}
 
@@ -528,8 +524,6 @@ class Result:
         return pd.DataFrame(rows, columns=STAGE_COLUMNS + ["transform"])
 
     def to_csv(self, path: str | None = None) -> str:
-        from .render import stages_csv
-
         text = stages_csv(self)
         if path:
             with open(path, "w", encoding="utf-8", newline="") as fh:
@@ -540,18 +534,8 @@ class Result:
         return f"<diffkit.Result {self.verdict}: {self.summary_line()}>"
 
     def _repr_html_(self) -> str:
-        from .render import result_html
-
         return result_html(self)
 
     def plot(self):
         """Max and mean |error| per stage, log scale, tolerance and first divergence marked (a Figure)."""
-        from .plots import error_profile
-
-        return error_profile(self)
-
-    def write_report(self, directory: str | None = None) -> dict:
-        """index.html, stages.csv, result.json, summary.md and junit.xml in `directory`."""
-        from .report import write_report
-
-        return write_report(self, directory)
+        return plots.error_profile(self)

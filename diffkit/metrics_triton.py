@@ -1,0 +1,274 @@
+"""The Triton programs of the CUDA metric kernel (see `diffkit.metrics_kernel`, which launches them).
+
+This module imports Triton at its top: `metrics_kernel` imports it only once Triton is known to be there.
+The programs call each other by their global names (Triton resolves names in the module, not a closure).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def tile_stats(rp, cp, start, n, atol, rtol, WORK_T: tl.constexpr, BLOCK: tl.constexpr,
+               TILE_BLOCKS: tl.constexpr, SUM_T: tl.constexpr, FULL: tl.constexpr, RANGE: tl.constexpr):
+    """One tile's per-lane accumulators.  FULL=False assumes no NaN or infinity on either side (about
+    half the instructions per element) and returns, as `seen`, which lanes met one: the caller then
+    measures the tile again with FULL=True, which applies the NaN/Inf rules."""
+    lane = tl.arange(0, BLOCK)
+    # positions within the tile (int32: fewer registers per lane); the tile's start is added at the end
+    none = tl.full([BLOCK], 1 << 30, tl.int32)
+    mism = tl.zeros([BLOCK], tl.int32)
+    r_nans = tl.zeros([BLOCK], tl.int32)
+    r_infs = tl.zeros([BLOCK], tl.int32)
+    c_nans = tl.zeros([BLOCK], tl.int32)
+    c_infs = tl.zeros([BLOCK], tl.int32)
+    seen = tl.zeros([BLOCK], tl.int32)
+    sum_abs = tl.zeros([BLOCK], SUM_T)
+    dot = tl.zeros([BLOCK], SUM_T)
+    rsq = tl.zeros([BLOCK], SUM_T)
+    csq = tl.zeros([BLOCK], SUM_T)
+    dsq = tl.zeros([BLOCK], SUM_T)
+    max_d = tl.full([BLOCK], -1.0, WORK_T)
+    max_d_at = none
+    max_e = tl.full([BLOCK], -3.0e38, WORK_T)
+    max_e_at = none
+    max_rel = tl.zeros([BLOCK], WORK_T)
+    first_bad = none
+    top_r = tl.zeros([BLOCK], WORK_T)  # (FULL=False) each side's largest magnitude in the lane
+    top_c = tl.zeros([BLOCK], WORK_T)
+    for k in tl.range(0, TILE_BLOCKS):  # a loop, not unrolled: unrolled, every load is hoisted and spills
+        loc = k * BLOCK + lane
+        offs = start + loc
+        live = offs < n
+        r = tl.load(rp + offs, mask=live, other=0.0).to(WORK_T)
+        c = tl.load(cp + offs, mask=live, other=0.0).to(WORK_T)
+        rabs = tl.abs(r)
+        zero = tl.zeros_like(r)
+        bound = atol + rtol * rabs
+        if FULL:
+            # infinities without an infinite constant: x - x is NaN exactly where x is infinite (or NaN)
+            r_nan = r != r
+            c_nan = c != c
+            r_inf = (~r_nan) & ((r - r) != 0)
+            c_inf = (~c_nan) & ((c - c) != 0)
+            special = r_nan | c_nan | r_inf | c_inf
+            disagree = special & ~(r_inf & c_inf & (r == c)) & live
+            diff = tl.where(special, zero, tl.abs(c - r))
+            bad = (((~special) & (diff > bound)) | disagree) & live
+            rel = tl.where((rabs > 0) & (~special) & live, diff / tl.where(rabs > 0, rabs, 1.0), zero)
+            excess = diff - bound
+            excess = tl.where((excess != excess) | (~live), -1.0e38, excess)  # "none" (-inf in measure._partials)
+            first_bad = tl.minimum(first_bad, tl.where(disagree, loc, none))
+            fr = tl.where(r_nan | r_inf, zero, r).to(SUM_T)
+            fc = tl.where(c_nan | c_inf, zero, c).to(SUM_T)
+            r_nans += (r_nan & live).to(tl.int32)
+            r_infs += (r_inf & live).to(tl.int32)
+            c_nans += (c_nan & live).to(tl.int32)
+            c_infs += (c_inf & live).to(tl.int32)
+        else:
+            # every value assumed finite (a lane that met a NaN or an infinity is found after the
+            # loop, by its sums of squares): no masks but the tail's.  A masked-off element reads 0
+            # on both sides, so it is within tolerance, adds 0 to every sum and cannot be the first
+            # of a maximum; only its excess (-atol) is kept out.
+            if RANGE:
+                top_r = tl.maximum(top_r, rabs)
+                top_c = tl.maximum(top_c, tl.abs(c))
+            diff = tl.abs(c - r)
+            bad = diff > bound
+            rel = tl.where(rabs > 0, diff / tl.where(rabs > 0, rabs, 1.0), zero)
+            excess = tl.where(live, diff - bound, -1.0e38)
+            fr = r.to(SUM_T)
+            fc = c.to(SUM_T)
+        mism += bad.to(tl.int32)
+        max_rel = tl.maximum(max_rel, rel)
+        up = diff > max_d  # strictly greater: a lane keeps the first position of its maximum
+        max_d = tl.where(up, diff, max_d)
+        max_d_at = tl.where(up, loc, max_d_at)
+        up = excess > max_e
+        max_e = tl.where(up, excess, max_e)
+        max_e_at = tl.where(up, loc, max_e_at)
+        d64 = diff.to(SUM_T)
+        sum_abs += d64
+        dot += fr * fc
+        rsq += fr * fr
+        csq += fc * fc
+        dsq += d64 * d64
+    if not FULL:
+        # a NaN or an infinity on either side leaves a lane's sum of squares NaN or infinite, and so
+        # does a square (or a sum of them) past the sums' range: the tile again, by the full rules
+        # with float64 sums
+        # (the differences' squares too: |c - r| can leave the range where neither side does)
+        both = rsq + csq + dsq.to(rsq.dtype)
+        seen = ((both - both) != 0).to(tl.int32)
+    if RANGE:
+        # squares too small for a float32 sum (below 1e-18 a lane's largest ones vanish): likewise,
+        # on either side or in the differences
+        seen |= (((top_r < 1.0e-18) & (top_r > 0)) | ((top_c < 1.0e-18) & (top_c > 0))
+                 | ((max_d < 1.0e-18) & (max_d > 0))).to(tl.int32)
+    return (mism, r_nans, r_infs, c_nans, c_infs, sum_abs, dot, rsq, csq, dsq, max_d, max_d_at, max_e, max_e_at,
+            max_rel, first_bad, seen)
+
+
+@triton.jit
+def tile_partials(rp, cp, start, n, row, out, redo, atol, rtol, WORK_T: tl.constexpr, BLOCK: tl.constexpr,
+                  TILE_BLOCKS: tl.constexpr, NPART: tl.constexpr, SUM_T: tl.constexpr, FULL: tl.constexpr,
+                  RANGE: tl.constexpr):
+    """Measure one tile and store its row of partial statistics; the finite-first pass (FULL=False)
+    also stores in `redo` whether the tile must be measured again by the full rules."""
+    (mism, r_nans, r_infs, c_nans, c_infs, sum_abs, dot, rsq, csq, dsq, max_d, max_d_at, max_e, max_e_at,
+     max_rel, first_bad, seen) = tile_stats(rp, cp, start, n, atol, rtol, WORK_T, BLOCK, TILE_BLOCKS, SUM_T, FULL,
+                                                     RANGE)
+    none = tl.full([BLOCK], 1 << 30, tl.int32)
+    m_d = tl.max(max_d, axis=0)
+    m_e = tl.max(max_e, axis=0)
+    fb = tl.min(first_bad, axis=0)
+    s0 = start.to(tl.float64)
+    base = out + row.to(tl.int64) * NPART
+    tl.store(base + 0, tl.sum(mism, axis=0).to(tl.float64))  # MISMATCHES
+    tl.store(base + 1, m_d.to(tl.float64))  # MAX_ABS
+    tl.store(base + 2, s0 + tl.min(tl.where(max_d == m_d, max_d_at, none), axis=0).to(tl.float64))  # MAX_ABS_AT
+    tl.store(base + 3, tl.sum(sum_abs.to(tl.float64), axis=0))  # SUM_ABS
+    tl.store(base + 4, tl.max(max_rel, axis=0).to(tl.float64))  # MAX_REL
+    tl.store(base + 5, tl.sum(dot.to(tl.float64), axis=0))  # DOT
+    tl.store(base + 6, tl.sum(rsq.to(tl.float64), axis=0))  # REF_SQ
+    tl.store(base + 7, tl.sum(csq.to(tl.float64), axis=0))  # CAND_SQ
+    tl.store(base + 8, tl.sum(r_nans, axis=0).to(tl.float64))  # REF_NAN
+    tl.store(base + 9, tl.sum(r_infs, axis=0).to(tl.float64))  # REF_INF
+    tl.store(base + 10, tl.sum(c_nans, axis=0).to(tl.float64))  # CAND_NAN
+    tl.store(base + 11, tl.sum(c_infs, axis=0).to(tl.float64))  # CAND_INF
+    tl.store(base + 12, m_e.to(tl.float64))  # MAX_EXCESS
+    tl.store(base + 13, s0 + tl.min(tl.where(max_e == m_e, max_e_at, none), axis=0).to(tl.float64))  # MAX_EXCESS_AT
+    tl.store(base + 14, tl.where(fb < (1 << 30), s0 + fb.to(tl.float64), 9.0e18))  # FIRST_DISAGREE_AT
+    tl.store(base + 15, tl.sum(dsq.to(tl.float64), axis=0))  # DIFF_SQ
+    if not FULL:
+        tl.store(redo + row, tl.max(seen, axis=0))
+
+
+@triton.jit
+def table_tile(pid, ref_ptrs, cand_ptrs, numels, tile_first, n_pairs, REF_T: tl.constexpr, CAND_T: tl.constexpr,
+               BLOCK: tl.constexpr, TILE_BLOCKS: tl.constexpr, SEARCH: tl.constexpr):
+    """Tile `pid` of the table: its pair is the last whose first tile is at or before it."""
+    lo = pid * 0
+    hi = lo + n_pairs - 1
+    for _ in tl.static_range(SEARCH):
+        mid = (lo + hi + 1) // 2
+        ok = tl.load(tile_first + mid) <= pid
+        lo = tl.where(ok, mid, lo)
+        hi = tl.where(ok, hi, mid - 1)
+    start = (pid - tl.load(tile_first + lo)).to(tl.int64) * (BLOCK * TILE_BLOCKS)
+    rp = tl.load(ref_ptrs + lo).to(tl.pointer_type(REF_T))
+    cp = tl.load(cand_ptrs + lo).to(tl.pointer_type(CAND_T))
+    return start, tl.load(numels + lo), rp, cp
+
+
+@triton.jit
+def partials(ref_ptrs, cand_ptrs, numels, tile_first, out, redo, atol, rtol, n_pairs, n_direct, row0,
+             REF_T: tl.constexpr, CAND_T: tl.constexpr, WORK_T: tl.constexpr, BLOCK: tl.constexpr,
+             TILE_BLOCKS: tl.constexpr, NPART: tl.constexpr, SEARCH: tl.constexpr, DIRECT: tl.constexpr,
+             SUM_T: tl.constexpr, FULL: tl.constexpr, REDO: tl.constexpr, RANGE: tl.constexpr):
+    """One tile a program.  REDO: the full rules, with float64 sums, on the tiles of the whole table
+    that the finite-first pass marked in `redo` (the others return at once); otherwise the
+    finite-first pass (FULL=False) or the full rules (FULL=True) on every tile of this launch."""
+    pid = tl.program_id(0)
+    if REDO:
+        if tl.load(redo + pid) != 0:
+            start, n, rp, cp = table_tile(pid, ref_ptrs, cand_ptrs, numels, tile_first, n_pairs, REF_T, CAND_T,
+                                          BLOCK, TILE_BLOCKS, SEARCH)
+            tile_partials(rp, cp, start, n, pid, out, redo, atol, rtol, WORK_T, BLOCK, TILE_BLOCKS, NPART,
+                          tl.float64, True, False)
+    else:
+        if DIRECT:
+            # one large pair, its tensors given as they are (Triton specialises on their alignment)
+            tile_partials(ref_ptrs, cand_ptrs, pid.to(tl.int64) * (BLOCK * TILE_BLOCKS), n_direct, row0 + pid,
+                          out, redo, atol, rtol, WORK_T, BLOCK, TILE_BLOCKS, NPART, SUM_T, FULL, RANGE)
+        else:
+            start, n, rp, cp = table_tile(pid, ref_ptrs, cand_ptrs, numels, tile_first, n_pairs, REF_T, CAND_T,
+                                          BLOCK, TILE_BLOCKS, SEARCH)
+            tile_partials(rp, cp, start, n, pid, out, redo, atol, rtol, WORK_T, BLOCK, TILE_BLOCKS, NPART,
+                          SUM_T, FULL, RANGE)
+
+
+@triton.jit
+def combine(parts, ref_ptrs, cand_ptrs, numels, tile_first, dest, packed,
+            REF_T: tl.constexpr, CAND_T: tl.constexpr, NPART: tl.constexpr, NPACKED: tl.constexpr,
+            ROWS: tl.constexpr):
+    pair = tl.program_id(0)
+    first = tl.load(tile_first + pair)
+    last = tl.load(tile_first + pair + 1)
+    n = tl.load(numels + pair)
+    rows0 = tl.arange(0, ROWS).to(tl.int64)
+    big = 9.0e18
+    s_mism = tl.zeros([ROWS], tl.float64)
+    s_abs = tl.zeros([ROWS], tl.float64)
+    s_dot = tl.zeros([ROWS], tl.float64)
+    s_rsq = tl.zeros([ROWS], tl.float64)
+    s_csq = tl.zeros([ROWS], tl.float64)
+    s_dsq = tl.zeros([ROWS], tl.float64)
+    s_rn = tl.zeros([ROWS], tl.float64)
+    s_ri = tl.zeros([ROWS], tl.float64)
+    s_cn = tl.zeros([ROWS], tl.float64)
+    s_ci = tl.zeros([ROWS], tl.float64)
+    m_rel = tl.zeros([ROWS], tl.float64)
+    m_d = tl.full([ROWS], -2.0, tl.float64)
+    m_d_at = tl.full([ROWS], big, tl.float64)
+    m_e = tl.full([ROWS], -3.0e38, tl.float64)
+    m_e_at = tl.full([ROWS], big, tl.float64)
+    f_bad = tl.full([ROWS], big, tl.float64)
+    lo = first
+    while lo < last:
+        rows = lo + rows0
+        live = rows < last
+        lo += ROWS
+        b = parts + rows * NPART
+        s_mism += tl.load(b + 0, mask=live, other=0.0)
+        d = tl.load(b + 1, mask=live, other=-2.0)
+        d_at = tl.load(b + 2, mask=live, other=big)
+        up = d > m_d  # tiles come in order: strictly greater keeps the first
+        m_d = tl.where(up, d, m_d)
+        m_d_at = tl.where(up, d_at, m_d_at)
+        s_abs += tl.load(b + 3, mask=live, other=0.0)
+        m_rel = tl.maximum(m_rel, tl.load(b + 4, mask=live, other=0.0))
+        s_dot += tl.load(b + 5, mask=live, other=0.0)
+        s_rsq += tl.load(b + 6, mask=live, other=0.0)
+        s_csq += tl.load(b + 7, mask=live, other=0.0)
+        s_rn += tl.load(b + 8, mask=live, other=0.0)
+        s_ri += tl.load(b + 9, mask=live, other=0.0)
+        s_cn += tl.load(b + 10, mask=live, other=0.0)
+        s_ci += tl.load(b + 11, mask=live, other=0.0)
+        e = tl.load(b + 12, mask=live, other=-3.0e38)
+        e_at = tl.load(b + 13, mask=live, other=big)
+        up = e > m_e
+        m_e = tl.where(up, e, m_e)
+        m_e_at = tl.where(up, e_at, m_e_at)
+        f_bad = tl.minimum(f_bad, tl.load(b + 14, mask=live, other=big))
+        s_dsq += tl.load(b + 15, mask=live, other=0.0)
+    mism = tl.sum(s_mism, axis=0)
+    top_d = tl.max(m_d, axis=0)
+    by_diff = tl.min(tl.where(m_d == top_d, m_d_at, big), axis=0)
+    top_e = tl.max(m_e, axis=0)
+    by_excess = tl.min(tl.where(m_e == top_e, m_e_at, big), axis=0)
+    first_nb = tl.min(f_bad, axis=0)
+    nf = n.to(tl.float64)
+    flat = tl.where(first_nb < nf, first_nb, tl.where(mism > 0, by_excess, by_diff)).to(tl.int64)
+    nr = tl.sqrt(tl.sum(s_rsq, axis=0))
+    nc = tl.sqrt(tl.sum(s_csq, axis=0))
+    denom = nr * nc
+    cosine = tl.where(denom > 0, tl.sum(s_dot, axis=0) / tl.where(denom > 0, denom, 1.0),
+                      (nr == nc).to(tl.float64))
+    rp = tl.load(ref_ptrs + pair).to(tl.pointer_type(REF_T))
+    cp = tl.load(cand_ptrs + pair).to(tl.pointer_type(CAND_T))
+    o = packed + tl.load(dest + pair) * NPACKED
+    tl.store(o + 0, mism)  # MISMATCHES
+    tl.store(o + 1, top_d)  # MAX_ABS
+    tl.store(o + 2, tl.sum(s_abs, axis=0) / nf)  # MEAN_ABS
+    tl.store(o + 3, tl.max(m_rel, axis=0))  # MAX_REL
+    tl.store(o + 4, cosine)  # COSINE
+    tl.store(o + 5, tl.sum(s_rn, axis=0))  # REF_NAN
+    tl.store(o + 6, tl.sum(s_ri, axis=0))  # REF_INF
+    tl.store(o + 7, tl.sum(s_cn, axis=0))  # CAND_NAN
+    tl.store(o + 8, tl.sum(s_ci, axis=0))  # CAND_INF
+    tl.store(o + 9, flat.to(tl.float64))  # WORST_AT
+    tl.store(o + 10, tl.load(rp + flat).to(tl.float64))  # WORST_REF
+    tl.store(o + 11, tl.load(cp + flat).to(tl.float64))  # WORST_CAND
+    tl.store(o + 12, tl.sqrt(tl.sum(s_dsq, axis=0)) / tl.where(nr > 0, nr, 1.0))  # REL_L2
