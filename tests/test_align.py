@@ -317,7 +317,7 @@ def test_measure_a_nan_both_sides_share_is_a_mismatch_and_the_worst():
 def test_relative_error_of_complex_values_including_empty_ones():
     """The float64 fallback of the layout check keeps complex values complex (an empty pair, whose
     float32 norms are zero, takes it)."""
-    from diffkit.align import _rel_err
+    from diffkit.align_layout import _rel_err
 
     empty = torch.zeros(0, dtype=torch.complex64)
     assert _rel_err(empty, empty) == 0.0

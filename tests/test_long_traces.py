@@ -1,6 +1,6 @@
 """Long traces (a recurrence written as a Python loop: thousands of steps of the same few calls) are
 aligned in time linear in their length: the dataflow pass looks for a record's counterpart in a window
-past its anchors (`align.DATAFLOW_WINDOW`), the order pass's longest common subsequence is computed on
+past its anchors (`align_tuning.DATAFLOW_WINDOW`), the order pass's longest common subsequence is computed on
 bit rows, the value pass scores only the free reference records, and a record's rivals (the records after it
 that could be its stage instead) are looked for only as far as a decision needs them.  What is checked here: the
 window pairs as the whole trace would, rivals found lazily pair as rivals found in full, the work grows linearly,
@@ -13,6 +13,9 @@ import torch.nn as nn
 
 import diffkit
 from diffkit import align as A
+from diffkit import align_dataflow as AD
+from diffkit import align_layout as AL
+from diffkit import align_values as AV
 
 
 class LoopRNN(nn.Module):
@@ -79,10 +82,10 @@ def _pairs(result):
     ({"bias": False}, "i2h"),  # the bias left out of the input's part: wrong from the first step
 ], ids=["match", "late_drift", "no_bias"])
 def test_the_window_pairs_a_long_loop_as_the_whole_trace_does(monkeypatch, cand_kw, first):
-    monkeypatch.setattr(A, "DATAFLOW_WINDOW_FROM", 10**9)
+    monkeypatch.setattr(AD, "DATAFLOW_WINDOW_FROM", 10**9)
     whole = _diff(cand_kw, 48)
-    monkeypatch.setattr(A, "DATAFLOW_WINDOW_FROM", 0)
-    monkeypatch.setattr(A, "DATAFLOW_WINDOW", 12)  # a few steps' records: far smaller than the trace
+    monkeypatch.setattr(AD, "DATAFLOW_WINDOW_FROM", 0)
+    monkeypatch.setattr(AD, "DATAFLOW_WINDOW", 12)  # a few steps' records: far smaller than the trace
     windowed = _diff(cand_kw, 48)
     fd = windowed.first_divergence
     assert (fd.ref_name if fd else None) == first
@@ -96,26 +99,26 @@ def test_rivals_looked_for_only_where_they_matter_pair_as_all_of_them_do(monkeyp
     """The records after a candidate record that could be its stage instead (`_Rivals`) are found only as far as a
     decision needs them; found in full up front (as before), every pair is the same, and the lazy search looks at
     far fewer records."""
-    monkeypatch.setattr(A, "DATAFLOW_WINDOW_FROM", window_from)
-    monkeypatch.setattr(A, "DATAFLOW_WINDOW", 12)
+    monkeypatch.setattr(AD, "DATAFLOW_WINDOW_FROM", window_from)
+    monkeypatch.setattr(AD, "DATAFLOW_WINDOW", 12)
     looked = [0]
-    real_more = A._Rivals._more
+    real_more = AD._Rivals._more
 
     def counted(self):
         looked[0] += 1
         return real_more(self)
 
-    monkeypatch.setattr(A._Rivals, "_more", counted)
+    monkeypatch.setattr(AD._Rivals, "_more", counted)
     lazy = _diff(cand_kw, 40)
     lazy_looked, looked[0] = looked[0], 0
-    real_init = A._Rivals.__init__
+    real_init = AD._Rivals.__init__
 
     def eager(self, *args, **kw):
         real_init(self, *args, **kw)
         if self._scan is not None:
             self.lists()
 
-    monkeypatch.setattr(A._Rivals, "__init__", eager)
+    monkeypatch.setattr(AD._Rivals, "__init__", eager)
     full = _diff(cand_kw, 40)
     assert _pairs(lazy) == _pairs(full) and lazy.verdict == full.verdict
     assert (lazy.first_divergence.ref_name if lazy.first_divergence else None) == \
@@ -126,22 +129,22 @@ def test_rivals_looked_for_only_where_they_matter_pair_as_all_of_them_do(monkeyp
 def _cover_walks(monkeypatch, steps):
     """How many covers the dataflow pass derives for a loop of `steps` steps."""
     calls = [0]
-    real = A.cover_of
+    real = AD.cover_of
 
     def counted(*args, **kw):
         calls[0] += 1
         return real(*args, **kw)
 
-    monkeypatch.setattr(A, "cover_of", counted)
+    monkeypatch.setattr(AD, "cover_of", counted)
     result = _diff({}, steps)
-    monkeypatch.setattr(A, "cover_of", real)
+    monkeypatch.setattr(AD, "cover_of", real)
     assert result.verdict == "match"
     return calls[0]
 
 
 def test_the_dataflow_pass_works_linearly_in_a_long_loop(monkeypatch):
-    monkeypatch.setattr(A, "DATAFLOW_WINDOW_FROM", 0)
-    monkeypatch.setattr(A, "DATAFLOW_WINDOW", 16)
+    monkeypatch.setattr(AD, "DATAFLOW_WINDOW_FROM", 0)
+    monkeypatch.setattr(AD, "DATAFLOW_WINDOW", 16)
     short, long = _cover_walks(monkeypatch, 60), _cover_walks(monkeypatch, 240)
     # four times the steps: about four times the work (each pair re-derives the covers in its window);
     # over the whole trace it is about sixteen times (each pair re-derives every later step's)
@@ -220,12 +223,12 @@ def test_the_value_search_takes_its_contenders_among_the_allowed_ones():
     ref.append(rec(len(ref), target + 0.05 * torch.randn(64)))
     cand = [rec(0, target.clone())]
     state = A.AlignState.start(ref, cand)
-    group = A._contenders(state, list(range(len(ref))), {})
-    best = A._closest_by_value(state, cand[0], cand[0].value, A._fingerprint(cand[0], v=cand[0].value), group,
+    group = AV._contenders(state, list(range(len(ref))), {})
+    best = AV._closest_by_value(state, cand[0], cand[0].value, AL._fingerprint(cand[0], v=cand[0].value), group,
                                allowed=lambda ri: ri == len(ref) - 1)
     assert best is not None and best.ref == len(ref) - 1
     state.add(0, len(ref) - 1, "value", 0.5)  # paired now: no longer a contender
-    assert A._closest_by_value(state, cand[0], cand[0].value, A._fingerprint(cand[0], v=cand[0].value), group,
+    assert AV._closest_by_value(state, cand[0], cand[0].value, AL._fingerprint(cand[0], v=cand[0].value), group,
                                allowed=lambda ri: ri == len(ref) - 1) is None
 
 
@@ -244,7 +247,7 @@ def test_values_screened_as_beyond_reach_are_beyond_every_layout():
              c * 2.0,  # relative error (to the reference) 0.5: at the limit
              c * 2.1,  # just past it
              None]
-    got = A._beyond(c, cases, A.VALUE_MATCH_REL_ERR)
+    got = AV._beyond(c, cases, A.VALUE_MATCH_REL_ERR)
     for v, beyond in zip(cases, got):
         if v is None:
             assert not beyond
@@ -257,5 +260,5 @@ def test_values_screened_as_beyond_reach_are_beyond_every_layout():
         v = c * (1.6 + 0.8 * torch.rand(1, generator=g)) + 0.2 * torch.randn(6, 8, generator=g)
         if torch.rand(1, generator=g) < 0.5:
             v = v.t().contiguous()
-        (beyond,) = A._beyond(c, [v], A.VALUE_MATCH_REL_ERR)
+        (beyond,) = AV._beyond(c, [v], A.VALUE_MATCH_REL_ERR)
         assert not beyond or A.best_layout(c, v).rel_err > A.VALUE_MATCH_REL_ERR

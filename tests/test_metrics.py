@@ -213,7 +213,7 @@ def test_many_pairs_on_worker_threads_each_get_their_own_answer(monkeypatch, hos
 
 
 def test_native_relative_error_agrees_with_the_torch_rule_and_leaves_specials_to_it(monkeypatch):
-    from diffkit.align import _rel_err
+    from diffkit.align_layout import _rel_err
 
     if not host_kernel.available():
         pytest.skip(f"no native kernel here: {host_kernel.why()}")
