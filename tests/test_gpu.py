@@ -207,10 +207,10 @@ def test_device_values_spilled_to_disk_are_kept_as_they_were_put(tmp_path, monke
     # a kernel that writes into the tensor right after it was put must not change what comes back
     import torch
 
-    from diffkit import stream
+    from diffkit import tiers
     from diffkit.stream import Budget, TieredStore
 
-    monkeypatch.setattr(stream._Spiller, "PIECE", 1 << 16)
+    monkeypatch.setattr(tiers._Spiller, "PIECE", 1 << 16)
     store = TieredStore(Budget(0), Budget(0), spill_dir=str(tmp_path))
     big = torch.randn(1 << 20, device="cuda")
     wide = torch.randn(300, 200, device="cuda").t()

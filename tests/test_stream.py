@@ -529,10 +529,10 @@ def test_disk_tier_written_behind_keeps_each_value_as_it_was_put(tmp_path, monke
     # the spiller copies a value through a ring smaller than the value and writes it on its own thread:
     # what comes back is the value as it was when put, whatever happens to the tensor afterwards, for
     # every dtype and size; a value dropped (or put again) while its file is on its way is gone after
-    from diffkit import stream
+    from diffkit import tiers
 
-    monkeypatch.setattr(stream._Spiller, "PIECE", 4096)
-    monkeypatch.setattr(stream._Spiller, "BUFFERS", 2)
+    monkeypatch.setattr(tiers._Spiller, "PIECE", 4096)
+    monkeypatch.setattr(tiers._Spiller, "BUFFERS", 2)
     store = TieredStore(Budget(0), spill_dir=str(tmp_path))
     g = torch.Generator().manual_seed(5)
     values = {
