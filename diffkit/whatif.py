@@ -10,8 +10,9 @@ A mistake is a `Variant`: a catalogue `kind`, the reference record (`site`) it r
 kernel would have produced).  It is planted through the capture machinery (`capture._State.mutator`):
 the record's tensor is overwritten in place as it is recorded, so the rest of the forward reads it;
 the user's source is never edited.  `catalogue(site, ...)` lists the variants that apply to a
-record (`diffkit.whatif_catalogue`); `search(...)` runs them (one forward each, stopped at the divergent stage) and ranks them by
-how closely the mutated reference reproduces the candidate there.
+record (`diffkit.whatif_catalogue`, a table of mutations); `search(...)` runs them (one forward each,
+stopped at the divergent stage) and ranks them by how closely the mutated reference reproduces the
+candidate there.
 
 The catalogue (`KINDS`): drop_bias, extra_bias, running_stats, batch_stats, unbiased_variance,
 biased_variance, epsilon, reduce_axis, scale, transposed_weight, transposed_operand,

@@ -466,7 +466,8 @@ def _oblong(s: Site) -> list[dict]:
 
 
 def _reread(s: Site, o: int, i: int) -> Apply:
-    return _with_weight(s, lambda w: w.reshape(i, o).t())  # x @ W.view(i, o): the memory of W read in the transposed shape
+    # x @ W.view(i, o): the memory of W read in the transposed shape
+    return _with_weight(s, lambda w: w.reshape(i, o).t())
 
 
 _MATMULS = ("matmul", "__matmul__", "bmm", "einsum", "__rmatmul__")
@@ -555,7 +556,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation("unbiased_variance", lambda s: s.module(torch.nn.LayerNorm), "`{stage}` divides the variance by N-1",
              lambda s: lambda call, o, m=s.fn: _layer_norm_unbiased(_first_input(call), m.normalized_shape, m.weight,
                                                                     m.bias, m.eps)),
-    Mutation("unbiased_variance", lambda s: s.module(torch.nn.GroupNorm), "`{stage}` divides each group's variance by N-1",
+    Mutation("unbiased_variance", lambda s: s.module(torch.nn.GroupNorm),
+             "`{stage}` divides each group's variance by N-1",
              lambda s: lambda call, o, m=s.fn: _group_norm_unbiased(_first_input(call), m.num_groups, m.weight, m.bias,
                                                                     m.eps)),
     Mutation("unbiased_variance", lambda s: s.op("group_norm"), "`{stage}` divides each group's variance by N-1",
@@ -586,11 +588,13 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation("unstable_softmax", lambda s: _softmax_axis(s) is not None,
              "`{stage}` without subtracting the row maximum (exp overflows)",
              lambda s: lambda call, o, d=_softmax_axis(s), log=_log_softmax(s): _unstable(_first_input(call), d, log)),
-    Mutation("reduce_axis", lambda s: s.op(*_REDUCE_OPS) and bool(s.rec.inputs), "`{stage}` reduced over axis {d} (not {cur})",
+    Mutation("reduce_axis", lambda s: s.op(*_REDUCE_OPS) and bool(s.rec.inputs),
+             "`{stage}` reduced over axis {d} (not {cur})",
              lambda s, d, cur: lambda call, o: _redo(call, {"dim": d} if "dim" in call[3] else {1: d}),
              _other_reduce_axes),
     # --- GELU
-    Mutation("tanh_gelu", lambda s: _is_gelu(s) and _gelu_approximation(s) == "none", "`{stage}` uses the tanh approximation of GELU",
+    Mutation("tanh_gelu", lambda s: _is_gelu(s) and _gelu_approximation(s) == "none",
+             "`{stage}` uses the tanh approximation of GELU",
              lambda s: lambda call, o: F.gelu(_first_input(call), approximate="tanh")),
     Mutation("erf_gelu", lambda s: _is_gelu(s) and _gelu_approximation(s) != "none",
              "`{stage}` uses the exact (erf) GELU, not the tanh approximation",
