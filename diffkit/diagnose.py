@@ -15,7 +15,10 @@ from typing import Any, Callable
 
 import torch
 
-from .capture import Record, Ref
+from .align import Pair, best_layout, from_ref_layout, layout_of_equal, map_params_by_use, param_map, permuted, \
+    to_ref_layout
+from .capture import Record
+from .load import describe_difference
 from .result import Finding, Stage
 
 # a model of the error "explains" the candidate when what is left is this small, relative to the error
@@ -251,8 +254,6 @@ def _block_size(start: int, total: int) -> int | None:
 
 def _native_ref(ctx: Context) -> torch.Tensor:
     """The reference value in the candidate's own layout."""
-    from .align import from_ref_layout
-
     st = ctx.stage
     return from_ref_layout(ctx.ref, tuple(st.cand.shape), st.pair_transform)
 
@@ -527,8 +528,6 @@ def _merged_out_of_order(ctx: Context) -> list[Finding]:
     """The reference stage only reshapes what it reads (`y = t.reshape(B, L, H * D)`) and the candidate
     holds `t`'s values with its axes in another order before the same merge: axes merged without the
     transpose back (a head merge from (B, H, L, D) without ``transpose(1, 2)``)."""
-    from .align import Pair, best_layout, permuted
-
     src = ctx.ref_input(0)
     if src is None or src.numel() != ctx.ref.numel() or tuple(src.shape) == tuple(ctx.ref.shape) or \
             not torch.equal(src.reshape(ctx.ref.shape), ctx.ref):
@@ -772,9 +771,6 @@ def check_other_weights(ctx: Context) -> list[Finding]:
     cread = params_of(ctx.stage.cand, ctx.cand_params)
     if not cread or not ctx.ref_params:
         return []
-    from .align import layout_of_equal, map_params_by_use, param_map
-    from .load import describe_difference
-
     counterpart = ctx.rename if ctx.rename is not None else map_params_by_use(
         param_map(ctx.ref_params, ctx.cand_params), ctx.ref_records, ctx.cand_records, ctx.ref_params, ctx.cand_params)
     found = []
@@ -797,8 +793,6 @@ def check_other_weights(ctx: Context) -> list[Finding]:
 def _integer_findings(stage: Stage, rv: torch.Tensor, cv: torch.Tensor) -> list[Finding]:
     """Integer or boolean values (indices, counts, masks) compare exactly: which elements differ, not a
     fitted offset or scale."""
-    from .align import to_ref_layout
-
     if rv.numel() == 0:
         return []
     try:
@@ -841,8 +835,6 @@ def diagnose(stage: Stage, ref: Any, cand: Any, ref_params: dict[str, torch.Tens
         return []  # (the checks read real values: a complex stage is left to its numbers)
     if not rv.is_floating_point() and not cv.is_floating_point():
         return _integer_findings(stage, rv, cv)
-    from .align import to_ref_layout
-
     ref_v = rv.detach().to(torch.float64)
     cand_native = cv.detach().to(torch.float64)
     cand_v = to_ref_layout(cand_native, tuple(stage.ref.shape), stage.pair_transform)

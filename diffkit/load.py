@@ -25,7 +25,9 @@ from typing import Any, Callable
 import torch
 import torch.utils._pytree as pytree
 
-from .capture import _install_extension_import_hook, materialized, path_key
+from .align import layout_of_equal, param_map
+from .capture import (_install_extension_import_hook, input_names, materialized, path_key, rng_state,
+                      set_rng_state)
 from .errors import DiffkitError
 from .inputs import as_made, copy_inputs, layout, rebuild
 
@@ -217,8 +219,6 @@ def _pair_unnamed(report: WeightReport, rstate: dict, cstate: dict) -> None:
     ref_left, cand_left = list(report.ref_only), list(report.cand_only)
     if not ref_left or not cand_left:
         return
-    from .align import layout_of_equal, param_map
-
     with torch.no_grad():
         paired = param_map({n: rstate[n] for n in ref_left}, {n: cstate[n] for n in cand_left})
         for cn in list(cand_left):
@@ -279,10 +279,6 @@ class LoadedPair:
     cand_module: types.ModuleType
     seed: int
     device: str | None = None
-
-    def fresh_inputs(self) -> tuple[list[Any], list[Any]]:
-        """A new clone of the inputs for each side (the originals are kept untouched)."""
-        return copy_inputs(self.ref_inputs), copy_inputs(self.cand_inputs)
 
     def inputs_for(self, seed: int) -> list[Any]:
         """The reference's ``get_inputs()`` under `seed` (a KernelBench trial's inputs), on the device."""
@@ -699,8 +695,6 @@ def inputs_as_made(captured: list[Any], info: dict, seed: Any) -> list[Any]:
     transposed or expanded one: the capture's `inputs_layout`), its get_inputs() is run again under the trial's
     `seed` and what it makes is used when it holds exactly the stored values, laid out as they were; otherwise the
     stored values are laid out again as the capture says (`inputs.rebuild`)."""
-    from .capture import rng_state, set_rng_state
-
     source = info.get("inputs_source")
     want = info.get("inputs_layout") if isinstance(info.get("inputs_layout"), list) else None
     if not info.get("inputs_layout"):
@@ -727,8 +721,6 @@ def inputs_as_made(captured: list[Any], info: dict, seed: Any) -> list[Any]:
 def _capture_inputs(capture: Any, info: dict) -> list[Any]:
     """The forward's inputs a capture holds (its input records' values, in the structure `info`
     recorded); raises KeyError/ValueError/IndexError when they cannot be rebuilt."""
-    from .capture import input_names
-
     holds = lambda m: bool(input_names(m.get("kind"), m.get("name"), m.get("aliases")))  # noqa: E731
     records = {n: r.value for r in capture.records(values=holds) for n in input_names(r.kind, r.name, r.aliases)}
     if info.get("inputs"):

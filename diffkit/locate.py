@@ -175,3 +175,15 @@ def _left_behind(stage: Stage, by_cand: dict[int, Stage], readers: dict[int, lis
         else:
             found = True
     return found and not todo
+
+
+def output_stages(stages: list[Stage]) -> list[Stage]:
+    """The stages pairing the two models' outputs (one per tensor of a nested output), as
+    `Result.output_stages` gives them once the result is assembled."""
+    return [s for s in stages if s.cand is not None and s.cand.is_output and s.ref is not None and s.ref.is_output]
+
+
+def output_failed(stages: list[Stage]) -> bool:
+    """Whether the (first) output pair is out of tolerance or of another shape."""
+    out = next(iter(output_stages(stages)), None)
+    return out is not None and (out.failed or tuple(out.ref.shape) != tuple(out.cand.shape))

@@ -16,9 +16,9 @@ import torch
 import torch.utils._pytree as pytree
 
 from .align import Alignment, from_ref_layout, is_layout_op, to_ref_layout
-from .capture import Record, Ref, Trace
+from .capture import Ref, Trace
 from .measure import measure
-from .result import Finding, Result, Stage
+from .result import Finding, Stage
 
 # a local error above this fraction of the reference's largest magnitude is not float32 rounding
 # (a correct fused kernel re-associating sums is ~1e-7 here)
@@ -162,9 +162,11 @@ def _rerun(rec, ref: Trace, cand: Trace, ref_of_cand: dict, depth: int) -> torch
     return out
 
 
-def analyse(result: Result, ref: Trace, cand: Trace, alignment: Alignment, window: int | None = None,
-            changed: dict | None = None, passed_over: set[int] | frozenset = frozenset()) -> None:
-    """Fill `local`, `inherited_max_abs` and `replay_note` per stage, and `result.root_cause`.
+def find_root_cause(stages: list[Stage], fd: Stage | None, ref: Trace, cand: Trace, alignment: Alignment,
+                    window: int | None = None, changed: dict | None = None,
+                    passed_over: set[int] | frozenset = frozenset()) -> Stage | None:
+    """The root cause: the earliest stage that introduces the error of the first divergence `fd` (one of
+    `stages`), or None; fills `local`, `inherited_max_abs` and `replay_note` per stage on the way.
 
     `window` limits the replays to that many measured stages before the first divergence (a
     streaming diff keeps the reference values of those only).  A stage that cannot be re-run (a
@@ -174,10 +176,9 @@ def analyse(result: Result, ref: Trace, cand: Trace, alignment: Alignment, windo
     the forward, after it); see `replay`.  `passed_over`: the failing stages whose error every reader left behind
     (`locate.undone_stages`): none is the root cause while another introducing stage is."""
     ref_of_cand = {p.cand: (p.ref, p.transform) for p in alignment.pairs}
-    stage_of_cand = {s.cand.index: s for s in result.stages if s.cand is not None}
-    fd = result.first_divergence
+    stage_of_cand = {s.cand.index: s for s in stages if s.cand is not None}
     last = fd.index if fd is not None else -1
-    todo = [s for s in result.stages if s.stats is not None and (s.index <= last or s.failed)]
+    todo = [s for s in stages if s.stats is not None and (s.index <= last or s.failed)]
     if window is not None:
         todo = [s for s in todo if s.index <= last][-(window + 1):]
     introduced: list[Stage] = []
@@ -223,20 +224,20 @@ def analyse(result: Result, ref: Trace, cand: Trace, alignment: Alignment, windo
         if not s.local.ok or _above_noise(s.local.max_abs, ref_value):
             introduced.append(s)
     if fd is None:
-        return
+        return None
     before = [s for s in introduced if s.index <= fd.index]
     # an error every stage reading it left behind (`passed_over`, locate.undone_stages) is not where the one
     # that goes on starts
     before = [s for s in before if s is fd or s.index not in passed_over] or before
     if before:
-        result.root_cause = before[0]
+        return before[0]
     elif fd.local is not None:
         # it only inherits its error: follow the error upstream along the dataflow to where it starts,
         # even where it is still inside tolerance (or below the noise bound above)
         origin, note = walk_back(fd, ref, cand, stage_of_cand)
         if origin is not None:
-            result.root_cause = origin
             origin.replay_note = (origin.replay_note + "; " if origin.replay_note else "") + note
+            return origin
         else:
             fd.replay_note = (fd.replay_note + "; " if fd.replay_note else "") + note
     elif fd.local is None:
@@ -244,7 +245,8 @@ def analyse(result: Result, ref: Trace, cand: Trace, alignment: Alignment, windo
         # suspect -- say so rather than pretend it was shown to introduce the error
         fd.replay_note = (fd.replay_note or "not re-run") + "; taken as the root cause because no earlier stage " \
             "introduces error"
-        result.root_cause = fd
+        return fd
+    return None
 
 
 def _replay_disagrees(stage: Stage, inputs: list, ref: Trace, cand: Trace, out: torch.Tensor) -> str:

@@ -242,7 +242,7 @@ def test_lockstep_hands_control_over_per_batch_of_records_not_per_record(monkeyp
     # frees LOW_WATER's share of it before the reference runs on, so each switch moves a batch of records
     # (one switch per record past the budget before); the candidate below is written otherwise
     # (parameter lists, torch.addmm with the weight read transposed)
-    from diffkit import pipeline
+    from diffkit import traces
 
     torch.manual_seed(0)
     width, depth = 64, 48
@@ -272,7 +272,7 @@ def test_lockstep_hands_control_over_per_batch_of_records_not_per_record(monkeyp
     x = torch.randn(128, width)
     row = x.numel() * 4
     kw = dict(max_memory=16 * row, health=False, rerun=False, trials=1)
-    monkeypatch.setattr(pipeline, "LOCKSTEP_LOW_WATER", 4)  # 4 records' room before the reference runs on
+    monkeypatch.setattr(traces, "LOCKSTEP_LOW_WATER", 4)  # 4 records' room before the reference runs on
     lock = diffkit.compare(ref, ChainNew(ref), [x], **kw)
     seq = diffkit.compare(ref, ChainNew(ref), [x], lockstep=False, **kw)
     past = 2 * depth - 16  # reference records (linear, tanh) that did not fit at first
