@@ -32,13 +32,41 @@ def pytest_xdist_auto_num_workers(config):
     return max(1, cpus)
 
 
+@pytest.hookimpl(tryfirst=True)  # (before xdist's worker reads the xdist_group marks)
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs an NVIDIA GPU")
+    skip = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs an NVIDIA GPU")
     for item in items:
-        if "cuda" in item.keywords:
+        if skip is not None and "cuda" in item.keywords:
             item.add_marker(skip)
+        # Under xdist (--dist loadgroup), the tests that share a module- or class-scoped fixture run on one worker,
+        # in their order: the fixture is made once, as in a run without xdist, and a test that reads what an
+        # earlier one left in it (test_sanitize's `result`) sees it.
+        defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+        if any(d and d[-1].scope in ("module", "class") for d in defs.values()) and \
+                item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(f"fixtures of {item.nodeid.split('::')[0]}"))
+
+
+_DIFFS = {}
+
+
+def diff_once(ref, cand):
+    """`diffkit.diff_files(ref, cand)` with the default options, run once per (ref, cand) in this process.
+
+    Several files ask the same question of the same pair and only read the answer: test_diff (first divergence),
+    test_rootcause (root cause and diagnosis), test_pipeline (the in-process surface) on kernels/; test_fused and
+    test_whatif (the what-if search, the costliest part) on kernels/fused/. They share one Result; their
+    parameters carry `same_pair(cand)`, so that under xdist they run on the same worker."""
+    if (ref, cand) not in _DIFFS:
+        import diffkit
+
+        _DIFFS[ref, cand] = diffkit.diff_files(ref, cand)
+    return _DIFFS[ref, cand]
+
+
+def same_pair(cand):
+    """The xdist group of the tests that read `diff_once(..., cand)`."""
+    return pytest.mark.xdist_group(f"diff of {os.path.relpath(cand, ROOT)}")
 
 
 def run_cli(*args, cwd=ROOT, env=None, timeout=600, **kw) -> subprocess.CompletedProcess:

@@ -18,6 +18,8 @@ import torch
 
 import diffkit
 
+from conftest import diff_once, same_pair
+
 pytestmark = pytest.mark.slow  # builds the fused C++ extension (about a minute on two cores)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -60,7 +62,7 @@ def _twins():
         if name.endswith(".py") and not name.startswith("_"):
             exp = _declared(os.path.join(FUSED, name))
             assert exp is not None, f"kernels/fused/{name} declares no DIFFKIT_EXPECT"
-            marks = [pytest.mark.cuda] if _on_gpu(name, exp) else []
+            marks = [pytest.mark.cuda] if _on_gpu(name, exp) else [same_pair(os.path.join(FUSED, name))]
             out.append(pytest.param(name, exp, id=name[:-3], marks=marks))
     return out
 
@@ -71,8 +73,9 @@ CPU_CASES = [p for p in CASES if not _on_gpu(*p.values)]
 
 @pytest.mark.parametrize("name,exp", CASES)
 def test_fused_candidate(name, exp):
-    device = "cuda" if _on_gpu(name, exp) else None
-    result = diffkit.diff_files(os.path.join(REFERENCES, exp["reference"]), os.path.join(FUSED, name), device=device)
+    ref, cand = os.path.join(REFERENCES, exp["reference"]), os.path.join(FUSED, name)
+    # on the CPU: the Result test_whatif reads too (the what-if search run once)
+    result = diffkit.diff_files(ref, cand, device="cuda") if _on_gpu(name, exp) else diff_once(ref, cand)
     assert result.error is None, f"diffkit reported an error: {result.error}"
     compared = [s.ref_name for s in result.compared]
     assert compared == ["output"], f"a fused twin shows only its output, diffkit compared {compared}"

@@ -13,9 +13,11 @@ from diffkit.options import Options, Tolerance
 from diffkit.pipeline import judge
 from diffkit.result import Result
 
-from conftest import candidates, run_cli
+from conftest import candidates, diff_once, run_cli, same_pair
 
-BROKEN = [c for c in candidates() if c[3] is not None and c[3].get("verdict") != "error"]
+BROKEN = [pytest.param(*c, id=c[0], marks=same_pair(c[2])) for c in candidates()
+          if c[3] is not None and c[3].get("verdict") != "error"]
+_CAPTURED = {}  # reference file -> (the `diffkit capture` run, its capture): a reference is captured once per process
 
 
 def _answer(data: dict) -> tuple:
@@ -26,22 +28,26 @@ def _answer(data: dict) -> tuple:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,ref,cand,exp", BROKEN, ids=[c[0] for c in BROKEN])
-def test_every_surface_gives_the_same_answer(name, ref, cand, exp, ops, tmp_path):
-    in_process = _answer(diffkit.diff_files(ref, cand).to_dict())
+@pytest.mark.parametrize("name,ref,cand,exp", BROKEN)
+def test_every_surface_gives_the_same_answer(name, ref, cand, exp, ops, tmp_path, tmp_path_factory):
+    in_process = _answer(diff_once(ref, cand).to_dict())  # (the Result test_diff and test_rootcause read)
     assert in_process[1] is not None  # (an intermediate may diverge under a passing output: then "match")
     streaming = _answer(diffkit.diff_files(ref, cand, max_memory=1 << 30).to_dict())
 
     isolated = run_cli("diff", ref, cand, "--json", str(tmp_path / "iso.json"), "--no-report")
     code = {"match": 0, "diverged": 1}[in_process[0]]
     assert isolated.returncode == code, isolated.stdout + isolated.stderr
-    captures = [run_cli("capture", ref, "-o", str(tmp_path / "ref.dkt")),
+    if ref not in _CAPTURED:  # (the capture of a reference does not depend on the candidate; a diff only reads it)
+        ref_dkt = tmp_path_factory.mktemp("captured-reference") / "ref.dkt"
+        _CAPTURED[ref] = run_cli("capture", ref, "-o", str(ref_dkt)), ref_dkt
+    ref_capture, ref_dkt = _CAPTURED[ref]
+    captures = [ref_capture,
                 run_cli("capture", cand, "--side", "cand", "--inputs-from", ref, "-o", str(tmp_path / "cand.dkt"))]
     assert all(p.returncode == 0 for p in captures), [p.stdout[-2000:] + p.stderr[-2000:] for p in captures]
-    two = run_cli("diff", str(tmp_path / "ref.dkt"), str(tmp_path / "cand.dkt"), "--json", str(tmp_path / "two.json"),
+    two = run_cli("diff", str(ref_dkt), str(tmp_path / "cand.dkt"), "--json", str(tmp_path / "two.json"),
                   "--no-report")
     assert two.returncode == code, two.stdout + two.stderr
-    against = run_cli("diff", str(tmp_path / "ref.dkt"), cand, "--json", str(tmp_path / "against.json"), "--no-report")
+    against = run_cli("diff", str(ref_dkt), cand, "--json", str(tmp_path / "against.json"), "--no-report")
     assert against.returncode == code, against.stdout + against.stderr
 
     answers = {"in-process": in_process, "streaming": streaming,
