@@ -531,8 +531,15 @@ def tap(name: str, tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-# the file an isolated diff's child notes its kernel calls in ("": none); set from its job by diffkit.roles
+# the file an isolated diff's child notes its kernel calls in ("": none); see set_breadcrumb
 _BREADCRUMB = ""
+
+
+def set_breadcrumb(path: str) -> None:
+    """Where `_launch` notes the kernel call that is starting ("": nowhere): set from its job by an isolated
+    diff's child that is a fresh interpreter (diffkit.roles)."""
+    global _BREADCRUMB
+    _BREADCRUMB = path
 
 
 def _leave_breadcrumb(what: str, st: "_State") -> None:

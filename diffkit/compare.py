@@ -10,14 +10,17 @@ import torch
 
 from .capture import Trace
 from .errors import DiffkitError
-from .load import LoadedPair, load_candidate_for_capture, load_pair, sync_weights
+from . import handoff
+from .load import LoadedPair, load_candidate_for_capture, load_pair, load_reference, sync_weights
 from .options import Options
 from .pipeline import (CaptureSource, ModelSource, TraceSource, apply_auto_tolerance, capture_writer, clone_inputs,
                        judge, may_be_random, named_tensors, reference_health, reinit_zero_parameters,
                        rerun_differences, run, run_captured)
 from .result import ErrorInfo, Result
-from .trials import (CapturedTrials, LiveCandidate, LiveReference, restore_state, run_trials, snapshot_state,
-                     trial_seeds)
+from .store import CaptureFile
+from .stream import name_filter
+from .trials import (CapturedTrials, LiveCandidate, LiveReference, restore_state, run_trials, seed_all,
+                     snapshot_state, trial_seeds, write_trials)
 
 __all__ = ["compare", "compare_traces", "diff_files", "capture_reference", "run_captured", "reference_health",
            "reinit_zero_parameters", "apply_auto_tolerance", "is_capture", "error_result"]
@@ -75,10 +78,6 @@ def capture_reference(ref_path: str, out_dir: str, options: Options | None = Non
     capture's metadata is complete.  `outputs_only_trials`: later trials keep their inputs, output and buffers
     only (`write_trials`; for a reader that can rebuild the reference, as an isolated diff's candidate
     process can)."""
-    from .load import load_reference
-    from .stream import name_filter
-    from .trials import seed_all, trial_seeds, write_trials
-
     options = options or Options()
     seeds = trial_seeds(options.trials, options.seed)
     built = load_reference(ref_path, seed=seeds[0], device=options.device, eval_mode=options.eval,
@@ -89,17 +88,13 @@ def capture_reference(ref_path: str, out_dir: str, options: Options | None = Non
     # written through: this process keeps no captured value (the forward reuses its memory); the few that
     # are needed here are read back from the directory (mapped: not copied).  Handed over on a GPU: the
     # trace keeps every value on the device and the directory gets names and shapes
-    from .handoff import on_gpu
-
-    held = hand_over is not None and on_gpu(built.model, built.inputs)
+    held = hand_over is not None and handoff.on_gpu(built.model, built.inputs)
     writer = capture_writer(out_dir, built.model, info, write_through=not held, values=not held)
     before = snapshot_state(built.model)
     seed_all(seeds[0])
     trace = run_captured(built.model, clone_inputs(list(built.inputs)), sink=writer, only=name_filter(options.only),
                          no_grad=options.no_grad)
     if trace.error is None:
-        from .store import CaptureFile
-
         written = CaptureFile.open(out_dir)
         written.mapped = True  # (values read back are views of the files, not copies)
 

@@ -3,12 +3,13 @@
 On a GPU the reference's process keeps its captured values where they were computed and publishes
 CUDA IPC handles to them (torch.multiprocessing's tensor reductions) in ``handoff.pkl`` inside its
 capture directory, whose records it writes as names and shapes only.  It then stays alive, holding the
-values, until it is told what to do with them:
+values, until it is told what to do with them (`Holder.serve`: by its parent, diffkit.processes):
 
     release          the candidate's process has finished with them: exit
     dump             write every value (and the parameters) into the capture directory, then exit: the
                      candidate's process crashed and its parent diffs the files, or the candidate's
-                     process could not open the handles (then it reads the files too)
+                     process could not open the handles (then it reads the files too: it asks through
+                     `on_dump_request`'s function, which its parent passes on to the holder)
 
 The candidate's process (`receive`) opens the handles as device tensors in its own process: nothing is
 copied off the device and nothing is written to disk.  `receive` only ever reads a handoff this diff's
@@ -20,18 +21,14 @@ import os
 import pickle
 import shutil
 import sys
-import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from .store import CaptureWriter, write_after_forward
 
 HANDOFF_FILE = "handoff.pkl"  # the handles (written whole or not at all)
-RELEASE = "handoff-release"  # asked of the holding process: exit
-DUMP = "handoff-dump"  # asked of the holding process: write the values into the capture, then exit
-DUMPED = "handoff-dumped"  # the holding process has written them
 POLL_S = 0.005
 
 
@@ -94,6 +91,7 @@ class Holder:
     trace: Any = None
     params: dict = field(default_factory=dict)
     info: dict = field(default_factory=dict)
+    dumped: str | None = None  # once `dump` ran: "ok", or why the values could not be written
 
     @property
     def holding(self) -> bool:
@@ -125,23 +123,23 @@ class Holder:
             self.dump()
             self.trace = None  # (not holding)
 
-    def serve(self, parent: int | None = None) -> str:
+    def serve(self, requests: Callable[[float], str | None]) -> str:
         """Hold the values until released ("released"), asked to write them out ("dumped"), or the
-        process that started this one is gone ("orphaned")."""
-        release, dump = os.path.join(self.capture_dir, RELEASE), os.path.join(self.capture_dir, DUMP)
+        process that started this one is gone ("orphaned"): `requests(timeout)` says which ("release",
+        "dump", "orphaned"), or None when nothing was asked within `timeout` seconds."""
         while True:
-            if os.path.exists(dump):
+            asked = requests(POLL_S)
+            if asked == "dump":
                 self.dump()
                 return "dumped"
-            if os.path.exists(release):
+            if asked == "release":
                 return "released"
-            if parent is not None and os.getppid() != parent:
+            if asked == "orphaned":
                 return "orphaned"
-            time.sleep(POLL_S)
 
     def dump(self) -> None:
         """Write every held value and parameter into the capture directory, retire the handles, then say
-        so (`DUMPED`, which holds "ok", or why the values could not be written).  The capture is written
+        so (`dumped`: "ok", or why the values could not be written).  The capture is written
         beside the directory and put in its place once complete (its later trials moved over): if writing
         it fails (no room left), the directory stays as it was, complete, with names and shapes."""
         try:
@@ -176,8 +174,7 @@ class Holder:
             shutil.rmtree(new, ignore_errors=True)
             if not os.path.isdir(where) and os.path.isdir(old):
                 os.rename(old, where)
-        with open(os.path.join(where, DUMPED), "w") as fh:
-            fh.write(outcome)
+        self.dumped = outcome
 
 
 @dataclass
@@ -225,20 +222,19 @@ def receive(capture_dir: str, wait_s: float = 600.0) -> Handed | None:
         return None
 
 
-def ask(capture_dir: str, what: str) -> None:
-    """Ask the process holding the values of the capture in `capture_dir` to `RELEASE` them or `DUMP` them."""
-    with open(os.path.join(capture_dir, what), "w") as fh:
-        fh.write(what)
+# how the candidate's process asks the holder to write its values out (set by that process's role,
+# diffkit.roles: through its parent); none set: nothing can be asked
+_DUMP_REQUEST: list = []
+
+
+def on_dump_request(ask: Callable[[float], bool] | None) -> None:
+    """`ask(wait_s)`: have the holding process write its values into the capture; True once it has."""
+    _DUMP_REQUEST[:] = [ask] if ask is not None else []
 
 
 def request_dump(capture_dir: str, pid: int | None, wait_s: float) -> bool:
     """Ask the holding process (`pid`) to write its values into the capture; wait until it has (True),
     it is gone, or `wait_s` seconds have passed (False)."""
-    ask(capture_dir, DUMP)
-    done = os.path.join(capture_dir, DUMPED)
-    end = time.monotonic() + wait_s
-    while not os.path.exists(done):
-        if (pid is not None and not _alive(pid)) or time.monotonic() > end:
-            return os.path.exists(done)
-        time.sleep(POLL_S * 4)
-    return True
+    if not _DUMP_REQUEST or (pid is not None and not _alive(pid)):
+        return False
+    return _DUMP_REQUEST[0](wait_s)

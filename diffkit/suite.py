@@ -43,6 +43,9 @@ from typing import Any, Sequence
 import click
 
 from .errors import EXIT, INTERNAL
+from .describe import failure_summary, headline, stage_names
+from .render import VERDICT_COLOUR, _element as el, csv_safe, md_code, md_escape, template
+from .result import Result, json_safe
 from .flags import DIFF_OPTIONS
 from .processes import python_command, stop as _stop
 
@@ -286,15 +289,11 @@ def discover(dirs: Sequence[str] = (), refs: str | None = None, cands: str | Non
 def _stage_text(stage) -> str | None:
     if stage is None:
         return None
-    from .describe import stage_names
-
     return f"stage {stage.index} {stage_names(stage)}"
 
 
 def entry_from_result(entry: SuiteEntry, result) -> SuiteEntry:
     """Fill `entry` from a diff's Result."""
-    from .describe import failure_summary, headline
-
     entry.verdict = result.verdict
     entry.headline = headline(result)
     fd, rc = result.first_divergence, result.root_cause
@@ -335,8 +334,6 @@ def _fingerprint(entry: SuiteEntry, diff_args: list[str]) -> dict:
 def resumed(entry: SuiteEntry, pair_dir: str, diff_args: list[str]) -> SuiteEntry | None:
     """The entry as its marker recorded it, when the pair was finished for the same files and options
     and its result.json is still the one written then and still reads as a Result."""
-    from .result import Result
-
     marker, rjson = os.path.join(pair_dir, MARKER), os.path.join(pair_dir, "result.json")
     try:
         with open(marker, encoding="utf-8") as fh:
@@ -377,8 +374,6 @@ def summary_json(entries: Sequence[SuiteEntry]) -> str:
     """summary.json: one object per finished pair (name, verdict, first_divergence, root_cause, report, …)."""
     keys = ("name", "verdict", "first_divergence", "root_cause", "report", "diagnosis", "diagnosis_detail", "seconds",
             "error", "headline", "ref", "cand")
-    from .result import json_safe
-
     rows = [{k: getattr(e, k) for k in keys} for e in entries if e.finished]
     return json.dumps(json_safe(rows), indent=2, allow_nan=False) + "\n"
 
@@ -389,8 +384,6 @@ CSV_COLUMNS = ["name", "verdict", "first_divergence", "root_cause", "diagnosis",
 
 def summary_csv(entries: Sequence[SuiteEntry]) -> str:
     """summary.csv: one row per finished pair; text cells a spreadsheet would take for a formula are escaped."""
-    from .render import csv_safe
-
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")
     writer.writerow(CSV_COLUMNS)
@@ -407,8 +400,6 @@ def _message(e: SuiteEntry) -> str:
 def junit_xml(entries: Sequence[SuiteEntry], suite: str = "diffkit.suite") -> str:
     """junit.xml: one testcase per pair; <failure> for diverged, <error> for errored, <skipped> for not run;
     the pair's report as the property diffkit_report."""
-    from .render import _element as el  # the diff's own JUnit writer's element maker (XML-safe text)
-
     root = ET.Element("testsuites")
     ts = el(root, "testsuite", name=suite)
     c = counts(entries)
@@ -437,8 +428,6 @@ def junit_xml(entries: Sequence[SuiteEntry], suite: str = "diffkit.suite") -> st
 
 def summary_markdown(entries: Sequence[SuiteEntry], title: str = "diffkit suite") -> str:
     """summary.md: counts and a table of pairs (errors and divergences first), for a CI job summary."""
-    from .render import md_code, md_escape
-
     icon = {"match": "✅", "diverged": "❌", "error": "💥", None: "⏳"}
     c = counts(entries)
     parts = [f"{c['match']} match", f"{c['diverged']} diverged", f"{c['error']} error"]
@@ -458,8 +447,6 @@ def summary_markdown(entries: Sequence[SuiteEntry], title: str = "diffkit suite"
 
 def index_html(entries: Sequence[SuiteEntry], title: str = "diffkit suite", note: str = "") -> str:
     """index.html: a table of the pairs linking each pair's report (Jinja2, autoescaped)."""
-    from .render import VERDICT_COLOUR, template
-
     return template("suite.html").render(title=title, entries=list(entries), counts=counts(entries), note=note,
                                          colours=dict(VERDICT_COLOUR, pending="#999999"),
                                          written=time.strftime("%Y-%m-%d %H:%M:%S"))
@@ -596,8 +583,6 @@ class Runner:
         return self._answer(entry, code, why, log_text)
 
     def _answer(self, entry: SuiteEntry, code: int | None, why: str | None, log_text: str) -> SuiteEntry:
-        from .result import Result
-
         d = self.pair_dir(entry)
         rjson = os.path.join(d, "result.json")
         if os.path.exists(os.path.join(d, "index.html")):

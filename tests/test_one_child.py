@@ -1,5 +1,5 @@
 """An isolated diff with no GPU in play: one child process runs both sides first, and answers only when its diff ran
-clean; anything else runs the diff again with a child per side (diffkit.cli._isolated)."""
+clean; anything else runs the diff again with a child per side (diffkit.processes.isolated)."""
 import json
 import os
 import subprocess
@@ -193,7 +193,11 @@ def test_the_answer_reaches_a_stand_in_for_standard_output(tmp_path):
 def test_a_crash_of_the_one_child_is_put_on_the_side_whose_file_it_was_in(tmp_path):
     """From the stack faulthandler printed (innermost model file), under a kernel call's breadcrumb when there is
     one; one file holding both models names neither side."""
-    from diffkit.cli import _what_failed
+    from diffkit.processes import what_failed
+
+    def _what_failed(_, *rest):  # (the breadcrumb the one child left, as the isolated diff reads it)
+        crumb = (tmp_path / "breadcrumb").read_text() if (tmp_path / "breadcrumb").exists() else ""
+        return what_failed(None, crumb, *rest)
 
     stack = ('Fatal Python error: Segmentation fault\n\nCurrent thread 0x1 (most recent call first):\n'
              '  File "/lib/helper.py", line 3 in launch\n  File "/m/cand.py", line 17 in forward\n'

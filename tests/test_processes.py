@@ -86,3 +86,69 @@ def test_suite_from_a_folder_holding_a_diffkit_folder(folder):
     log = (folder / "reports" / "pair" / "diff.log").read_text() if (folder / "reports" / "pair" / "diff.log").exists() \
         else ""
     assert "the folder named diffkit" not in log
+
+
+# ----------------------------------------------------------------------------- no protocol in the environment
+# the variables a user sets for diffkit (diffkit only reads them)
+USER_KNOBS = {"DIFFKIT_NO_FORK", "DIFFKIT_TWO_PROCESSES", "DIFFKIT_NO_HANDOVER", "DIFFKIT_SANITIZER_COPY",
+              "DIFFKIT_CACHE", "DIFFKIT_NATIVE"}
+
+
+def _env_uses(source: str) -> tuple[set[str], set[str]]:
+    """The DIFFKIT_* environment variables a module sets (os.environ[K] = …, setdefault/update/putenv, an env
+    dict built with them: dict(…, K=…), {K: …}) and those it reads (os.environ.get/pop, os.getenv, os.environ[K],
+    K in os.environ); K a string or a module-level name bound to one."""
+    import ast
+
+    tree = ast.parse(source)
+    names = {t.id: n.value.value for n in tree.body if isinstance(n, ast.Assign)
+             and isinstance(n.value, ast.Constant) and isinstance(n.value.value, str) for t in n.targets
+             if isinstance(t, ast.Name)}
+
+    def key(node) -> str | None:
+        value = node.value if isinstance(node, ast.Constant) else names.get(node.id) if isinstance(node, ast.Name) \
+            else None
+        return value if isinstance(value, str) and value.startswith("DIFFKIT_") else None
+
+    sets, reads = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Subscript) and key(node.slice):
+            (sets if isinstance(node.ctx, ast.Store) else reads).add(key(node.slice))
+        elif isinstance(node, ast.Call):
+            func = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            sets |= {k.arg for k in node.keywords if k.arg and k.arg.startswith("DIFFKIT_")}
+            first = key(node.args[0]) if node.args else None
+            if first and func in ("setdefault", "putenv"):
+                sets.add(first)
+            elif first and func in ("get", "pop", "getenv"):
+                reads.add(first)
+        elif isinstance(node, ast.Dict):
+            sets |= {key(k) for k in node.keys if k is not None and key(k)}
+        elif isinstance(node, ast.Compare) and key(node.left) and isinstance(node.ops[0], (ast.In, ast.NotIn)):
+            reads.add(key(node.left))
+    return sets, reads
+
+
+def test_the_check_finds_a_variable_set_for_a_child_and_read_back():
+    old = ('import os\nAFTER = "DIFFKIT_AFTER"\nenv = dict(os.environ, DIFFKIT_BREADCRUMB="b")\nenv[AFTER] = "x"\n'
+           'crumb = os.environ.get("DIFFKIT_BREADCRUMB", "")\nafter = os.environ.get(AFTER)\n'
+           'os.environ.get("DIFFKIT_NO_FORK")\n')
+    sets, reads = _env_uses(old)
+    assert sets & reads == {"DIFFKIT_BREADCRUMB", "DIFFKIT_AFTER"}
+
+
+def test_no_diffkit_variable_is_both_set_and_read_by_diffkit():
+    """diffkit's processes talk through their connection (diffkit.processes), not the environment: no DIFFKIT_*
+    variable is both set by diffkit (for a child) and read by diffkit, except the knobs users set."""
+    sets, reads = {}, {}
+    package = os.path.join(ROOT, "diffkit")
+    for name in sorted(os.listdir(package)):
+        if name.endswith(".py"):
+            with open(os.path.join(package, name), encoding="utf-8") as fh:
+                s, r = _env_uses(fh.read())
+            for var in s:
+                sets.setdefault(var, []).append(name)
+            for var in r:
+                reads.setdefault(var, []).append(name)
+    both = {var: (sets[var], reads[var]) for var in set(sets) & set(reads) - USER_KNOBS}
+    assert not both, f"DIFFKIT_* variables set and read by diffkit (set in, read in): {both}"

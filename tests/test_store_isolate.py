@@ -471,7 +471,7 @@ import atexit, os, signal, sys
 import torch
 import torch.nn as nn
 
-if "--side-only" in sys.argv:  # the reference's own process only: it dies at interpreter exit
+if sys.argv[1:] == ["child", "reference"]:  # the reference's own process only: it dies at interpreter exit
     atexit.register(lambda: os.kill(os.getpid(), signal.SIGABRT))
 
 
@@ -530,7 +530,7 @@ _marker = os.environ.get("EXITED_MARKER")
 
 
 def _at_exit():  # its answer is given: what is left is this process's own exit
-    if "--ref-capture" not in sys.argv or not _marker:
+    if sys.argv[1:] != ["child", "candidate"] or not _marker:
         return
     how = {how!r}
     if how == "slow":  # (a big model's memory given back, an interpreter torn down)
@@ -655,8 +655,9 @@ REAPED_INNER = """
 import sys, threading, time
 sys.path.insert(0, {root!r})
 import diffkit.cli as cli
+import diffkit.processes as processes
 
-for cls in (cli._Forked, __import__("subprocess").Popen):
+for cls in (processes._Forked, __import__("subprocess").Popen):
     def slow(self, timeout=None, _orig=cls.wait):
         if threading.current_thread().name == "diffkit-reap":
             time.sleep(1.0)  # a killed candidate whose memory takes a while to go back
@@ -676,7 +677,7 @@ def test_a_reference_process_hanging_at_exit_does_not_hold_the_diff(tmp_path, mo
     complete, is stopped then: the diff answers at once, not after --timeout, and leaves no process behind."""
     ref, cand = tmp_path / "ref.py", tmp_path / "cand.py"
     ref.write_text("import atexit, sys, time\n"
-                   "if '--side-only' in sys.argv:\n"
+                   "if sys.argv[1:] == ['child', 'reference']:\n"
                    "    atexit.register(lambda: [time.sleep(1) for _ in iter(int, 1)])\n" + SLOW_EXIT_REF)
     cand.write_text(SLOW_EXIT_CAND.replace("{how!r}", repr("slow")))
     monkeypatch.setenv("DIFFKIT_NO_FORK", "1")  # fresh interpreters: atexit handlers run as the process ends
@@ -828,16 +829,16 @@ def test_pinned_write_through_pieces_and_its_fallback(monkeypatch):
 # the reference's process did with its values and what the candidate's process received
 HANDOVER_DRIVER = """
 import os, sys
-from diffkit import cli, handoff
+from diffkit import cli, handoff, processes
 
 LOG = os.environ["HANDOVER_LOG"]
 def log(line):
     with open(LOG, "a") as fh:
         fh.write(line + "\\n")
 
-cli._host_only = lambda device=None: False   # as with a GPU in play
+processes._host_only = lambda device=None: False   # as with a GPU in play
 os.environ["DIFFKIT_TWO_PROCESSES"] = "1"    # a child per side from the start (the hand-over is theirs)
-cli._can_fork = lambda device=None: True      # (forked: the children keep these changes)
+processes._can_fork = lambda device=None: True      # (forked: the children keep these changes)
 handoff.on_gpu = lambda model, inputs: True  # the reference's values stay in its process
 
 real_serve, real_receive, real_dump = handoff.Holder.serve, handoff.receive, handoff.Holder.dump
@@ -1091,7 +1092,7 @@ def test_no_isolate_stops_a_hanging_forward_at_the_timeout(tmp_path, python_loop
     line (Python that runs), or ended by the kernel (SIGALRM) a grace period later (C code holding the lock)."""
     import signal
 
-    from diffkit.cli import DEADLINE_GRACE_S
+    from diffkit.roles import DEADLINE_GRACE_S
 
     (tmp_path / "ref.py").write_text(HANG_REF)
     (tmp_path / "cand.py").write_text(HANG_CAND.format(python_loop=python_loop))
@@ -1150,7 +1151,7 @@ def test_the_answer_is_written_once_by_whoever_claims_it_first():
     thread may write again (as before); another thread may not."""
     import threading
 
-    from diffkit.cli import _Outputs
+    from diffkit.outputs import Outputs as _Outputs
 
     out = _Outputs(None, None, None, True, None, None, None, False, False)
     assert out.claim() and out.claim()  # (this thread, twice)

@@ -1,0 +1,139 @@
+"""What every diffkit process that gives an answer shares: where the answer goes (`Outputs`: the terminal,
+--json/--csv, the report directory and single files), how an internal error is printed, and how SIGTERM/SIGINT
+unwind it (`Terminated`).  (Layer 11, split from the CLI: the children of an isolated diff write answers too.)"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import traceback
+
+import click
+
+from . import report
+from .errors import DiffkitError
+from .render import text_report
+from .result import Result
+
+
+class Terminated(BaseException):
+    """SIGTERM/SIGINT arrived: unwind (children stopped, temporary directories removed), then exit.
+    A BaseException, so neither the user's model nor the capture takes it for an error of the model."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _on_signal(signum, frame):
+    raise Terminated(signum)
+
+
+def install_signal_handlers() -> None:
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            signal.signal(sig, _on_signal)
+        except ValueError:  # not the main thread (e.g. called from a test runner's worker)
+            pass
+
+
+def is_users_fault(e: BaseException) -> bool:
+    """An exception escaping the pipeline is diffkit's bug, except a device error that the
+    candidate's kernel left behind (the context is poisoned after its forward)."""
+    text = f"{type(e).__name__}: {e}"
+    return type(e).__name__ == "AcceleratorError" or "CUDA error" in text or "device-side assert" in text
+
+
+def print_internal_error(e: BaseException) -> None:
+    traceback.print_exception(type(e), e, e.__traceback__, file=sys.stderr)
+    click.echo(f"diffkit: INTERNAL ERROR: {type(e).__name__}: {str(e).strip()[:300]} — this is a bug in diffkit, "
+               f"not in your files; please report it with the traceback above", err=True)
+
+
+class Outputs:
+    """Where a diff's answer goes: the terminal, --json/--csv, the report directory and single files."""
+
+    def __init__(self, json_path, csv_path, report_dir, no_report, html_path, md_path, junit_path, color, full,
+                 silent=False):
+        # against the directory the command ran in (a model's constructor or forward may change it)
+        here = lambda p: os.path.abspath(p) if p else p  # noqa: E731
+        self.json_path, self.csv_path, self.report_dir, self.no_report = here(json_path), here(csv_path), \
+            here(report_dir), no_report
+        self.html_path, self.md_path, self.junit_path = here(html_path), here(md_path), here(junit_path)
+        self.cwd = os.getcwd()
+        # (what a child of an isolated diff builds its own from: these paths are already absolute)
+        self.settings = dict(json_path=self.json_path, csv_path=self.csv_path, report_dir=self.report_dir,
+                             no_report=no_report, html_path=self.html_path, md_path=self.md_path,
+                             junit_path=self.junit_path, color=color, full=full)
+        self.color, self.full = color, full
+        self.silent = silent  # an isolated diff's second candidate run: the parent writes the answer
+        self.answering = False  # someone is writing the answer (`claim`)
+        self._claim_lock = threading.Lock()
+        self._claimed_by: int | None = None
+        self.on_claim = None  # called when the answer is claimed (a --no-isolate deadline disarms its alarm)
+
+    def claim(self) -> bool:
+        """Whether the caller is the one to write the answer (the first to ask): a --no-isolate diff's deadline and
+        the diff itself never both write it."""
+        with self._claim_lock:
+            if self.answering:
+                return self._claimed_by == threading.get_ident()  # (the same thread writing again: as before)
+            self.answering, self._claimed_by = True, threading.get_ident()
+        if self.on_claim is not None:
+            self.on_claim()
+        return True
+
+    def write(self, result: Result, error: DiffkitError | None = None, claimed: bool = False) -> bool:
+        """Print the answer and write every artifact asked for; False when one could not be written.  An answer
+        already being written by another thread (a deadline's) is left to it: this thread then waits for the
+        process to end."""
+        if not claimed and not self.claim():
+            threading.Event().wait()  # (the deadline's answer ends the process)
+        if self.silent:
+            return True
+        # the files first: a reader of the printed answer that stops early (`| head`) costs none of them
+        written, notes = True, []
+        try:
+            for path in (self.json_path, self.csv_path):
+                if path and os.path.dirname(path):
+                    os.makedirs(os.path.dirname(path), exist_ok=True)
+            if self.json_path:
+                with open(self.json_path, "w", encoding="utf-8") as fh:
+                    fh.write(result.to_json())
+            if self.csv_path:
+                result.to_csv(self.csv_path)
+            if not self.no_report:
+                paths = report.write_report(result, self.report_dir or os.path.join(
+                    self.cwd, report.default_report_dir(result)))
+                notes.append(f"report: {paths['html']}")
+            if self.html_path:
+                report.write_html(result, self.html_path)
+            if self.md_path:
+                report.write_markdown(result, self.md_path)
+            if self.junit_path:
+                report.write_junit(result, self.junit_path)
+        except OSError as e:
+            notes.append(f"diffkit: ERROR: could not write {e.filename or 'the report'}: {e.strerror or e}")
+            written = False
+        try:
+            # (color: kept when this process prints into a file for a parent whose output is a terminal)
+            click.echo(f"diffkit: ERROR: {error}" if error is not None else text_report(result, color=self.color,
+                                                                                      full=self.full),
+                       color=True if self.color else None)
+        except BrokenPipeError:  # the reader has gone: nothing more goes to it (the exit code still tells)
+            stdout_gone()
+        for note in notes:
+            click.echo(note, err=True)
+        return written
+
+
+def stdout_gone() -> None:
+    """Standard output's reader has closed it: point it at the null device, so that no later write or flush
+    (this process's own at exit included) fails again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):
+        pass
