@@ -11,11 +11,11 @@ verdict match, no diverged stage and no diagnosis anywhere.  Candidates whose fi
 import ast
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+
+from conftest import run_cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CORPUS = os.path.join(ROOT, "kernels", "corpus")
@@ -52,12 +52,10 @@ CASES = _corpus()
 def _diff(name, exp, tmp_path):
     """`python cli.py diff REF CAND --json out.json --no-report` from the repository root."""
     out = tmp_path / "result.json"
-    cmd = [sys.executable, "cli.py", "diff", os.path.join("references", exp["reference"]),
-           os.path.join("kernels", "corpus", name), "--json", str(out), "--no-report"]
-    if _on_gpu(name, exp):
-        cmd += ["--device", "cuda"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    log = f"$ {' '.join(cmd)}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    args = ["diff", os.path.join("references", exp["reference"]), os.path.join("kernels", "corpus", name), "--json",
+            str(out), "--no-report"] + (["--device", "cuda"] if _on_gpu(name, exp) else [])
+    proc = run_cli(*args, timeout=900)  # (from the repository root)
+    log = f"$ python cli.py {' '.join(args)}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     assert out.exists(), f"no result.json (exit {proc.returncode})\n{log}"
     return proc.returncode, json.loads(out.read_text()), log
 

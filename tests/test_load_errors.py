@@ -1,14 +1,12 @@
 """Bad input gives a precise error: which side, which phase, where."""
 import os
-import subprocess
-import sys
 
 import pytest
 
 import diffkit
 from diffkit import DiffkitError
 
-from conftest import REFS, ROOT
+from conftest import REFS, run_cli
 
 REF = os.path.join(REFS, "transformer_block.py")
 
@@ -63,9 +61,8 @@ def test_extension_that_does_not_compile(tmp_path):
     assert err.side == "candidate" and err.phase == "build"
     assert "undefined_name" in err.message and len(err.message.splitlines()) <= 10
     assert err.where == f"{cand}:4"
-    # the CLI says the same and exits 2
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "cli.py"), "diff", REF, cand], capture_output=True,
-                          text=True, cwd=ROOT)
+    # the CLI says the same and exits 2 (run in tmp_path: its default report folder is written there)
+    proc = run_cli("diff", REF, cand, cwd=tmp_path)
     assert proc.returncode == 2 and "build failed" in proc.stdout and "undefined_name" in proc.stdout
 
 
