@@ -89,7 +89,10 @@ def _diff(reference: Source, candidate: Source, options: Options, known: dict | 
         result = explain(traces, reference, candidate, options, error)
         if evidence is not None:
             evidence(result)
-        what_if(result, traces, reference, options)
+        searched = what_if(result, traces, reference, options)
+        if searched is not None:
+            result.what_if = searched.found
+            result.meta["what_if"] = searched.meta
         return result
     finally:
         # extra runs (health, the second run, replays) leave each model as its captured forward did
@@ -372,37 +375,42 @@ def _live_reference(reference: Source, options: Options) -> tuple[ModelSource, d
     return None
 
 
+@dataclass
+class WhatIf:
+    """what-if: the runs of the reference that explain the divergence, best first (`Result.what_if`), and how
+    the search went, or why none ran (`Result.meta["what_if"]`: forwards, seconds, window …, or "skipped")."""
+
+    meta: dict
+    found: list[dict] = field(default_factory=list)
+
+
 def what_if(result: Result, traces: Traces, reference: Source, options: Options,
-            progress: Callable[[int, int], None] | None = None) -> None:
-    """Explain a divergence by what-if runs of the reference (`diffkit.whatif`): on by default when
-    the divergent candidate record covers more than one reference stage (`options.explain` None),
-    always with True, never with False.  Fills `result.what_if` (best first) and
-    `result.meta["what_if"]` (forwards, seconds, window; or why none ran)."""
+            progress: Callable[[int, int], None] | None = None) -> WhatIf | None:
+    """Explain the divergence of `result` (assembled, its evidence attached) by what-if runs of the reference
+    (`diffkit.whatif`): on by default when the divergent candidate record covers more than one reference stage
+    (`options.explain` None), always with True, never with False.  None when no search was due."""
     fd = result.first_divergence
     if options.explain is False or fd is None or fd.ref is None or fd.cand is None or fd.stats is None:
-        return
+        return None
     if result.error is not None or options.explain_budget == 0:
-        return
+        return None
     if options.explain is None and (fd.stats.max_abs == 0 or fd.diagnosis and fd.diagnosis[0].kind == "mask_value"
                                     and fd.diagnosis[0].confidence >= 0.9):
-        return  # (all its error in non-finite elements, or a mask written two ways: nothing to search for)
+        return None  # (all its error in non-finite elements, or a mask written two ways: nothing to search for)
     win = whatif.window(result.stages, traces.ref, fd)
     if options.explain is None and len(win) <= 1 and isinstance(reference, ModelSource):
-        return
+        return None
     cand_value = fd.cand_value
     if cand_value is None:
-        result.meta["what_if"] = {"skipped": "the candidate's value at the divergence is not at hand"}
-        return
+        return WhatIf({"skipped": "the candidate's value at the divergence is not at hand"})
     if isinstance(reference, CaptureSource) and not (options.explain is True or options.trusted_capture):
         # rebuilding means running the file the capture names: only for captures this diff made, or on request
-        result.meta["what_if"] = {"skipped": "the reference is a capture: --explain rebuilds and runs the file it "
-                                             "names for what-if runs"}
-        return
+        return WhatIf({"skipped": "the reference is a capture: --explain rebuilds and runs the file it "
+                                  "names for what-if runs"})
     live = _live_reference(reference, options)
     if live is None:
-        result.meta["what_if"] = {"skipped": "the reference cannot be run here (no model, or its capture does not "
-                                             "say how to rebuild it)"}
-        return
+        return WhatIf({"skipped": "the reference cannot be run here (no model, or its capture does not "
+                                  "say how to rebuild it)"})
     src, rebuilt_state = live
     ref_state = traces.sides.ref
     before = (ref_state.before if ref_state is not None else rebuilt_state) if isinstance(reference, ModelSource) \
@@ -427,12 +435,11 @@ def what_if(result: Result, traces: Traces, reference: Source, options: Options,
         rebuilt = run_once(src.model, src.inputs, None, None, snapshot=False)
         records = rebuilt.records
         if [r.name for r in records[:fd.ref.index + 1]] != [r.name for r in traces.ref.records[:fd.ref.index + 1]]:
-            result.meta["what_if"] = {"skipped": "the reference rebuilt from its capture does not record the same "
-                                                 "stages as the capture (its source changed?)"}
-            return
+            return WhatIf({"skipped": "the reference rebuilt from its capture does not record the same "
+                                      "stages as the capture (its source changed?)"})
         win = whatif.window(result.stages, rebuilt, fd)
         if options.explain is None and len(win) <= 1:
-            return
+            return None
     target = to_ref_layout(cand_value, tuple(fd.ref.shape), fd.pair_transform)
     search = whatif.Search(model=src.model, inputs=list(src.inputs), run=run_once, target=fd.ref.index,
                            cand_value=target, atol=fd.stats.atol, rtol=fd.stats.rtol, window=win,
@@ -442,22 +449,20 @@ def what_if(result: Result, traces: Traces, reference: Source, options: Options,
     try:
         found = whatif.search(search, whatif.model_constants(src.model), records)
     except Exception as e:  # a what-if failure never costs the diff its answer
-        result.meta["what_if"] = {"skipped": f"the what-if search failed: {type(e).__name__}: {e}"[:300],
-                                  "forwards": search.forwards}
-        return
+        return WhatIf({"skipped": f"the what-if search failed: {type(e).__name__}: {e}"[:300],
+                       "forwards": search.forwards})
     finally:
         restore_state(src.model, after)
         with torch.no_grad():
             for n, p in materialized(src.model.named_parameters()):
                 if n in params and not torch.equal(p, params[n]):
                     p.copy_(params[n])
-    result.what_if = [w.to_dict(fd.stats) for w in found[:5]]
-    result.meta["what_if"] = {"forwards": search.forwards, "seconds": round(search.seconds, 3),
-                              "variants": search.tried, "window": len(win), "stage": fd.ref.name,
-                              "explained": bool(found and found[0].explains)}
+    searched = WhatIf({"forwards": search.forwards, "seconds": round(search.seconds, 3), "variants": search.tried,
+                       "window": len(win), "stage": fd.ref.name, "explained": bool(found and found[0].explains)},
+                      [w.to_dict(fd.stats) for w in found[:5]])
     if search.left:
-        result.meta["what_if"].update(out_of_time=True, variants_left=search.left,
-                                      seconds_budget=options.explain_seconds)
+        searched.meta.update(out_of_time=True, variants_left=search.left, seconds_budget=options.explain_seconds)
+    return searched
 
 
 def _leaves(trace: Trace) -> dict[str, Any]:

@@ -49,7 +49,8 @@ class Traces:
     alignment: Alignment
     known: dict = field(default_factory=dict)  # (ref, cand, transform) -> Stats measured already
     window: int | None = None  # root-cause replays limited to this many stages (streaming)
-    fetch: Callable[[Any], None] | None = None  # load the values the report needs into the records
+    # load the values the report needs into the records, given the stages and the first divergence (streaming)
+    fetch: Callable[[list[Stage], Stage | None], None] | None = None
     meta: dict = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     cleanup: list[Callable[[], None]] = field(default_factory=list)
