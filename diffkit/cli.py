@@ -17,12 +17,13 @@ from .flags import DIFF_OPTIONS
 from .load import load_reference
 from .options import Options, Tolerance
 from .outputs import Outputs, Terminated, install_signal_handlers, print_internal_error
-from .pipeline import clone_inputs, run_captured
+from .modelstate import seed_all
+from .runner import clone_inputs, run_captured
 from .processes import isolated
 from .roles import Job, run_here
 from .stream import parse_size
 from .suite import suite
-from .trials import seed_all, trial_seeds
+from .trials import trial_seeds
 
 
 def _options(atol, rtol, tolerance, **rest) -> Options:

@@ -8,19 +8,21 @@ from typing import Any, Sequence
 
 import torch
 
+from . import handoff
 from .capture import Trace
 from .errors import DiffkitError
-from . import handoff
+from .health import may_be_random, reference_health, reinit_zero_parameters
 from .load import LoadedPair, load_candidate_for_capture, load_pair, load_reference, sync_weights
+from .modelstate import restore_state, seed_all, snapshot_state
 from .options import Options
-from .pipeline import (CaptureSource, ModelSource, TraceSource, apply_auto_tolerance, capture_writer, clone_inputs,
-                       judge, may_be_random, named_tensors, reference_health, reinit_zero_parameters,
-                       rerun_differences, run, run_captured)
+from .pipeline import apply_auto_tolerance, judge, run
+from .rerun import rerun_differences
 from .result import ErrorInfo, Result
+from .runner import capture_writer, clone_inputs, named_tensors, run_captured
+from .sources import CaptureSource, ModelSource, TraceSource
 from .store import CaptureFile
 from .stream import name_filter
-from .trials import (CapturedTrials, LiveCandidate, LiveReference, restore_state, run_trials, seed_all,
-                     snapshot_state, trial_seeds, write_trials)
+from .trials import CapturedTrials, LiveCandidate, LiveReference, run_trials, trial_seeds, write_trials
 
 __all__ = ["compare", "compare_traces", "diff_files", "capture_reference", "run_captured", "reference_health",
            "reinit_zero_parameters", "apply_auto_tolerance", "is_capture", "error_result"]

@@ -58,13 +58,15 @@ from .errors import INTERNAL
 from .handoff import HANDOFF_FILE
 from .options import Options
 from .outputs import Outputs, stdout_gone
-from .pipeline import CaptureSource, TraceSource, run
+from .modelstate import Trial
+from .pipeline import run
 from .result import ErrorInfo
 from .roles import (PROCESSES, Again, Answered, Dump, Dumped, DumpAsk, Go, Held, InitInputs, Internal, Job, RefDone,
                     Release, child_main)
 from .sanitize import attach, candidate_kernels, failure_words, internal_failure, parse, wrap_command
 from .stream import read_journal
-from .trials import Trial, read_trials_journal
+from .sources import CaptureSource, TraceSource
+from .trials import read_trials_journal
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
