@@ -2,9 +2,6 @@
 lineage, not records -- the diff's answer and the dataflow of what is recorded stay as they were."""
 import importlib
 import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -16,8 +13,9 @@ import diffkit
 from diffkit.align import record_numel
 from diffkit.options import FOLD_AFTER
 
+from conftest import run_cli
+
 C = importlib.import_module("diffkit.capture")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class ElmanRef(nn.Module):
@@ -271,14 +269,12 @@ def test_cli_diff_folds_and_says_so(tmp_path):
     ref.write_text(REF)
     cand.write_text(CAND)
     out = tmp_path / "r.json"
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "cli.py"), "diff", str(ref), str(cand), "--trials", "2",
-                           "--no-report", "--json", str(out)], capture_output=True, text=True, cwd=ROOT)
+    proc = run_cli("diff", str(ref), str(cand), "--trials", "2", "--no-report", "--json", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads(out.read_text())
     assert data["verdict"] == "match" and data["meta"]["cand_folded"]["results"] > 0
     assert "candidate loop results were folded" in proc.stdout
-    plain = subprocess.run([sys.executable, os.path.join(ROOT, "cli.py"), "diff", str(ref), str(cand), "--trials", "1",
-                            "--no-report", "--no-fold", "--json", str(out)], capture_output=True, text=True, cwd=ROOT)
+    plain = run_cli("diff", str(ref), str(cand), "--trials", "1", "--no-report", "--no-fold", "--json", str(out))
     assert plain.returncode == 0, plain.stdout + plain.stderr
     assert "cand_folded" not in json.loads(out.read_text())["meta"]
 

@@ -2,16 +2,13 @@
 isolated diff's candidate process rebuilds from the reference's capture, keep one tensor at two places as one,
 shared memory as shared, and each tensor's strides."""
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from diffkit.inputs import copy_inputs, layout
 
-from conftest import ROOT
+from conftest import run_cli
 
 
 def test_copies_keep_identity_shared_memory_and_strides():
@@ -97,9 +94,8 @@ def test_candidates_see_the_input_objects_kernelbench_gives_them(tmp_path, isola
     (tmp_path / "ref.py").write_text(REF)
     (tmp_path / "cand.py").write_text(cand)
     out = tmp_path / "r.json"
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "cli.py"), "diff", str(tmp_path / "ref.py"),
-                           str(tmp_path / "cand.py"), "--json", str(out), "--no-report",
-                           *([] if isolate else ["--no-isolate"])], capture_output=True, text=True, timeout=600)
+    proc = run_cli("diff", str(tmp_path / "ref.py"), str(tmp_path / "cand.py"), "--json", str(out), "--no-report",
+                   *([] if isolate else ["--no-isolate"]))
     data = json.loads(out.read_text())
     assert data["verdict"] == verdict, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert proc.returncode == {"match": 0, "diverged": 1}[verdict]
@@ -145,9 +141,8 @@ def test_an_unseeded_non_tensor_input_is_not_made_again(tmp_path):
     (tmp_path / "ref.py").write_text(RANDOM_LEAF_REF)
     (tmp_path / "cand.py").write_text(RANDOM_LEAF_REF.replace("class Model(", "class ModelNew("))
     out = tmp_path / "r.json"
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "cli.py"), "diff", str(tmp_path / "ref.py"),
-                           str(tmp_path / "cand.py"), "--json", str(out), "--no-report", "--trials", "2"],
-                          capture_output=True, text=True, timeout=600)
+    proc = run_cli("diff", str(tmp_path / "ref.py"), str(tmp_path / "cand.py"), "--json", str(out), "--no-report",
+                   "--trials", "2")
     assert proc.returncode == 0 and json.loads(out.read_text())["verdict"] == "match", proc.stdout[-2000:]
 
 
@@ -157,11 +152,9 @@ def test_a_capture_s_inputs_do_not_follow_its_source_file_afterwards(tmp_path):
     ref = tmp_path / "ref.py"
     ref.write_text(REF)
     cap = tmp_path / "run.dkt"
-    subprocess.run([sys.executable, os.path.join(ROOT, "cli.py"), "capture", str(ref), "-o", str(cap)],
-                   capture_output=True, text=True, timeout=600, check=True)
+    run_cli("capture", str(ref), "-o", str(cap), check=True)
     ref.write_text(REF.replace("return [shared, shared,", "return [shared, shared.clone(),"))
     (tmp_path / "cand.py").write_text(TRUSTS_ALIASING)
     out = tmp_path / "r.json"
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "cli.py"), "diff", str(cap), str(tmp_path / "cand.py"),
-                           "--json", str(out), "--no-report"], capture_output=True, text=True, timeout=600)
+    proc = run_cli("diff", str(cap), str(tmp_path / "cand.py"), "--json", str(out), "--no-report")
     assert json.loads(out.read_text())["verdict"] == "match", proc.stdout[-2000:] + proc.stderr[-2000:]

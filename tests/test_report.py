@@ -2,8 +2,6 @@
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pandas as pd
 import pytest
@@ -14,7 +12,7 @@ import diffkit
 from diffkit.render import junit_xml
 from diffkit.report import write_report
 
-from conftest import KERNELS, REFS, ROOT
+from conftest import KERNELS, REFS, ROOT, run_cli
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
@@ -116,11 +114,9 @@ def test_html_in_a_real_browser(results, tmp_path):
 
 
 def test_cli_writes_report_and_single_files(tmp_path, ops):
-    cmd = [sys.executable, os.path.join(ROOT, "cli.py"), "diff", os.path.join(REFS, "axial_attention.py"),
-           os.path.join(KERNELS, "axial_attention_tail.py"), "--report-dir", str(tmp_path / "rep"),
-           "--html", str(tmp_path / "one.html"), "--markdown", str(tmp_path / "one.md"), "--junit",
-           str(tmp_path / "one.xml")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    proc = run_cli("diff", os.path.join(REFS, "axial_attention.py"), os.path.join(KERNELS, "axial_attention_tail.py"),
+                   "--report-dir", str(tmp_path / "rep"), "--html", str(tmp_path / "one.html"), "--markdown",
+                   str(tmp_path / "one.md"), "--junit", str(tmp_path / "one.xml"))
     assert proc.returncode == 1, proc.stdout + proc.stderr
     for name in ("index.html", "stages.csv", "result.json", "summary.md", "junit.xml"):
         assert (tmp_path / "rep" / name).exists()

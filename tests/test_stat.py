@@ -1,9 +1,6 @@
 """--stat (issue 17): which statistic of the error must stay within tolerance changes the verdict
 where it should, per stage and for the output, and every report says which one was used."""
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -12,7 +9,7 @@ import torch.nn as nn
 import diffkit
 from diffkit.measure import measure
 
-from conftest import ROOT
+from conftest import run_cli
 
 
 class Ref(nn.Module):
@@ -119,9 +116,8 @@ def test_cli_stat_flag_in_json_and_reports(tmp_path):
     outs = {}
     for stat in ("elementwise", "median"):
         rd = tmp_path / stat
-        p = subprocess.run([sys.executable, os.path.join(ROOT, "cli.py"), "diff", str(ref), str(cand), "--stat", stat,
-                            "--trials", "1", "--report-dir", str(rd), "--json", str(rd / "r.json")],
-                           capture_output=True, text=True, cwd=ROOT, timeout=600)
+        p = run_cli("diff", str(ref), str(cand), "--stat", stat, "--trials", "1", "--report-dir", str(rd), "--json",
+                    str(rd / "r.json"))
         outs[stat] = p
         d = json.loads((rd / "r.json").read_text())
         assert d["output"]["allclose"] == (stat == "median")
@@ -133,8 +129,7 @@ def test_cli_stat_flag_in_json_and_reports(tmp_path):
             import csv
             rows = list(csv.DictReader((rd / "stages.csv").open()))
             assert rows and all(r["stat"] == "median" for r in rows if r["max_abs"])
-    bad = subprocess.run([sys.executable, os.path.join(ROOT, "cli.py"), "diff", str(ref), str(cand), "--stat", "p99"],
-                         capture_output=True, text=True, cwd=ROOT, timeout=600)
+    bad = run_cli("diff", str(ref), str(cand), "--stat", "p99")
     assert bad.returncode == 2 and "p99" in bad.stderr
 
 
