@@ -11,7 +11,8 @@ DEFAULT_TIMEOUT = 1800.0  # seconds per side; a kernel that never returns must n
 
 # in the order `diffkit diff --help` lists them
 DIFF_OPTIONS: list[click.Option] = [
-    click.Option(["--atol"], type=float, default=None, help="absolute tolerance (default by dtype: 1e-4 fp32, 1e-2 fp16/bf16)"),
+    click.Option(["--atol"], type=float, default=None,
+                 help="absolute tolerance (default by dtype: 1e-4 fp32, 1e-2 fp16/bf16)"),
     click.Option(["--rtol"], type=float, default=None, help="relative tolerance (default as --atol)"),
     click.Option(["--seed"], type=int, default=42, show_default=True,
                  help="KernelBench's seed: each trial's input seed is drawn from it (models are always built with 42)"),
@@ -26,7 +27,8 @@ DIFF_OPTIONS: list[click.Option] = [
                       "copied, as in KernelBench; differing ones are reported)"),
     click.Option(["--device"], type=click.Choice(["cpu", "cuda"]), default=None, help="run both models here"),
     click.Option(["--json", "json_path"], type=click.Path(dir_okay=False), default=None, help="write result.json here"),
-    click.Option(["--csv", "csv_path"], type=click.Path(dir_okay=False), default=None, help="write one CSV row per stage"),
+    click.Option(["--csv", "csv_path"], type=click.Path(dir_okay=False), default=None,
+                 help="write one CSV row per stage"),
     click.Option(["--strict"], is_flag=True, help="intermediate stages out of tolerance make the verdict diverged"),
     click.Option(["--full"], is_flag=True, help="print every stage (default: fold long models around the divergence)"),
     click.Option(["--tolerance"], type=click.Choice(["fixed", "auto"]), default="fixed", show_default=True,
@@ -36,17 +38,20 @@ DIFF_OPTIONS: list[click.Option] = [
                  help="write index.html, stages.csv, result.json, summary.md, junit.xml here "
                       "(default: reports/<candidate name>/)"),
     click.Option(["--no-report"], is_flag=True, help="write no report directory"),
-    click.Option(["--html", "html_path"], type=click.Path(dir_okay=False), default=None, help="write the HTML report here"),
-    click.Option(["--markdown", "md_path"], type=click.Path(dir_okay=False), default=None, help="write summary.md here"),
+    click.Option(["--html", "html_path"], type=click.Path(dir_okay=False), default=None,
+                 help="write the HTML report here"),
+    click.Option(["--markdown", "md_path"], type=click.Path(dir_okay=False), default=None,
+                 help="write summary.md here"),
     click.Option(["--junit", "junit_path"], type=click.Path(dir_okay=False), default=None, help="write junit.xml here"),
     click.Option(["--no-isolate"], is_flag=True,
-                 help="run in this process (default: in child processes, so a crashing kernel cannot take the answer with "
-                      "it: a child per side; with no GPU in play one child for the whole diff first)"),
+                 help="run in this process (default: in child processes, so a crashing kernel cannot take the "
+                      "answer with it: a child per side; with no GPU in play one child for the whole diff first)"),
     click.Option(["--timeout"], type=click.FloatRange(min=0), default=DEFAULT_TIMEOUT, show_default=True,
                  help="stop a side that runs longer than this (seconds; 0: never; with --no-isolate, the whole diff)"),
     click.Option(["--max-memory", "max_memory"], default=None, metavar="SIZE",
                  help="streaming diff: hold at most SIZE (e.g. 512M, 4G) of captured values on the device (CPU: in "
-                      "memory); the rest goes to pinned host memory, then disk. Default without the flag: in-memory diff"),
+                      "memory); the rest goes to pinned host memory, then disk. Default without the flag: "
+                      "in-memory diff"),
     click.Option(["--stream", "stream"], is_flag=True,
                  help="streaming diff with the default budget (a quarter of the free device memory)"),
     click.Option(["--only", "only"], default=None, metavar="PATTERNS",
@@ -58,8 +63,9 @@ DIFF_OPTIONS: list[click.Option] = [
                       "address) to the stage that launched the kernel"),
     click.Option(["--explain/--no-explain", "explain"], default=None,
                  help="what-if runs of the reference on a divergence: plant one plausible kernel mistake at a time "
-                      "(no bias, wrong axis, missing scale, transposed weight, unwritten tail …) and name the one that "
-                      "reproduces the candidate (default: on when the divergent kernel covers several reference stages)"),
+                      "(no bias, wrong axis, missing scale, transposed weight, unwritten tail …) and name the one "
+                      "that reproduces the candidate (default: on when the divergent kernel covers several reference "
+                      "stages)"),
     click.Option(["--stat", "stat"], type=click.Choice(["elementwise", "max", "mean", "median"]), default="elementwise",
                  show_default=True,
                  help="which statistic of the error must stay within tolerance, per stage and for the output: every "
@@ -72,6 +78,7 @@ DIFF_OPTIONS: list[click.Option] = [
                       "left (0: no limit)"),
     click.Option(["--fold/--no-fold", "fold"], default=True, show_default=True,
                  help="fold the candidate's loop results that no reference record can pair with (a call site's results "
-                      f"of sizes no reference record has, after its first {FOLD_AFTER}): their dataflow is kept, no record is made "
+                      f"of sizes no reference record has, after its first {FOLD_AFTER}): their dataflow is "
+                       "kept, no record is made "
                       "(--no-fold: record every one)"),
 ]

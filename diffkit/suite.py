@@ -12,8 +12,9 @@ Discovery (`discover`):
   A candidate with no reference, or with several, is an errored pair that says so; nothing is dropped.
 
 Each pair runs as ``python -m diffkit.cli diff REF CAND --report-dir OUT/<name> --json
-OUT/<name>/result.json`` (started by `processes.python_command`: this diffkit, whatever the current folder holds) plus the diff options given to the suite, in a pool of workers (one per
-visible GPU, each child seeing only its GPU; ``--workers N`` on CPU).  The verdicts are read back with
+OUT/<name>/result.json`` (started by `processes.python_command`: this diffkit, whatever the current folder
+holds) plus the diff options given to the suite, in a pool of workers (one per visible GPU, each child
+seeing only its GPU; ``--workers N`` on CPU).  The verdicts are read back with
 `Result.from_json`; a child that fails without an answer (killed, internal error, past the suite's
 deadline) is an ``error`` entry with the reason from its log.  After every finished pair the summary
 files are rewritten atomically: index.html, summary.json, summary.csv, junit.xml, summary.md.  A small
