@@ -54,8 +54,8 @@ def diff_once(ref, cand):
     """`diffkit.diff_files(ref, cand)` with the default options, run once per (ref, cand) in this process.
 
     Several files ask the same question of the same pair and only read the answer: test_diff (first divergence),
-    test_rootcause (root cause and diagnosis), test_pipeline (the in-process surface) on kernels/; test_fused and
-    test_whatif (the what-if search, the costliest part) on kernels/fused/. They share one Result; their
+    test_rootcause (root cause and diagnosis), test_pipeline (the in-process surface), test_protocol (KernelBench's
+    verdict) on kernels/; test_fused and test_whatif (the what-if search, the costliest part) on kernels/fused/. They share one Result; their
     parameters carry `same_pair(cand)`, so that under xdist they run on the same worker."""
     if (ref, cand) not in _DIFFS:
         import diffkit
