@@ -19,7 +19,9 @@ from .tensorargs import _map_tensors, _storage_key, _version, materialized
 
 
 class _Dataflow:
-    """Where each tensor argument's value comes from (a part of `capture._State`)."""
+    """Where each tensor argument's value comes from (a part of `capture._State`).
+
+    Uses of the other parts: `lineage`, `lineage_storage`, `folded_writes`, `pending`, `_flush` (`_Folding`)."""
 
     def _init_dataflow(self, model: torch.nn.Module | None) -> None:
         self.tracked: dict[int, tuple[Any, int, int]] = {}  # id(tensor) -> (weakref, record index, version)

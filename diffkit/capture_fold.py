@@ -45,7 +45,10 @@ def _union(sets: list[frozenset]) -> frozenset:
 
 class _Folding:
     """Folding results that cannot pair, and recording the buffers folded writes filled (a part of
-    `capture._State`)."""
+    `capture._State`).
+
+    Uses of the other parts: `param_of`, `param_ids`, `param_sets`, `derived`, `ref_of`, `_folded_lineage`,
+    `storage_owner`, `storage_writes` (`_Dataflow`); `add`, `op_name`, `scope`, `trace` (`_State`)."""
 
     def _init_folding(self, fold: frozenset | None, fold_writes: frozenset | None) -> None:
         # folding (module docstring): the sizes a record may pair with, the unpairable results made per

@@ -44,7 +44,10 @@ def _holders(t: torch.Tensor) -> int | None:
 
 
 class _Values:
-    """Values held without a copy, and copied before they change (a part of `capture._State`)."""
+    """Values held without a copy, and copied before they change (a part of `capture._State`).
+
+    Uses of the other parts: `param_of`, `param_tensor` (`_Dataflow`); `pending`, `pending_hold`,
+    `flush_before_write` (`_Folding`); `snapshot`, `trace` (`_State`)."""
 
     def _init_values(self, model: torch.nn.Module | None) -> None:
         # records holding a torch op's output itself, not a copy yet: storage pointer -> [(record, version)]

@@ -769,10 +769,10 @@ def test_a_reference_capture_is_written_through_and_keeps_its_health_checks(tmp_
 def test_device_values_written_through_a_pinned_buffer_read_back_exactly(tmp_path, monkeypatch):
     # an isolated diff's reference process writes each device value as it is recorded, a piece at a time
     # through one pinned host buffer (here 4 KiB, so most values take several pieces)
-    from diffkit import store
+    from diffkit import store, store_io
     from diffkit.capture import Record
 
-    monkeypatch.setattr(store, "PINNED_STAGE_BYTES", 4096)
+    monkeypatch.setattr(store_io, "PINNED_STAGE_BYTES", 4096)
     torch.manual_seed(0)
     values = [torch.randn(37, 53, device="cuda").t(),  # laid out otherwise
               torch.randn(3, 1000, device="cuda", dtype=torch.float16)[:, ::3],
@@ -798,17 +798,17 @@ def test_pinned_write_through_pieces_and_its_fallback(monkeypatch):
     # the buffer grows as values need it up to the cap, and where pinned memory cannot be had nothing is written
     import io
 
-    from diffkit import store
+    from diffkit import store_io
 
     real_empty = torch.empty
-    monkeypatch.setattr(store, "PINNED_STAGE_BYTES", 4096)
+    monkeypatch.setattr(store_io, "PINNED_STAGE_BYTES", 4096)
     monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: real_empty(*a, **k))
     torch.manual_seed(1)
     scratch = [None]
     for v in [torch.tensor(2.5), torch.randn(37, 53).t(), torch.randn(3, 1000, dtype=torch.float16)[:, ::3],
               torch.arange(5000), torch.randn(64) > 0]:
         buf = io.BytesIO()
-        assert store._write_through_pinned(buf, v, scratch)
+        assert store_io._write_through_pinned(buf, v, scratch)
         assert buf.getvalue() == v.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
         assert scratch[1].numel() <= 4096
     assert scratch[1].numel() == 4096  # grown to the cap by the larger values
@@ -820,8 +820,8 @@ def test_pinned_write_through_pieces_and_its_fallback(monkeypatch):
 
     monkeypatch.setattr(torch, "empty", refuse)
     scratch, buf = [None], io.BytesIO()
-    assert not store._write_through_pinned(buf, torch.randn(10), scratch) and buf.getvalue() == b""
-    assert scratch[1] is False and not store._write_through_pinned(buf, torch.randn(10), scratch)
+    assert not store_io._write_through_pinned(buf, torch.randn(10), scratch) and buf.getvalue() == b""
+    assert scratch[1] is False and not store_io._write_through_pinned(buf, torch.randn(10), scratch)
 
 
 # The GPU hand-over's protocol (diffkit.handoff), run on this machine's CPU: a driver process makes the

@@ -281,7 +281,7 @@ def test_recover_from_journal(dkt):
     _unfinished(dkt, lines + ['{"index": 3, "na'])  # a torn last line ends it
     back = load_trace(str(dkt))
     assert [r.name for r in back] == ["input[0]", "0", "output"] and back[2].value is not None
-    assert store._recover(str(dkt), [])[1]["name"] == "0"
+    assert store._recover_journal(str(dkt), [])[0][1]["name"] == "0"
 
 
 def test_recover_validates_the_journal(dkt):
