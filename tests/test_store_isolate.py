@@ -829,7 +829,7 @@ def test_pinned_write_through_pieces_and_its_fallback(monkeypatch):
 # the reference's process did with its values and what the candidate's process received
 HANDOVER_DRIVER = """
 import os, sys
-from diffkit import cli, handoff, processes
+from diffkit import cli, handoff, processes, sources
 
 LOG = os.environ["HANDOVER_LOG"]
 def log(line):
@@ -856,6 +856,7 @@ def dump(self):
     log("shards before dump %d" % len(shards))
     real_dump(self)
 handoff.Holder.serve, handoff.receive, handoff.Holder.dump = serve, receive, dump
+sources.receive = receive  # (where the candidate's side calls it)
 if os.environ.get("HANDOVER_REFUSE"):  # the handles cannot be opened in the candidate's process
     def refuse(item):
         raise RuntimeError("pidfd_getfd: Operation not permitted")
