@@ -362,6 +362,79 @@ class ErrorInfo:
 
 
 @dataclass
+class HardenSetting:
+    """One setting of the `--harden` matrix, applied identically to both models, and what the diff said there.
+
+    kind:             "init" | "inputs" | "shape" | "precision"
+    name:             the setting in words ("GroupNorm affine parameters drawn at random", "inputs[0] x 100",
+                      "batch_size 16 -> 17")
+    verdict:          "match" | "diverged" | "error" (the candidate raised or returned another shape there) |
+                      "skipped" (the setting makes the reference itself non-finite or meaningless: `note` says why)
+    judged_by:        the rule that judged it: "fixed" (KernelBench's tolerance) or "auto" (the reference's own
+                      float64 noise floor at this setting)
+    first_divergence, root_cause: the stages' `divergence_dict()` where the setting diverges
+    error:            the candidate's failure at this setting, in a sentence
+    """
+
+    kind: str
+    name: str
+    verdict: str
+    max_abs: float | None = None
+    mean_abs: float | None = None
+    judged_by: str = "fixed"
+    first_divergence: dict | None = None
+    root_cause: dict | None = None
+    error: str | None = None
+    note: str = ""
+    seconds: float = 0.0
+
+    @property
+    def breaks(self) -> bool:
+        return self.verdict in ("diverged", "error")
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind, "name": self.name, "verdict": self.verdict, "max_abs": _num(self.max_abs),
+                "mean_abs": _num(self.mean_abs), "judged_by": self.judged_by,
+                "first_divergence": self.first_divergence, "root_cause": self.root_cause, "error": self.error,
+                "note": self.note, "seconds": round(self.seconds, 3)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "HardenSetting":
+        return cls(kind=str(d["kind"]), name=str(d["name"]), verdict=str(d["verdict"]),
+                   max_abs=_unnum(d["max_abs"]) if d.get("max_abs") is not None else None,
+                   mean_abs=_unnum(d["mean_abs"]) if d.get("mean_abs") is not None else None,
+                   judged_by=str(d.get("judged_by") or "fixed"), first_divergence=d.get("first_divergence"),
+                   root_cause=d.get("root_cause"), error=d.get("error"), note=str(d.get("note") or ""),
+                   seconds=float(d.get("seconds") or 0.0))
+
+
+@dataclass
+class Harden:
+    """What `--harden` found beside KernelBench's verdict (which it never changes): "robust" when no setting
+    breaks the candidate, else "breaks"; findings about the problem itself (e.g. `input_independent`: the
+    reference's output does not depend on one of its inputs); how long the matrix took."""
+
+    verdict: str
+    settings: list[HardenSetting] = field(default_factory=list)
+    findings: list[Finding] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def breaking(self) -> list[HardenSetting]:
+        return [s for s in self.settings if s.breaks]
+
+    def to_dict(self) -> dict:
+        return {"verdict": self.verdict, "settings": [s.to_dict() for s in self.settings],
+                "findings": [f.to_dict() for f in self.findings], "seconds": round(self.seconds, 3)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Harden":
+        return cls(verdict=str(d["verdict"]), settings=[HardenSetting.from_dict(s) for s in d.get("settings") or []],
+                   findings=[Finding.from_dict(f) for f in d.get("findings") or []],
+                   seconds=float(d.get("seconds") or 0.0))
+
+
+@dataclass
 class Result:
     """What diffkit found.  `verdict` is "match", "diverged" or "error" (set by pipeline.judge only).
 
@@ -380,6 +453,7 @@ class Result:
     tolerance_mode:       "fixed" | "auto"; fixed_verdict: with auto, what the fixed rule said
     trials:               KernelBench's trials, one dict each: trial, seed, max_abs, mean_abs, allclose, … (see
                           trials.Trial); the stages are those of the trial reported (the first failing one)
+    harden:               `--harden`'s matrix of settings (see Harden), or None when not asked
     what_if:              what-if runs of the reference (diffkit.whatif), best first: {"kind", "stage", "detail",
                           "max_abs_before", "max_abs_after", "explains", "mismatches_after", "rel_l2_after",
                           "mutations"}; empty when none ran (`meta["what_if"]` says why or how the search went)
@@ -407,6 +481,7 @@ class Result:
     findings: list[Finding] = field(default_factory=list)  # about the run as a whole (output shape/structure …)
     trials: list[dict] = field(default_factory=list)  # KernelBench's trials: trials.Trial.to_dict() each
     what_if: list[dict] = field(default_factory=list)  # what-if runs, best first (see above)
+    harden: Harden | None = None  # `--harden`: the settings matrix, beside the verdict (None: not asked)
 
     # ----------------------------------------------------------------- access
     def stage(self, name: str) -> Stage:
@@ -481,6 +556,7 @@ class Result:
             "reference": self.ref_path, "candidate": self.cand_path,
             "summary": self.summary_line(),
             "meta": self.meta,
+            **({"harden": self.harden.to_dict()} if self.harden is not None else {}),
         }
 
     @classmethod
@@ -505,7 +581,8 @@ class Result:
                    output_structure=tuple(out["structure_mismatch"]) if out.get("structure_mismatch") else None,
                    findings=[Finding.from_dict(f) for f in d.get("findings") or []],
                    trials=[dict(t) for t in d.get("trials") or [] if isinstance(t, dict)],
-                   what_if=[dict(w) for w in d.get("what_if") or [] if isinstance(w, dict)])
+                   what_if=[dict(w) for w in d.get("what_if") or [] if isinstance(w, dict)],
+                   harden=Harden.from_dict(d["harden"]) if isinstance(d.get("harden"), dict) else None)
 
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(json_safe(self.to_dict()), indent=indent, allow_nan=False, default=str)
