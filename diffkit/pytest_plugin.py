@@ -7,7 +7,9 @@
 ``--diffkit-report-dir/<test id>/`` (default ``reports/pytest``), records the report's path as the JUnit
 property ``diffkit_report`` and, when the candidate does not match, fails the test with the first
 divergence (the message of `diffkit.testing.assert_models_close`) and the report's path.  It returns
-the `Result` when the candidate matches.
+the `Result` when the candidate matches.  With ``harden=True`` (``diffkit.compare("ref.py", "cand.py",
+harden=True)``) a candidate that matches but breaks under a ``--harden`` setting fails the test too, with a
+line per breaking setting.
 
 This module is loaded by every pytest run where diffkit is installed: it imports nothing heavy itself
 (torch and diffkit's internals are imported when ``compare`` is first called).
@@ -60,8 +62,8 @@ class DiffkitFixture:
     def compare(self, ref: Any, cand: Any, inputs: Sequence[Any] | None = None, atol: float | None = None,
                 rtol: float | None = None, *, report: bool = True, **settings):
         """Compare `cand` with `ref` (nn.Module instances with `inputs`, or KernelBench file paths);
-        fail the test unless the candidate matches, else return the Result.  Other keywords are
-        diffkit `Options` (strict=True, tolerance="auto", trials=…)."""
+        fail the test unless the candidate matches (and, with harden=True, no setting breaks it), else return
+        the Result.  Other keywords are diffkit `Options` (strict=True, tolerance="auto", trials=…, harden=True)."""
         from .describe import assertion_message
 
         if isinstance(ref, (str, os.PathLike)) or isinstance(cand, (str, os.PathLike)):
@@ -92,9 +94,26 @@ class DiffkitFixture:
             self.reports.append(paths["html"])
             self._record(PROPERTY, paths["html"])
             where = paths["html"]
-        if result.verdict == "match":
+        if result.verdict == "match" and not _breaks(result):
             return result
-        pytest.fail(assertion_message(result) + (f"\ndiffkit report: {where}" if where else ""), pytrace=False)
+        message = assertion_message(result) if result.verdict != "match" else _harden_message(result)
+        pytest.fail(message + (f"\ndiffkit report: {where}" if where else ""), pytrace=False)
+
+
+def _breaks(result) -> bool:
+    """`harden=True` and a setting breaks the candidate: the test fails, as for a divergence."""
+    h = getattr(result, "harden", None)
+    return h is not None and h.verdict == "breaks"
+
+
+def _harden_message(result) -> str:
+    """Why a candidate KernelBench's verdict passes fails the test under `harden=True`: the headline, then each
+    setting that breaks it, in a line."""
+    from .render import harden_setting_line
+
+    lines = [result.summary_line(), f"--harden: breaks under {len(result.harden.breaking)} of "
+                                    f"{len(result.harden.settings)} settings:"]
+    return "\n".join(lines + [f"  {harden_setting_line(s)}" for s in result.harden.breaking])
 
 
 @pytest.fixture

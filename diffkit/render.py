@@ -207,6 +207,94 @@ def result_html(result) -> str:
     return template("result.html").render(banner=banner(result), warnings=notices(result), table=stage_table(result))
 
 
+# ----------------------------------------------------------------------------- --harden
+# a setting's row in the HTML matrix, by its verdict
+HARDEN_COLOUR = {"match": STATUS_COLOUR["ok"], "diverged": STATUS_COLOUR["diverged"], "error": "#ead7f1",
+                 "skipped": STATUS_COLOUR["unmatched"]}
+HARDEN_VERDICT_COLOUR = {"robust": VERDICT_COLOUR["match"], "breaks": VERDICT_COLOUR["diverged"]}
+JUDGED_BY = {"fixed": "KernelBench's tolerance", "auto": "the reference's float64 noise floor"}
+
+
+def harden_stage_text(d) -> str:
+    """A setting's stage (a `Stage.divergence_dict()`) in words: "stage 7 group_norm", the candidate's name
+    added when it differs; "" when there is none."""
+    if not d:
+        return ""
+    ref, cand = d.get("ref_name"), d.get("cand_name")
+    names = ref or cand or "?"
+    if ref and cand and ref != cand:
+        names = f"{ref} (candidate: {cand})"
+    return f"stage {d.get('index', '?')} {names}"
+
+
+def harden_where(setting) -> str:
+    """Where a setting breaks the candidate: its first wrong stage, the root cause when it is another stage,
+    and the first diagnosis ("" when the setting names no stage)."""
+    fd, rc = setting.first_divergence or None, setting.root_cause or None
+    text = harden_stage_text(fd)
+    if rc and (not fd or rc.get("index") != fd.get("index")):
+        text += ("; " if text else "") + "root cause " + harden_stage_text(rc)
+    diagnosis = (rc or {}).get("diagnosis") or (fd or {}).get("diagnosis") or []
+    if diagnosis and isinstance(diagnosis[0], dict) and diagnosis[0].get("kind"):
+        text += f" ({diagnosis[0]['kind']})"
+    return text
+
+
+def harden_setting_line(setting) -> str:
+    """One setting in a sentence: "init: GroupNorm affine drawn at random: diverged, max |error| 0.31 (judged
+    by KernelBench's tolerance); first wrong stage 7 group_norm"."""
+    text = f"{setting.kind}: {setting.name}: {setting.verdict}"
+    if setting.max_abs is not None:
+        judged = JUDGED_BY.get(setting.judged_by, setting.judged_by)
+        text += f", max |error| {fmt(setting.max_abs, '.3g')} (judged by {judged})"
+    where_ = harden_where(setting)
+    if where_:
+        text += f"; first wrong {where_}"
+    if setting.error:
+        text += f"; {setting.error}"
+    if setting.note:
+        text += f" ({setting.note})"
+    return text
+
+
+def harden_kinds(harden) -> list[str]:
+    """The kinds of the settings that break the candidate, each once, in the matrix's order."""
+    return list(dict.fromkeys(s.kind for s in harden.breaking))
+
+
+def harden_cell(harden) -> str | None:
+    """The suite's column: "robust", "breaks: init, shape"; None when --harden was not asked."""
+    if harden is None:
+        return None
+    kinds = harden_kinds(harden)
+    return f"breaks: {', '.join(kinds)}" if kinds or harden.verdict == "breaks" else harden.verdict
+
+
+def harden_counts(harden) -> str:
+    """The matrix in numbers: "14 settings, 2 break, 1 skipped, 3.1 s"."""
+    skipped = sum(1 for s in harden.settings if s.verdict == "skipped")
+    text = f"{len(harden.settings)} settings"
+    if harden.breaking:
+        text += f", {len(harden.breaking)} break"
+    if skipped:
+        text += f", {skipped} skipped"
+    return text + f", {fmt(harden.seconds, '.2g')} s"
+
+
+def harden_view(result) -> dict | None:
+    """What the HTML report's --harden section shows (None when --harden was not asked): the verdict, the
+    findings about the problem, one row per setting."""
+    h = getattr(result, "harden", None)
+    if h is None:
+        return None
+    rows = [{"s": s, "colour": HARDEN_COLOUR.get(s.verdict, "#fff"), "where": harden_where(s),
+             "judged": JUDGED_BY.get(s.judged_by, s.judged_by) if s.verdict in ("match", "diverged") else "",
+             "said": "; ".join(x for x in (s.error, s.note) if x)} for s in h.settings]
+    return {"verdict": h.verdict, "colour": HARDEN_VERDICT_COLOUR.get(h.verdict, "#555"), "counts": harden_counts(h),
+            "kinds": ", ".join(harden_kinds(h)), "findings": list(h.findings), "rows": rows,
+            "seconds": h.seconds}
+
+
 # ----------------------------------------------------------------------------- Markdown
 _MD_ENTITIES = {"&": "&amp;", "<": "&lt;", ">": "&gt;"}
 _MD_BACKSLASHED = set("\\`*[]|")
@@ -284,12 +372,28 @@ def summary_markdown(result, limit: int = 15) -> str:
         if len(failed) > limit:
             lines.append(f"\n… and {len(failed) - limit} more stages out of tolerance")
         lines.append("")
+    lines += _harden_markdown(result)
     found = describe.run_findings(result)
     if found:
         lines += ["### Findings", ""] + [f"- {md_escape(f)}" for f in found] + [""]
     lines += [f"> ⚠️ {md_escape(w)}" for w in list(result.warnings) + list(result.health)]
     lines += [f"> ℹ️ {md_escape(n)}" for n in describe.notes(result)]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _harden_markdown(result) -> list[str]:
+    """summary.md's --harden block: the verdict and counts, each setting that breaks the candidate or was
+    skipped, the findings about the problem ([] when --harden was not asked)."""
+    h = getattr(result, "harden", None)
+    if h is None:
+        return []
+    icon = {"robust": "✅", "breaks": "❌"}.get(h.verdict, "")
+    lines = [f"### Hardening (--harden): {icon} {md_escape(h.verdict)}", "", f"- {md_escape(harden_counts(h))}"]
+    lines += [f"- {md_escape(harden_setting_line(s))}"
+              for s in h.settings if s.breaks or s.verdict == "skipped"]
+    lines += [f"- finding **{md_escape(f.kind)}** ({fmt(f.confidence, '.2f')}): {md_escape(f.detail)}"
+              for f in h.findings]
+    return lines + [""]
 
 
 # ----------------------------------------------------------------------------- JUnit
@@ -349,11 +453,35 @@ def junit_xml(result, suite: str = "diffkit") -> str:
         why = "\n".join([*(f"{f.kind}: {f.detail}" for f in result.findings), *result.warnings])
         _element(case, "failure", f"{result.summary_line()}\n{why}".strip(), message=result.summary_line()[:500],
                  type="diverged")
+    skipped = 0
+    if getattr(result, "harden", None) is not None:
+        more, broke, skipped = _harden_cases(ts, suite, result.harden)
+        tests, failures = tests + more, failures + broke
     ts.set("tests", str(tests))
     ts.set("failures", str(failures))
     ts.set("errors", str(errors))
-    ts.set("skipped", "0")
+    ts.set("skipped", str(skipped))
     return ET.tostring(root, encoding="UTF-8", xml_declaration=True).decode("utf-8") + "\n"
+
+
+def _harden_cases(ts, suite: str, harden) -> tuple[int, int, int]:
+    """A test case per --harden setting (class `<suite>.harden`): a failure where it breaks the candidate,
+    skipped where the setting was skipped; returns (tests, failures, skipped)."""
+    failures = skipped = 0
+    for s in harden.settings:
+        case = _element(ts, "testcase", classname=f"{suite}.harden", name=f"harden {s.kind}: {s.name}",
+                        time=f"{s.seconds or 0:.3f}")
+        if s.breaks:
+            failures += 1
+            line = harden_setting_line(s)
+            diagnosis = [f"{f.get('kind')}: {f.get('detail')}" for d in (s.first_divergence, s.root_cause) if d
+                         for f in d.get("diagnosis") or [] if isinstance(f, dict)]
+            _element(case, "failure", "\n".join([line, *dict.fromkeys(diagnosis)]), message=line[:500],
+                     type=s.verdict)
+        elif s.verdict == "skipped":
+            skipped += 1
+            _element(case, "skipped", message=s.note or "skipped")
+    return len(harden.settings), failures, skipped
 
 
 # ----------------------------------------------------------------------------- CSV

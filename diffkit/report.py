@@ -16,7 +16,7 @@ import time
 from markupsafe import Markup
 
 from . import plots
-from .render import banner, junit_xml, notices, stage_table, stages_csv, summary_markdown, template
+from .render import banner, harden_view, junit_xml, notices, stage_table, stages_csv, summary_markdown, template
 from .result import Result, Stage
 
 MAX_STAGES = 6
@@ -98,7 +98,7 @@ def html_report(result: Result, max_stages: int = MAX_STAGES) -> str:
         warnings=notices(result), weights=weights, profile=_profile(result),
         sections=[_section(s, heading) for s, heading in chosen], left_out=left_out, table=stage_table(result),
         what_if=[w for w in (result.what_if or []) if isinstance(w, dict)],
-        what_if_info=(result.meta or {}).get("what_if") or {},
+        what_if_info=(result.meta or {}).get("what_if") or {}, harden=harden_view(result),
         traceback=(error.traceback or "")[-TRACEBACK_CHARS:] if error is not None else "")
 
 

@@ -45,7 +45,8 @@ import click
 
 from .errors import EXIT, INTERNAL
 from .describe import failure_summary, headline, stage_names
-from .render import VERDICT_COLOUR, _element as el, csv_safe, md_code, md_escape, template
+from .render import (VERDICT_COLOUR, _element as el, csv_safe, harden_cell, harden_setting_line, md_code, md_escape,
+                     template)
 from .result import Result, json_safe
 from .flags import DIFF_OPTIONS
 from .processes import python_command, stop as _stop
@@ -60,7 +61,8 @@ VERDICT_ORDER = ("error", "diverged", "match")
 # skipped, so an option added to `diff` later, e.g. --stat, needs only its name here)
 PASS_THROUGH = ("atol", "rtol", "seed", "trials", "eval_mode", "sync_weights", "device", "timeout", "strict",
                 "tolerance", "reinit_zero", "stat", "no_isolate", "max_memory", "stream", "only", "stop_at_first",
-                "sanitize", "explain", "explain_budget", "explain_seconds")
+                "sanitize", "explain", "explain_budget", "explain_seconds", "harden")
+HARDEN_KEYS = ("harden", "harden_detail")  # SuiteEntry's --harden fields, written only when set
 GRACE_S = 120.0  # a child past both sides' --timeout plus this is stopped by the suite
 
 
@@ -82,6 +84,9 @@ class SuiteEntry:
     log:              the child's output (diff.log), relative to the suite directory
     error:            why the pair errored (the diff's error, a crash, a discovery problem)
     headline:         the diff's one-line answer (describe.headline)
+    harden:           with --harden: "robust" or "breaks: <the kinds of the settings that break it>"; None when
+                      --harden was not asked (or the pair has no answer)
+    harden_detail:    with --harden, the first setting that breaks the candidate, in a sentence
     """
 
     name: str
@@ -97,17 +102,28 @@ class SuiteEntry:
     log: str | None = None
     error: str | None = None
     headline: str = ""
+    harden: str | None = None
+    harden_detail: str | None = None
 
     @property
     def finished(self) -> bool:
         return self.verdict is not None
 
     @property
+    def breaks(self) -> bool:
+        """A pair KernelBench's verdict passes that a --harden setting breaks: a failure, as a divergence is."""
+        return self.verdict == "match" and (self.harden or "").startswith("breaks")
+
+    @property
     def runnable(self) -> bool:
         return self.ref is not None and self.cand is not None and self.error is None
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        for key in HARDEN_KEYS:  # not asked: no trace of --harden
+            if d[key] is None:
+                del d[key]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "SuiteEntry":
@@ -306,7 +322,20 @@ def entry_from_result(entry: SuiteEntry, result) -> SuiteEntry:
     entry.diagnosis_detail = findings[0].detail if findings else None
     entry.error = failure_summary(result.error) if result.error is not None else (
         entry.headline if result.verdict == "error" else None)
+    h = getattr(result, "harden", None)
+    if h is not None:
+        entry.harden = harden_cell(h)
+        entry.harden_detail = harden_setting_line(h.breaking[0]) if h.breaking else None
     return entry
+
+
+def expected_exit(result) -> int | None:
+    """The exit code of `diffkit diff` for `result`: its verdict's, and 1 for a match that a --harden setting
+    breaks."""
+    h = getattr(result, "harden", None)
+    if result.verdict == "match" and h is not None and h.verdict == "breaks":
+        return EXIT["diverged"]
+    return EXIT.get(result.verdict)
 
 
 def _reason(log_text: str) -> str:
@@ -371,10 +400,22 @@ def counts(entries: Sequence[SuiteEntry]) -> dict[str, int]:
     return c
 
 
+def hardened(entries: Sequence[SuiteEntry]) -> bool:
+    """Whether the suite ran with --harden (some pair has its --harden answer): its files then show it."""
+    return any(e.harden is not None for e in entries)
+
+
+def harden_counts_text(entries: Sequence[SuiteEntry]) -> str:
+    """", 2 break under --harden" when the suite ran with --harden, else ""."""
+    if not hardened(entries):
+        return ""
+    return f", {sum(1 for e in entries if e.breaks)} break under --harden"
+
+
 def summary_json(entries: Sequence[SuiteEntry]) -> str:
     """summary.json: one object per finished pair (name, verdict, first_divergence, root_cause, report, …)."""
     keys = ("name", "verdict", "first_divergence", "root_cause", "report", "diagnosis", "diagnosis_detail", "seconds",
-            "error", "headline", "ref", "cand")
+            "error", "headline", "ref", "cand") + (HARDEN_KEYS if hardened(entries) else ())
     rows = [{k: getattr(e, k) for k in keys} for e in entries if e.finished]
     return json.dumps(json_safe(rows), indent=2, allow_nan=False) + "\n"
 
@@ -387,10 +428,11 @@ def summary_csv(entries: Sequence[SuiteEntry]) -> str:
     """summary.csv: one row per finished pair; text cells a spreadsheet would take for a formula are escaped."""
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")
-    writer.writerow(CSV_COLUMNS)
+    columns = CSV_COLUMNS + (["harden"] if hardened(entries) else [])
+    writer.writerow(columns)
     for e in entries:
         if e.finished:
-            writer.writerow([csv_safe(v) for v in (getattr(e, k) for k in CSV_COLUMNS)])
+            writer.writerow([csv_safe(v) for v in (getattr(e, k) for k in columns)])
     return buf.getvalue()
 
 
@@ -414,14 +456,19 @@ def junit_xml(entries: Sequence[SuiteEntry], suite: str = "diffkit.suite") -> st
         detail = "\n".join(x for x in (e.headline, f"reference: {e.ref}" if e.ref else "",
                                        f"candidate: {e.cand}" if e.cand else "",
                                        f"diagnosis: {e.diagnosis}: {e.diagnosis_detail}" if e.diagnosis else "",
+                                       f"--harden: {e.harden}" if e.harden else "",
+                                       f"breaks under {e.harden_detail}" if e.harden_detail else "",
                                        f"report: {e.report}" if e.report else "") if x)
         if e.verdict == "diverged":
             el(case, "failure", detail, message=_message(e), type="diverged")
+        elif e.breaks:
+            el(case, "failure", detail, message=f"--harden: {e.harden_detail or e.harden}"[:500], type="harden")
         elif e.verdict == "error":
             el(case, "error", detail or e.error, message=e.error or _message(e), type="error")
         elif e.verdict is None:
             el(case, "skipped", message="not run (the suite was interrupted or is still running)")
-    for k, v in (("tests", len(entries)), ("failures", c["diverged"]), ("errors", c["error"]),
+    for k, v in (("tests", len(entries)), ("failures", c["diverged"] + sum(1 for e in entries if e.breaks)),
+                 ("errors", c["error"]),
                  ("skipped", c["pending"]), ("time", f"{total:.3f}")):
         ts.set(k, str(v))
     return ET.tostring(root, encoding="UTF-8", xml_declaration=True).decode("utf-8") + "\n"
@@ -434,21 +481,28 @@ def summary_markdown(entries: Sequence[SuiteEntry], title: str = "diffkit suite"
     parts = [f"{c['match']} match", f"{c['diverged']} diverged", f"{c['error']} error"]
     if c["pending"]:
         parts.append(f"{c['pending']} not run")
-    lines = [f"## {md_escape(title)}: {', '.join(parts)} ({len(entries)} pairs)", "",
-             "| | pair | verdict | first divergence | root cause | diagnosis | time |", "|---|---|---|---|---|---|---|"]
+    with_harden = hardened(entries)
+    if with_harden:
+        parts.append(f"{sum(1 for e in entries if e.breaks)} break under --harden")
+    head, rule = "| | pair | verdict | first divergence | root cause | diagnosis | time |", "|---|---|---|---|---|---|---|"
+    if with_harden:
+        head, rule = head + " harden |", rule + "---|"
+    lines = [f"## {md_escape(title)}: {', '.join(parts)} ({len(entries)} pairs)", "", head, rule]
     order = {v: i for i, v in enumerate(VERDICT_ORDER)}
     for e in sorted(entries, key=lambda x: order.get(x.verdict, len(order))):
         first = e.first_divergence or (e.error if e.verdict == "error" else None)
-        lines.append(f"| {icon.get(e.verdict, '')} | {md_code(e.name)} | {md_escape(e.verdict or 'not run')} | "
+        lines.append(f"| {icon['diverged'] if e.breaks else icon.get(e.verdict, '')} | {md_code(e.name)} | {md_escape(e.verdict or 'not run')} | "
                      f"{md_escape(first or '–')} | {md_escape(e.root_cause or '–')} | "
                      f"{md_escape(e.diagnosis or '–')} | "
-                     f"{'' if e.seconds is None else f'{e.seconds:.1f} s'} |")
+                     f"{'' if e.seconds is None else f'{e.seconds:.1f} s'} |"
+                     + (f" {md_escape(e.harden or '–')} |" if with_harden else ""))
     return "\n".join(lines) + "\n"
 
 
 def index_html(entries: Sequence[SuiteEntry], title: str = "diffkit suite", note: str = "") -> str:
     """index.html: a table of the pairs linking each pair's report (Jinja2, autoescaped)."""
     return template("suite.html").render(title=title, entries=list(entries), counts=counts(entries), note=note,
+                                         harden=hardened(entries), breaks=sum(1 for e in entries if e.breaks),
                                          colours=dict(VERDICT_COLOUR, pending="#999999"),
                                          written=time.strftime("%Y-%m-%d %H:%M:%S"))
 
@@ -467,11 +521,11 @@ def write_summaries(entries: Sequence[SuiteEntry], out_dir: str, note: str = "")
 
 
 def exit_code(entries: Sequence[SuiteEntry]) -> int:
-    """0 all match, 1 any diverged (none errored), 2 any errored or not run."""
+    """0 all match, 1 any diverged or broken under --harden (none errored), 2 any errored or not run."""
     verdicts = {e.verdict for e in entries}
     if "error" in verdicts or None in verdicts:
         return EXIT["error"]
-    return EXIT["diverged"] if "diverged" in verdicts else EXIT["match"]
+    return EXIT["diverged"] if "diverged" in verdicts or any(e.breaks for e in entries) else EXIT["match"]
 
 
 # ----------------------------------------------------------------------------- running
@@ -598,7 +652,7 @@ class Runner:
                 unreadable = f"its result.json does not read back ({type(e).__name__}: {e})"
         if result is not None:
             entry_from_result(entry, result)
-            expected = EXIT.get(result.verdict)
+            expected = expected_exit(result)
             if code != expected:  # e.g. the report could not be written: the diff said so and exited 2
                 entry.verdict, entry.error = "error", f"diff exited {code}: {_reason(log_text)}"
             else:
@@ -825,7 +879,8 @@ def suite(ctx, dirs, refs, cands, report_dir, workers, select, resume, **passthr
     --refs/--cands pair KernelBench-named files.  Writes each pair's report and index.html, summary.json,
     summary.csv, junit.xml and summary.md under --report-dir.
 
-    Exit code: 0 all match, 1 any diverged, 2 any errored (or a bad flag), 130/143 interrupted."""
+    Exit code: 0 all match, 1 any diverged (or, with --harden, broken by a setting), 2 any errored (or a bad
+    flag), 130/143 interrupted."""
     entries = discover(dirs, refs, cands)
     if select:
         import fnmatch
@@ -844,7 +899,7 @@ def suite(ctx, dirs, refs, cands, report_dir, workers, select, resume, **passthr
                                  resume=resume, interactive=interactive)
     c = counts(entries)
     click.echo(f"diffkit suite: {c['match']} match, {c['diverged']} diverged, {c['error']} error"
-               + (f", {c['pending']} not run" if c["pending"] else "")
+               + (f", {c['pending']} not run" if c["pending"] else "") + harden_counts_text(entries)
                + f"; {os.path.join(report_dir, 'index.html')}")
     if stopped is not None:
         sys.exit(128 + stopped)
