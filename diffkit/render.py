@@ -15,6 +15,7 @@ import re
 import xml.etree.ElementTree as ET
 
 import jinja2
+from markupsafe import Markup, escape
 
 from . import describe
 from .describe import fmt, shape_text
@@ -119,13 +120,19 @@ def _environment() -> jinja2.Environment:
     env.filters.update(
         num=lambda x: fmt(x, ".3g", DASH), fmt=lambda x, spec: fmt(x, spec, DASH),
         pct=lambda x: describe.pct(x, DASH), shapes=_stage_shapes, paired=_paired,
-        where=describe.where, op=describe.op, transform=describe.transform_text)
+        where=describe.where, op=describe.op, transform=describe.transform_text, codespans=codespans)
     env.globals.update(status_colour=STATUS_COLOUR, stats_summary=describe.stats_summary,
                        not_compared_reason=describe.not_compared_reason)
     return env
 
 
 _ENV: jinja2.Environment | None = None
+_CODE_SPAN = re.compile(r"`([^`]+)`")
+
+
+def codespans(text) -> Markup:
+    """Text for HTML with its `backticked` names in <code>: escaped first, so only the <code> tags are markup."""
+    return Markup(_CODE_SPAN.sub(r"<code>\1</code>", str(escape("" if text is None else text))))
 
 
 def template(name: str) -> jinja2.Template:
@@ -382,15 +389,14 @@ def summary_markdown(result, limit: int = 15) -> str:
 
 
 def _harden_markdown(result) -> list[str]:
-    """summary.md's --harden block: the verdict and counts, each setting that breaks the candidate or was
-    skipped, the findings about the problem ([] when --harden was not asked)."""
+    """summary.md's --harden block: the verdict and counts, each setting that breaks the candidate, the findings
+    about the problem ([] when --harden was not asked)."""
     h = getattr(result, "harden", None)
     if h is None:
         return []
     icon = {"robust": "✅", "breaks": "❌"}.get(h.verdict, "")
     lines = [f"### Hardening (--harden): {icon} {md_escape(h.verdict)}", "", f"- {md_escape(harden_counts(h))}"]
-    lines += [f"- {md_escape(harden_setting_line(s))}"
-              for s in h.settings if s.breaks or s.verdict == "skipped"]
+    lines += [f"- {md_escape(harden_setting_line(s))}" for s in h.breaking]
     lines += [f"- finding **{md_escape(f.kind)}** ({fmt(f.confidence, '.2f')}): {md_escape(f.detail)}"
               for f in h.findings]
     return lines + [""]

@@ -12,7 +12,7 @@ import torch.nn as nn
 
 import diffkit
 from diffkit import suite as S
-from diffkit.render import harden_cell, harden_setting_line, junit_xml, summary_markdown
+from diffkit.render import codespans, harden_cell, harden_setting_line, junit_xml, summary_markdown
 from diffkit.report import html_report, write_report
 from diffkit.result import Finding, Harden, HardenSetting, Result
 
@@ -141,6 +141,12 @@ def test_suite_column_and_exit_code(hardened, plain):
     assert case.find("failure").get("type") == "harden" and suite.get("failures") == "1"
     assert S.SuiteEntry.from_dict(entries[0].to_dict()) == entries[0]  # the --resume marker keeps it
     assert "harden" in S.PASS_THROUGH
+
+
+def test_setting_names_in_code_type_stay_text():
+    assert str(codespans("`x<b>` (input 0) x 100 & `y`")) == \
+        "<code>x&lt;b&gt;</code> (input 0) x 100 &amp; <code>y</code>"
+    assert str(codespans(None)) == ""
 
 
 def test_harden_words(hardened):
