@@ -11,6 +11,7 @@ import torch
 from . import handoff
 from .capture import Trace
 from .errors import DiffkitError
+from .harden import harden, harden_models
 from .health import may_be_random, reference_health, reinit_zero_parameters
 from .load import LoadedPair, load_candidate_for_capture, load_pair, load_reference, sync_weights
 from .modelstate import restore_state, seed_all, snapshot_state
@@ -40,8 +41,14 @@ def compare(ref_model: torch.nn.Module, cand_model: torch.nn.Module, inputs: Seq
     opts = options or Options.build(atol=atol, rtol=rtol, **settings)
     ref_in = clone_inputs(list(inputs))
     cand_in = clone_inputs(list(cand_inputs if cand_inputs is not None else inputs))
-    return run(ModelSource(ref_model, ref_in), ModelSource(cand_model, cand_in, follows_inputs=cand_inputs is None),
-               opts)
+    result = run(ModelSource(ref_model, ref_in), ModelSource(cand_model, cand_in, follows_inputs=cand_inputs is None),
+                 opts)
+    if opts.harden and result.verdict != "error":
+        if cand_inputs is not None:
+            result.warnings.append("--harden: not run (the candidate was given inputs of its own)")
+        else:
+            result.harden = harden_models(ref_model, cand_model, clone_inputs(list(inputs)), opts)
+    return result
 
 
 def compare_traces(ref: Trace, cand: Trace, atol: float | None = None, rtol: float | None = None, *,
@@ -149,6 +156,7 @@ def diff_files(ref_path: str, cand_path: str, *, options: Options | None = None,
         raise DiffkitError("", "read", "a captured candidate needs a captured reference: give the reference as a "
                            "capture directory too (diffkit capture REF.py -o ref.dkt)", cand_path)
     reinit: list[str] = []
+    modules = None  # (the two files as run here: --harden reuses them)
     if ref_cap:
         # an isolated diff's own handoff (its reference child wrote it, nothing else will): mapped, not read
         ref_src = CaptureSource(ref_path, device=opts.device or "cpu",
@@ -197,4 +205,21 @@ def diff_files(ref_path: str, cand_path: str, *, options: Options | None = None,
                                "seed": opts.seed}
     if weights is not None and (weights.shape_mismatch or weights.cand_only or weights.differ):
         result.warnings.insert(0, "weights: " + weights.summary())
+    if opts.harden and result.verdict != "error":
+        _harden_files(ref_path, cand_path, ref_cap, cand_cap, opts, result, modules)
     return result
+
+
+def _harden_files(ref_path: str, cand_path: str, ref_cap: bool, cand_cap: bool, opts: Options,
+                  result: Result, modules: tuple | None) -> None:
+    """`--harden` after the diff of two files (a captured reference: the file its capture names)."""
+    if cand_cap:
+        result.warnings.append("--harden: not run (it rebuilds both models: the candidate must be a .py file)")
+        return
+    ref_file = ref_path
+    if ref_cap:
+        ref_file = str(CaptureFile.open(ref_path).info.get("source") or "")
+        if not ref_file.endswith(".py") or not os.path.isfile(ref_file):
+            result.warnings.append("--harden: not run (the reference capture names no reference file to rebuild)")
+            return
+    result.harden = harden(ref_file, cand_path, opts, result, modules=modules)

@@ -482,3 +482,51 @@ def assertion_message(result) -> str:
     if e is not None:
         lines.append(f"The {e.side} raised: {e.message}" + (f" at {e.stage}" if e.stage else ""))
     return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- --harden
+def harden_setting_words(s) -> str:
+    """One setting of the `--harden` matrix (a HardenSetting) in words: "ok (max_abs 3e-07)", "skipped: …",
+    "first wrong stage `norm` (ignored_weight)", "the candidate raised …"."""
+    verdict = getattr(s, "verdict", "")
+    if verdict == "skipped":
+        return f"skipped: {getattr(s, 'note', '') or 'not applicable'}"
+    if verdict == "error":
+        return getattr(s, "error", None) or "the candidate failed here"
+    judged = " (judged against the reference's float64 noise floor)" if getattr(s, "judged_by", "") == "auto" else ""
+    if verdict == "match":
+        return f"ok (max_abs {fmt(getattr(s, 'max_abs', None))}){judged}"
+    fd = getattr(s, "first_divergence", None) or {}
+    if not fd.get("ref_name") and not fd.get("cand_name"):
+        return f"diverges (max_abs {fmt(getattr(s, 'max_abs', None))}){judged}"
+    kinds = [d.get("kind") for d in fd.get("diagnosis") or [] if isinstance(d, dict) and d.get("kind")]
+    return f"first wrong stage `{fd.get('ref_name') or fd.get('cand_name')}`" + (f" ({kinds[0]})" if kinds else "")
+
+
+def harden_summary(result) -> str | None:
+    """The one line `--harden` adds after the usual output: "passes KernelBench (5/5); robust under 14 settings
+    (2.1 s)" or "…; breaks with <setting>: first wrong stage `<name>` (<diagnosis>) and 2 more"; a reference
+    that ignores an input is said after it.  None when the matrix was not run."""
+    h = getattr(result, "harden", None)
+    if h is None:
+        return None
+    trials = _trials(result)
+    passed = sum(1 for t in trials if t.get("allclose", False))
+    verdict = getattr(result, "verdict", "")
+    head = (f"{'passes' if verdict == 'match' else 'fails'} KernelBench ({passed}/{len(trials)})" if trials
+            else f"KernelBench's verdict: {verdict}")
+    settings = list(getattr(h, "settings", []) or [])
+    breaking = [s for s in settings if getattr(s, "breaks", False)]
+    tried = [s for s in settings if getattr(s, "verdict", "") != "skipped"]
+    seconds = float(getattr(h, "seconds", 0.0) or 0.0)
+    took = f"{seconds:.2f} s" if seconds < 10 else f"{seconds:.0f} s"
+    if breaking:
+        first = breaking[0]
+        text = (f"{head}; breaks with {first.name}: {harden_setting_words(first)}"
+                + (f" and {len(breaking) - 1} more" if len(breaking) > 1 else "") + f" ({took})")
+    else:
+        text = f"{head}; robust under {len(tried)} settings ({took})"
+    for f in getattr(h, "findings", []) or []:
+        if getattr(f, "kind", "") == "input_independent":
+            text += f"; warning: {f.detail}"
+    return f"diffkit --harden: {text}"

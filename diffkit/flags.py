@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import click
 
-from .options import FOLD_AFTER
+from .options import FOLD_AFTER, Options
 
 DEFAULT_TIMEOUT = 1800.0  # seconds per side; a kernel that never returns must not hold a CI job forever
 
@@ -81,4 +81,9 @@ DIFF_OPTIONS: list[click.Option] = [
                       f"of sizes no reference record has, after its first {FOLD_AFTER}): their dataflow is "
                        "kept, no record is made "
                       "(--no-fold: record every one)"),
+    click.Option(["--harden"], is_flag=True, default=Options.harden,
+                 help="after KernelBench's verdict (unchanged), diff again under a matrix of settings applied to both "
+                      "models alike (random constant parameters, another construction seed; scaled, shifted and "
+                      "heavy-tailed inputs; other size constants; TF32 on a GPU) and say which break the candidate "
+                      "and where; exit 1 when one does"),
 ]

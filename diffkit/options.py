@@ -108,6 +108,9 @@ class Options:
     fold:          capture the candidate after the reference and fold its unpairable loop results
                    (a call site's results of sizes no reference record has, past capture.FOLD_AFTER
                    of them) into lineage instead of records (False: record every result).
+    harden:        after KernelBench's verdict (unchanged), diff again under a matrix of settings applied
+                   identically to both models (diffkit.harden): random constant parameters, another
+                   construction seed, scaled/shifted/heavy-tailed inputs, other size constants, TF32.
     """
 
     tolerance: Tolerance = field(default_factory=Tolerance)
@@ -134,8 +137,11 @@ class Options:
     explain_seconds: float = 60.0
     trusted_capture: bool = False
     fold: bool = True
+    harden: bool = False
 
     def __post_init__(self):
+        if not isinstance(self.harden, bool):
+            raise ValueError(f"harden must be True or False, not {self.harden!r}")
         if isinstance(self.trials, bool) or not isinstance(self.trials, int) or self.trials < 1:
             raise ValueError(f"trials must be a whole number >= 1, not {self.trials!r}")
         if isinstance(self.explain_budget, bool) or not isinstance(self.explain_budget, int) or self.explain_budget < 0:

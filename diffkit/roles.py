@@ -17,12 +17,14 @@ import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
+import click
 import torch
 import torch.nn.functional as F
 
 from . import handoff
 from .capture import set_breadcrumb
 from .compare import capture_reference, diff_files, error_result
+from .describe import harden_summary
 from .errors import EXIT, INTERNAL, DiffkitError
 from .handoff import Holder
 from .load import build_candidate_ahead, encode_values, prepare_candidate
@@ -316,11 +318,25 @@ def diff(job: Job, out: Outputs, link: Link | None = None) -> None:
     result.meta["processes"] = processes
     try:
         written = out.write(result)
+        _say_harden(result, out)
     except Exception as e:  # writing diffkit's own answer failed: never the candidate's fault
         _internal_exit(e, link)
     code = EXIT[result.verdict] if written else 2
+    if code == 0 and result.harden is not None and result.harden.breaking:
+        code = EXIT["diverged"]  # --harden: a setting breaks the candidate, whatever KernelBench's verdict
     _done(link, code)
     sys.exit(code)
+
+
+def _say_harden(result: Result, out: Outputs) -> None:
+    """--harden's one line, after the usual output."""
+    line = harden_summary(result)
+    if line is None or out.silent:
+        return
+    try:
+        click.echo(line)
+    except BrokenPipeError:
+        stdout_gone()
 
 
 def _failed(e: Exception, job: Job, out: Outputs, link: Link | None, options: Options) -> None:
