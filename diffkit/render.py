@@ -211,7 +211,8 @@ def notices(result) -> list[str]:
 
 def result_html(result) -> str:
     """The result in a notebook: banner, warnings and the stage table (no images)."""
-    return template("result.html").render(banner=banner(result), warnings=notices(result), table=stage_table(result))
+    return template("result.html").render(banner=banner(result), warnings=notices(result), table=stage_table(result),
+                                          harden=harden_view(result))
 
 
 # ----------------------------------------------------------------------------- --harden

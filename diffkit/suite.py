@@ -712,7 +712,7 @@ class _Progress:
         secs = "" if entry.seconds is None else f" ({entry.seconds:.1f} s)"
         what = "resumed: " if skipped else ""
         detail = entry.first_divergence if entry.verdict == "diverged" else (
-            entry.error if entry.verdict == "error" else "")
+            entry.error if entry.verdict == "error" else (f"--harden: {entry.harden}" if entry.breaks else ""))
         line = f"[{self.done}/{self.total}] {entry.name}: {what}{entry.verdict}{secs}"
         line += f" — {detail}" if detail else ""
         if self._bar is not None:

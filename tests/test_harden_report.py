@@ -74,6 +74,11 @@ def test_html_section_holds_the_matrix_linked_from_the_top(hardened):
     assert "breaks</b> under init, shape" in html[top:section]
 
 
+def test_notebook_view_has_the_matrix(hardened, plain):
+    assert 'id="harden"' in hardened._repr_html_() and "GroupNorm affine" in hardened._repr_html_()
+    assert "harden" not in plain._repr_html_().replace("test_harden_report.py", "")
+
+
 def test_junit_has_a_case_per_setting(hardened, plain):
     root = ET.fromstring(junit_xml(hardened, "diffkit.net"))
     suite = root.find("testsuite")
