@@ -107,13 +107,12 @@ def _breaks(result) -> bool:
 
 
 def _harden_message(result) -> str:
-    """Why a candidate KernelBench's verdict passes fails the test under `harden=True`: the headline, then each
-    setting that breaks it, in a line."""
+    """Why a candidate KernelBench's verdict passes fails the test under `harden=True`: the diff's --harden line,
+    then each setting that breaks it, in a line."""
+    from .describe import harden_summary
     from .render import harden_setting_line
 
-    lines = [result.summary_line(), f"--harden: breaks under {len(result.harden.breaking)} of "
-                                    f"{len(result.harden.settings)} settings:"]
-    return "\n".join(lines + [f"  {harden_setting_line(s)}" for s in result.harden.breaking])
+    return "\n".join([harden_summary(result)] + [f"  {harden_setting_line(s)}" for s in result.harden.breaking])
 
 
 @pytest.fixture

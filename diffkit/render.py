@@ -300,6 +300,7 @@ def harden_view(result) -> dict | None:
              "said": "; ".join(x for x in (s.error, s.note) if x)} for s in h.settings]
     return {"verdict": h.verdict, "colour": HARDEN_VERDICT_COLOUR.get(h.verdict, "#555"), "counts": harden_counts(h),
             "kinds": ", ".join(harden_kinds(h)), "findings": list(h.findings), "rows": rows,
+            "finding_kinds": ", ".join(dict.fromkeys(f.kind for f in h.findings)),
             "seconds": h.seconds}
 
 

@@ -86,7 +86,8 @@ class SuiteEntry:
     headline:         the diff's one-line answer (describe.headline)
     harden:           with --harden: "robust" or "breaks: <the kinds of the settings that break it>"; None when
                       --harden was not asked (or the pair has no answer)
-    harden_detail:    with --harden, the first setting that breaks the candidate, in a sentence
+    harden_detail:    with --harden, the first setting that breaks the candidate, in a sentence (else the first
+                      finding about the problem, e.g. input_independent)
     """
 
     name: str
@@ -325,7 +326,8 @@ def entry_from_result(entry: SuiteEntry, result) -> SuiteEntry:
     h = getattr(result, "harden", None)
     if h is not None:
         entry.harden = harden_cell(h)
-        entry.harden_detail = harden_setting_line(h.breaking[0]) if h.breaking else None
+        entry.harden_detail = harden_setting_line(h.breaking[0]) if h.breaking else (
+            f"{h.findings[0].kind}: {h.findings[0].detail}" if h.findings else None)
     return entry
 
 
@@ -457,7 +459,7 @@ def junit_xml(entries: Sequence[SuiteEntry], suite: str = "diffkit.suite") -> st
                                        f"candidate: {e.cand}" if e.cand else "",
                                        f"diagnosis: {e.diagnosis}: {e.diagnosis_detail}" if e.diagnosis else "",
                                        f"--harden: {e.harden}" if e.harden else "",
-                                       f"breaks under {e.harden_detail}" if e.harden_detail else "",
+                                       f"--harden: {e.harden_detail}" if e.harden_detail else "",
                                        f"report: {e.report}" if e.report else "") if x)
         if e.verdict == "diverged":
             el(case, "failure", detail, message=_message(e), type="diverged")

@@ -4,6 +4,7 @@ the pytest fixture failing a test the matrix breaks.  The renderers are given a 
 hand-made `Harden` attached; without --harden every output carries no trace of it."""
 import dataclasses
 import json
+import os
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -15,6 +16,8 @@ from diffkit import suite as S
 from diffkit.render import codespans, harden_cell, harden_setting_line, junit_xml, summary_markdown
 from diffkit.report import html_report, write_report
 from diffkit.result import Finding, Harden, HardenSetting, Result
+
+from conftest import KERNELS, REFS
 
 pytest_plugins = ["pytester"]
 
@@ -71,7 +74,7 @@ def test_html_section_holds_the_matrix_linked_from_the_top(hardened):
     assert finding < body.index("<table>")  # the findings above the matrix
     assert "inputs[1] &lt;mask&gt;" in body and "<mask>" not in html
     assert "1.2 s" in html  # the matrix's time
-    assert "breaks</b> under init, shape" in html[top:section]
+    assert "breaks</b> under init, shape; about the problem: input_independent" in html[top:section]
 
 
 def test_notebook_view_has_the_matrix(hardened, plain):
@@ -145,6 +148,9 @@ def test_suite_column_and_exit_code(hardened, plain):
     case = next(c for c in suite.iter("testcase") if c.get("name") == "broken")
     assert case.find("failure").get("type") == "harden" and suite.get("failures") == "1"
     assert S.SuiteEntry.from_dict(entries[0].to_dict()) == entries[0]  # the --resume marker keeps it
+    warned = dataclasses.replace(robust, harden=dataclasses.replace(robust.harden, findings=hardened.harden.findings))
+    entry = S.entry_from_result(S.SuiteEntry("warned", "r.py", "c.py"), warned)
+    assert entry.harden == "robust" and entry.harden_detail.startswith("input_independent: ") and not entry.breaks
     assert "harden" in S.PASS_THROUGH
 
 
@@ -210,6 +216,29 @@ def test_fixture_fails_a_test_the_matrix_breaks(pytester):
     pytester.makepyfile(test_hardened=PYTESTER_TEST)
     result = pytester.runpytest("--diffkit-report-dir", str(pytester.path / "out"), "-p", "no:cacheprovider")
     result.assert_outcomes(passed=1, failed=1)
-    result.stdout.fnmatch_lines(["*diffkit: MATCH*", "*--harden: breaks under 1 of 2 settings:*",
+    result.stdout.fnmatch_lines(["*diffkit --harden: *breaks with rows 4 -> 5: the candidate raised ValueError*",
                                  "*shape: rows 4 -> 5: error; the candidate raised ValueError*",
                                  "*diffkit report: *test_breaks*index.html*"])
+
+
+FILES_TEST = '''
+def test_sakana(diffkit):
+    diffkit.compare({ref!r}, {cand!r}, harden=True)
+
+
+def test_plain(diffkit):
+    assert diffkit.compare({ref!r}, {cand!r}).harden is None
+'''
+
+
+def test_fixture_on_files_fails_the_sakana_pattern_under_init(pytester):
+    pytester.makepyfile(test_files=FILES_TEST.format(ref=os.path.join(REFS, "hk_conv3d_groupnorm_mean.py"),
+                                                     cand=os.path.join(KERNELS, "harden",
+                                                                       "conv3d_groupnorm_bias_mean.py")))
+    result = pytester.runpytest("--diffkit-report-dir", str(pytester.path / "out"), "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*diffkit --harden: passes KernelBench (5/5); breaks with random GroupNorm*",
+                                 "*init: random GroupNorm*: diverged*first wrong stage*output*",
+                                 "*diffkit report: *test_sakana*index.html*"])
+    html = (pytester.path / "out" / "test_files.py__test_sakana" / "index.html").read_text(encoding="utf-8")
+    assert 'id="harden"' in html
