@@ -242,3 +242,12 @@ def test_fixture_on_files_fails_the_sakana_pattern_under_init(pytester):
                                  "*diffkit report: *test_sakana*index.html*"])
     html = (pytester.path / "out" / "test_files.py__test_sakana" / "index.html").read_text(encoding="utf-8")
     assert 'id="harden"' in html
+
+
+def test_suite_passes_harden_to_every_pair():
+    ctx = S.suite.make_context("suite", ["d", "--harden", "--trials", "2"])
+    argv = S.diff_argv(ctx, ctx.params)
+    assert argv == ["--trials", "2", "--harden"]
+    assert S.Runner("out", argv, [None], None).command(S.SuiteEntry("p", "r.py", "c.py"))[-1] == "--harden"
+    ctx = S.suite.make_context("suite", ["d"])
+    assert "--harden" not in S.diff_argv(ctx, ctx.params)
