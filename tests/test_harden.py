@@ -9,7 +9,9 @@ or {"reference": …, "finding": "input_independent", "input": "<name>", "index"
 input), or {"reference": …, "harden": None} (correct: `robust`).
 
 Then every correct candidate of kernels/, kernels/corpus/ and kernels/fused/ must be `robust` (no false alarm),
-with one KernelBench trial to keep it cheap; the GPU ones are marked `cuda` (skipped without a GPU).
+with one KernelBench trial to keep it cheap; the GPU ones are marked `cuda` (skipped without a GPU).  The one
+exception is a true finding, not a false alarm (SHAPE_BOUND): a candidate correct at the benchmark's sizes
+that assumes one of them; it must break under `shape` only, and say why.
 """
 import json
 import os
@@ -20,6 +22,11 @@ from conftest import KERNELS, REFS, candidates, expectation, run_cli
 
 HARDEN = os.path.join(KERNELS, "harden")
 BREAKS = ("diverged", "error")
+
+# Correct at the benchmark's sizes, not at others: what --harden must find (under `shape` only), and why.
+SHAPE_BOUND = {
+    "kernels/row_softmax_fused.py": "views each row as 16 equal blocks (e.view(B, 16, -1)): dim must be a multiple of 16",
+}
 
 
 def _harden_cases():
@@ -113,13 +120,20 @@ def _correct_everywhere():
                 continue
             gpu = exp.get("device") == "cuda" or "_cuda" in name or "_triton" in name
             out.append((f"{folder}/{name}", os.path.join(REFS, exp["reference"]), os.path.join(root, name), gpu))
-    return [pytest.param(r, c, g, id=i, marks=[pytest.mark.cuda] if g else []) for i, r, c, g in out]
+    return [pytest.param(r, c, g, i, id=i, marks=[pytest.mark.cuda] if g else []) for i, r, c, g in out]
 
 
-@pytest.mark.parametrize("ref,cand,gpu", _correct_everywhere())
-def test_correct_candidates_are_robust(ref, cand, gpu, tmp_path):
+@pytest.mark.parametrize("ref,cand,gpu,key", _correct_everywhere())
+def test_correct_candidates_are_robust(ref, cand, gpu, key, tmp_path):
     rc, data, log = _diff(ref, cand, tmp_path, "--trials", "1", *(["--device", "cuda"] if gpu else []))
     assert data["verdict"] == "match", log
     h = data["harden"]
-    assert h["verdict"] == "robust", f"a correct candidate is not robust:\n{_describe(h['settings'])}\n{log}"
+    table = _describe(h["settings"])
+    if key in SHAPE_BOUND:  # a true finding: it breaks, under shape only, and the setting says so plainly
+        breaking = [s for s in h["settings"] if s["verdict"] in BREAKS]
+        assert h["verdict"] == "breaks" and rc == 1, f"{SHAPE_BOUND[key]}, yet:\n{table}\n{log}"
+        assert {s["kind"] for s in breaking} == {"shape"}, f"{SHAPE_BOUND[key]}; only shape may break it:\n{table}"
+        assert all(s["error"] or s["first_divergence"] for s in breaking), table
+        return
+    assert h["verdict"] == "robust", f"a correct candidate is not robust:\n{table}\n{log}"
     assert rc == 0, log
