@@ -25,7 +25,8 @@ CLI = os.path.join(ROOT, "cli.py")
 def run_once(ref: str, cand: str, harden: bool, extra: list[str]) -> tuple[float, int, dict]:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
-        cmd = [sys.executable, CLI, "diff", ref, cand, "--no-report", "--json", out, *extra] + (["--harden"] if harden else [])
+        cmd = [sys.executable, CLI, "diff", ref, cand, "--no-report", "--json", out, *extra]
+        cmd += ["--harden"] if harden else []
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
         wall = time.perf_counter() - t0
@@ -56,8 +57,9 @@ def main() -> int:
     h = data_h.get("harden") or {}
     print(f"pair: {os.path.relpath(a.ref, ROOT)} vs {os.path.relpath(a.cand, ROOT)} ({a.repeat} runs each, median)")
     print(f"plain diff       : {plain:7.2f} s  (exit {last[False][0]}, verdict {last[False][1].get('verdict')})")
+    matrix = h.get("seconds", float("nan"))
     print(f"diff --harden    : {hard:7.2f} s  (exit {rc_h}, verdict {data_h.get('verdict')}, "
-          f"harden {h.get('verdict')}, {len(h.get('settings') or [])} settings, matrix {h.get('seconds', float('nan')):.2f} s)")
+          f"harden {h.get('verdict')}, {len(h.get('settings') or [])} settings, matrix {matrix:.2f} s)")
     print(f"ratio            : {hard / plain:7.2f}x")
     return 0
 

@@ -25,7 +25,8 @@ BREAKS = ("diverged", "error")
 
 # Correct at the benchmark's sizes, not at others: what --harden must find (under `shape` only), and why.
 SHAPE_BOUND = {
-    "kernels/row_softmax_fused.py": "views each row as 16 equal blocks (e.view(B, 16, -1)): dim must be a multiple of 16",
+    "kernels/row_softmax_fused.py": "views each row as 16 equal blocks (e.view(B, 16, -1)): dim must be a multiple "
+                                    "of 16",
 }
 
 

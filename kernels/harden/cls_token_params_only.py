@@ -5,7 +5,8 @@ repeats the logits for each image.  --harden must say the reference ignores its 
 import torch
 import torch.nn as nn
 
-DIFFKIT_EXPECT = {"reference": "hk_cls_token_encoder.py", "finding": "input_independent", "input": "patches", "index": 0}
+DIFFKIT_EXPECT = {"reference": "hk_cls_token_encoder.py", "finding": "input_independent", "input": "patches",
+                  "index": 0}
 
 
 class ModelNew(nn.Module):
