@@ -332,7 +332,13 @@ def _random_constants(pair: _Pair, consts: dict[str, torch.Tensor]) -> HardenSet
                     _copy_paired(rstate[rn], cstate[cn], new[rn])
             for n, p in consts.items():
                 p.copy_(new[n])
-        return judge_setting(pair.ref, pair.cand, pair.inputs, pair.seed, pair.options)
+        s = judge_setting(pair.ref, pair.cand, pair.inputs, pair.seed, pair.options)
+        missing = [n for n in consts if n not in paired.values()]
+        if s.breaks and missing:
+            listed = ", ".join(missing[:4]) + (" …" if len(missing) > 4 else "")
+            s.note = (f"the candidate holds no counterpart of {listed}: it uses the values the reference is built with, written in, or folded into another "
+                      f"tensor at construction (which keeps the values it was built with)")
+        return s
     finally:
         restore_parameters(pair.ref, kept[0])
         restore_parameters(pair.cand, kept[1])

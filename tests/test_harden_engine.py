@@ -239,3 +239,28 @@ def test_size_constants_are_the_ints_get_inputs_reads(tmp_path):
     assert size_constants(str(path)) == {"a": 3, "b": 4, "d": 6}
     assert [next_size(v) for v in (0, 1, 2, 8, 16, 128, 1024)] == [1, 2, 3, 11, 17, 131, 1031]
     assert size_candidates(32) == [37, 33, 34, 35, 36, 38, 39, 40]
+
+
+class _FoldedAtConstruction(torch.nn.Module):
+    """LayerNorm then Linear, the norm's affine folded into the projection once, in the constructor."""
+
+    def __init__(self, ref):
+        super().__init__()
+        norm, lin = ref[0], ref[1]
+        self.eps = norm.eps
+        self.register_buffer("w", (lin.weight * norm.weight).detach().clone())
+        self.register_buffer("b", (lin.bias + lin.weight @ norm.bias).detach().clone())
+
+    def forward(self, x):
+        return torch.nn.functional.linear(torch.nn.functional.layer_norm(x, x.shape[-1:], eps=self.eps), self.w,
+                                          self.b)
+
+
+def test_a_setting_that_cannot_reach_folded_tensors_says_so():
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.LayerNorm(8), torch.nn.Linear(8, 2))
+    h = harden_models(ref, _FoldedAtConstruction(ref), [torch.randn(4, 8)], Options())
+    init = next(s for s in h.settings if s.kind == "init")
+    assert init.breaks and init.note.startswith("the candidate holds no counterpart of 0.weight, 0.bias: ")
+    assert "folded into another tensor at construction" in init.note
+    assert all(not s.breaks for s in h.settings if s.kind != "init")
