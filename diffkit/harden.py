@@ -125,6 +125,12 @@ def _matrix(pair: _Pair, start: float) -> Harden:
             t0 = time.perf_counter()
             try:
                 s = setting()
+            except DiffkitError as e:  # (a side that could not be built or run at this setting)
+                s = HardenSetting("", "", "error" if e.side == "candidate" else "skipped")
+                s.error, s.note = (e.message, "") if e.side == "candidate" else (None, e.message)
+            except Exception as e:  # diffkit's own failure at this setting: said, never blamed on the candidate
+                s = HardenSetting("", "", "skipped", note=f"diffkit could not run this setting: {type(e).__name__}: "
+                                                          f"{str(e).strip()[:300]}")
             finally:
                 restore_state(pair.ref, kept[0])
                 restore_state(pair.cand, kept[1])
