@@ -414,11 +414,12 @@ def _changed_input(pair: _Pair, i: int, how) -> HardenSetting:
 
 # ----------------------------------------------------------------------------- shape
 def size_constants(path: str) -> dict[str, int]:
-    """The module-level int constants of the file at `path` that its get_inputs/get_init_inputs read."""
+    """The module-level int constants of the file at `path` that its get_inputs/get_init_inputs read (directly, or
+    through module-level functions they call)."""
     with open(path, encoding="utf-8") as fh:
         tree = ast.parse(fh.read(), filename=path)
     consts: dict[str, int] = {}
-    read: set[str] = set()
+    functions: dict[str, set[str]] = {}  # module-level function -> the names its body reads
     for node in tree.body:
         if isinstance(node, ast.Assign) or isinstance(node, ast.AnnAssign) and node.value is not None:
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
@@ -431,8 +432,18 @@ def size_constants(path: str) -> dict[str, int]:
                         consts[name.id] = value.value
                     elif isinstance(name, ast.Name):
                         consts.pop(name.id, None)  # (assigned something else later)
-        elif isinstance(node, ast.FunctionDef) and node.name in ("get_inputs", "get_init_inputs"):
-            read |= {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+        elif isinstance(node, ast.FunctionDef):
+            functions[node.name] = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)
+                                    and isinstance(n.ctx, ast.Load)}
+    read: set[str] = set()
+    todo = [f for f in ("get_inputs", "get_init_inputs") if f in functions]
+    seen = set(todo)
+    while todo:
+        names = functions[todo.pop()]
+        read |= names
+        for f in names & set(functions) - seen:
+            seen.add(f)
+            todo.append(f)
     return {k: v for k, v in consts.items() if k in read}
 
 

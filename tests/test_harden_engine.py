@@ -234,9 +234,10 @@ def test_compare_with_harden_on_live_models():
 def test_size_constants_are_the_ints_get_inputs_reads(tmp_path):
     path = tmp_path / "m.py"
     path.write_text("a = 3\nb, c = 4, 5\nd: int = 6\nunused = 7\nname = 'x'\nflag = True\na2 = 2.0\n"
-                    "def get_inputs():\n    return [a, b, name, flag, a2]\n"
+                    "e = 8\nf = 9\ndef _make():\n    return e\n"
+                    "def get_inputs():\n    return [a, b, name, flag, a2, _make()]\n"
                     "def get_init_inputs():\n    return [d]\n")
-    assert size_constants(str(path)) == {"a": 3, "b": 4, "d": 6}
+    assert size_constants(str(path)) == {"a": 3, "b": 4, "d": 6, "e": 8}
     assert [next_size(v) for v in (0, 1, 2, 8, 16, 128, 1024)] == [1, 2, 3, 11, 17, 131, 1031]
     assert size_candidates(32) == [37, 33, 34, 35, 36, 38, 39, 40]
 
