@@ -524,9 +524,13 @@ def harden_summary(result) -> str | None:
         first = breaking[0]
         text = (f"{head}; breaks with {first.name}: {harden_setting_words(first)}"
                 + (f" and {len(breaking) - 1} more" if len(breaking) > 1 else "") + f" ({took})")
+    elif not settings:
+        text = f"{head}; no setting was run ({took})"
     else:
         text = f"{head}; robust under {len(tried)} settings ({took})"
     for f in getattr(h, "findings", []) or []:
         if getattr(f, "kind", "") == "input_independent":
             text += f"; warning: {f.detail}"
+        elif not settings:
+            text += f"; {f.detail}"
     return f"diffkit --harden: {text}"
