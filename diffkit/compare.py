@@ -196,6 +196,7 @@ def diff_files(ref_path: str, cand_path: str, *, options: Options | None = None,
         reference = LiveReference(pair.ref, pair.inputs_for, seeds, opts.no_grad)
         result = run_trials(reference, LiveCandidate(pair.cand, opts), pair.cand_inputs, opts, evidence=evidence)
         weights = pair.weights
+        modules = (pair.ref_module, pair.cand_module)
     if reinit:
         result.warnings.append(f"re-initialised all-zero parameters randomly for this diff: {', '.join(reinit)}")
     result.weights = weights
