@@ -265,10 +265,10 @@ def _metric_passes(diffkit, ref, cand, ri, ci, kw, dev) -> dict:
     """One more diff, its metric passes timed alone: every `measure_many` call of the diff (the pairs' metrics, in
     batched kernel launches on CUDA) with the device synchronised before it and its results fetched after it.
     What the diff reads in its metric passes, and how fast, apart from the forwards and the Python around them."""
-    from diffkit import align, locate
+    from diffkit import align_state, locate
 
     got = dict(metric_pass_seconds=0.0, metric_pass_bytes=0, metric_pass_pairs=0)
-    originals = {mod: mod.measure_many for mod in (align, locate)}
+    originals = {mod: mod.measure_many for mod in (align_state, locate)}
 
     def timed(orig):
         def measure_many(items):

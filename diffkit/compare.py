@@ -16,7 +16,7 @@ from .health import may_be_random, reference_health, reinit_zero_parameters
 from .load import LoadedPair, load_candidate_for_capture, load_pair, load_reference, sync_weights
 from .modelstate import restore_state, seed_all, snapshot_state
 from .options import Options
-from .pipeline import apply_auto_tolerance, judge, run
+from .pipeline import apply_auto_tolerance, run, settle
 from .rerun import rerun_differences
 from .result import ErrorInfo, Result
 from .runner import capture_writer, clone_inputs, named_tensors, run_captured
@@ -63,7 +63,7 @@ def error_result(e: DiffkitError, ref_path: str, cand_path: str, options: Option
     result = Result(verdict="", stages=[], first_divergence=None,
                     error=ErrorInfo(e.side, e.phase, e.message, e.where, e.detail), output=None,
                     atol=options.tolerance.atol, rtol=options.tolerance.rtol, ref_path=ref_path, cand_path=cand_path)
-    result.verdict = judge(result)
+    settle(result)
     return result
 
 

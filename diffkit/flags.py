@@ -14,9 +14,9 @@ DIFF_OPTIONS: list[click.Option] = [
     click.Option(["--atol"], type=float, default=None,
                  help="absolute tolerance (default by dtype: 1e-4 fp32, 1e-2 fp16/bf16)"),
     click.Option(["--rtol"], type=float, default=None, help="relative tolerance (default as --atol)"),
-    click.Option(["--seed"], type=int, default=42, show_default=True,
+    click.Option(["--seed"], type=int, default=Options.seed, show_default=True,
                  help="KernelBench's seed: each trial's input seed is drawn from it (models are always built with 42)"),
-    click.Option(["--trials"], type=click.IntRange(min=1), default=5, show_default=True,
+    click.Option(["--trials"], type=click.IntRange(min=1), default=Options.trials, show_default=True,
                  help="KernelBench trials, each on fresh inputs: the first diffed stage by stage, later ones by their "
                       "outputs, the first failing one then diffed in full"),
     click.Option(["--eval", "eval_mode"], is_flag=True,
@@ -71,9 +71,9 @@ DIFF_OPTIONS: list[click.Option] = [
                  help="which statistic of the error must stay within tolerance, per stage and for the output: every "
                       "element (torch.allclose's rule, KernelBench's), or max/mean/median |c - r| <= atol + rtol x the "
                       "same statistic of |r|"),
-    click.Option(["--explain-budget"], type=click.IntRange(min=0), default=1000, show_default=True,
+    click.Option(["--explain-budget"], type=click.IntRange(min=0), default=Options.explain_budget, show_default=True,
                  help="forwards of the reference the what-if search may spend"),
-    click.Option(["--explain-seconds"], type=click.FloatRange(min=0), default=60.0, show_default=True,
+    click.Option(["--explain-seconds"], type=click.FloatRange(min=0), default=Options.explain_seconds, show_default=True,
                  help="seconds the what-if search may spend: past them it tries no more variants and says how many it "
                       "left (0: no limit)"),
     click.Option(["--fold/--no-fold", "fold"], default=True, show_default=True,

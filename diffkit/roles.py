@@ -31,7 +31,7 @@ from .load import build_candidate_ahead, encode_values, prepare_candidate
 from .options import Options
 from .outputs import Outputs, Terminated, install_signal_handlers, is_users_fault, print_internal_error, \
     stdout_gone
-from .pipeline import judge
+from .pipeline import settle
 from .result import ErrorInfo, Result
 from .sanitize import attach, built_sources, candidate_sources, failure_words, internal_failure, parse
 from .trials import TRIAL_DIR
@@ -393,7 +393,7 @@ def failed_before(result: Result, said: dict) -> None:
                      f"the failure does not repeat (a race, an uninitialised read, or the two models in one "
                      f"process, as KernelBench runs them?)")
     result.error = first
-    result.verdict = judge(result)
+    settle(result)
 
 
 def _sanitizer_evidence(sanitizer: tuple | None):

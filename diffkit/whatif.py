@@ -30,6 +30,7 @@ import torch
 
 from .capture import Record, StopCapture, Trace
 from .measure import Stats, measure_async
+from .options import Options
 from .whatif_catalogue import KINDS, MUTATIONS, Variant, _NotApplicable, catalogue, is_site, model_constants
 
 __all__ = ["KINDS", "PRIOR", "MUTATIONS", "DEFAULT_BUDGET", "Variant", "WhatIf", "Search", "catalogue", "is_site",
@@ -44,7 +45,7 @@ PRIOR = {k: i for i, k in enumerate(("drop_bias", "scale", "transposed_weight", 
                                      "clamp"))}
 assert set(PRIOR) == set(KINDS)
 
-DEFAULT_BUDGET = 1000  # forwards of the reference a search may spend
+DEFAULT_BUDGET = Options.explain_budget  # forwards of the reference a search may spend (the option's default)
 
 
 @dataclass

@@ -2,6 +2,9 @@
 
 - no import cycle among diffkit's modules: every import counts (at the top of a module or inside a function,
   relative or absolute), except those under `if TYPE_CHECKING:`, which never run;
+- the modules stand in LAYERS (the map of the package, lowest first): a module imports only modules of its own
+  layer or lower ones, so no change can close a cycle through a higher layer unnoticed;
+- imports of diffkit's own modules sit at the top of a module, except where LAZY says why;
 - no function (method, nested function) in diffkit/ longer than MAX_FUNCTION_LINES lines.
 
 The checkers are tried on small made-up packages first, so that a pass means the checks can see what they
@@ -15,6 +18,31 @@ from conftest import ROOT
 
 PACKAGE = os.path.join(ROOT, "diffkit")
 MAX_FUNCTION_LINES = 100
+
+# The package's map, lowest layer first: what each layer holds, and its modules.
+LAYERS = [
+    ("words, exit codes and the metric kernels", "errors describe naming host_kernel metrics_kernel metric_slots "
+                                                 "metrics_triton"),
+    ("measuring a pair", "measure"),
+    ("options", "options"),
+    ("capture", "inputs capture records tensorargs capture_values capture_flow capture_fold capture_kernels"),
+    ("capture files, hand-over, pairing, what-if mutations",
+     "store store_io handoff align align_tuning align_layout align_graph align_state align_values align_dataflow "
+     "whatif whatif_catalogue"),
+    ("streaming, loading files, drawing", "stream tiers load plots render"),
+    ("the result", "result"),
+    ("locating, explaining, writing reports", "report locate rootcause diagnose modelstate"),
+    ("the pipeline", "pipeline runner sources traces health rerun"),
+    ("KernelBench's trials", "trials"),
+    ("entry points and child processes", "processes roles outputs flags sanitize compare harden suite testing "
+                                         "pytest_plugin"),
+    ("the command line and the package", "cli diffkit"),
+]
+# Imports of diffkit modules allowed inside a function, and why.
+LAZY = {
+    ("diffkit.metrics_kernel", "diffkit.metrics_triton"): "Triton is optional and slow to import",
+    ("diffkit.pytest_plugin", "*"): "loaded into every pytest run where diffkit is installed: torch only on use",
+}
 
 
 # ----------------------------------------------------------------------------- reading the sources
@@ -154,6 +182,21 @@ def _cycle_through(graph, start, component) -> list[str]:
     raise AssertionError(f"no cycle through {start} in {sorted(component)}")
 
 
+def function_level_imports(package_dir: str) -> list[tuple[str, str, int]]:
+    """(module, imported module, line) of every import of a package module made inside a function."""
+    known = modules(package_dir)
+    out = []
+    for module, path in known.items():
+        with open(path, encoding="utf-8") as fh:
+            tree = ast.parse(fh.read(), filename=path)
+        for func in ast.walk(tree):
+            if isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for node in _imports(func):
+                    out.extend((module, t, node.lineno) for t in _targets(module, path.endswith("__init__.py"),
+                                                                              node, known) if t != module)
+    return sorted(set(out))
+
+
 def long_functions(package_dir: str, limit: int) -> list[tuple[str, int, str, int]]:
     """(file relative to the package's parent, line, qualified name, lines) of every function, method or nested
     function longer than `limit` lines (from its `def` line to its last line; decorators not counted)."""
@@ -194,6 +237,24 @@ def test_no_function_in_diffkit_is_longer_than_the_limit():
     found = long_functions(PACKAGE, MAX_FUNCTION_LINES)
     assert not found, f"{len(found)} function(s) in diffkit/ over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(
         f"  {path}:{line} {name} ({length} lines)" for path, line, name, length in found)
+
+
+def test_every_module_imports_only_its_own_layer_or_lower_ones():
+    graph = import_graph(PACKAGE)
+    layer = {f"diffkit.{m}" if m != "diffkit" else m: i for i, (_, names) in enumerate(LAYERS) for m in names.split()}
+    unplaced = sorted(set(graph) - set(layer))
+    assert not unplaced, f"modules not in LAYERS (add each where it belongs): {unplaced}"
+    assert not sorted(set(layer) - set(graph)), f"LAYERS names modules that are gone: {sorted(set(layer) - set(graph))}"
+    upward = [f"  {m} (layer {layer[m] + 1}, {LAYERS[layer[m]][0]}) imports {t} (layer {layer[t] + 1}) at line {line}"
+              for m, edges in sorted(graph.items()) for t, line in sorted(edges.items()) if layer[t] > layer[m]]
+    assert not upward, "imports from a higher layer:\n" + "\n".join(upward)
+
+
+def test_diffkit_modules_are_imported_at_the_top():
+    found = [f"  {m}:{line} imports {t}" for m, t, line in function_level_imports(PACKAGE)
+             if (m, t) not in LAZY and (m, "*") not in LAZY]
+    assert not found, "imports of diffkit modules inside functions (move them up, or say why in LAZY):\n" + \
+        "\n".join(found)
 
 
 # ----------------------------------------------------------------------------- the checkers, on made-up packages
@@ -246,3 +307,9 @@ def test_the_length_check_sees_methods_and_nested_functions(tmp_path, length):
     assert found == ([] if length <= MAX_FUNCTION_LINES else [(os.path.join("pkg", "m.py"), 3, "C.outer", length)])
     assert long_functions(pkg, 1) == [(os.path.join("pkg", "m.py"), 3, "C.outer", length),
                                       (os.path.join("pkg", "m.py"), 4, "C.outer.inner", 2)]
+
+
+def test_the_function_level_import_check_sees_nested_imports(tmp_path):
+    pkg = _package(tmp_path, {"__init__.py": "", "a.py": "from . import b\n",
+                              "b.py": "def f():\n    if True:\n        from .a import x\n    import os\n"})
+    assert function_level_imports(pkg) == [("pkg.b", "pkg.a", 3)]
