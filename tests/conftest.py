@@ -4,6 +4,7 @@ import re
 import runpy
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -51,7 +52,8 @@ _DIFFS = {}
 
 
 def diff_once(ref, cand):
-    """`diffkit.diff_files(ref, cand)` with the default options, run once per (ref, cand) in this process.
+    """`diffkit.diff_files(ref, cand)` with the default options but no wall-time limit on the what-if search,
+    run once per (ref, cand) in this process.
 
     Several files ask the same question of the same pair and only read the answer: test_diff (first divergence),
     test_rootcause (root cause and diagnosis), test_pipeline (the in-process surface), test_protocol (KernelBench's
@@ -60,7 +62,9 @@ def diff_once(ref, cand):
     if (ref, cand) not in _DIFFS:
         import diffkit
 
-        _DIFFS[ref, cand] = diffkit.diff_files(ref, cand)
+        # (no wall-time limit on the what-if search: its forward budget bounds it, and what it finds must not
+        # depend on how loaded the machine is; the time limit has tests of its own in test_whatif)
+        _DIFFS[ref, cand] = diffkit.diff_files(ref, cand, explain_seconds=0)
     return _DIFFS[ref, cand]
 
 
@@ -69,14 +73,77 @@ def same_pair(cand):
     return pytest.mark.xdist_group(f"diff of {os.path.relpath(cand, ROOT)}")
 
 
-def run_cli(*args, cwd=ROOT, env=None, timeout=600, **kw) -> subprocess.CompletedProcess:
-    """`python cli.py ARGS` (= `diffkit ARGS`) in a fresh interpreter, its output captured as text.
+_ZYGOTE: dict = {}
+_FAST_ENV = ("DIFFKIT_", "TMPDIR")  # variables a forked run may be given (read at the call, not at import)
+
+
+def _zygote():
+    """The worker's tests/cli_zygote.py process (started on first use; it ends when this process does)."""
+    z = _ZYGOTE.get("proc")
+    if z is None or z.poll() is not None:
+        r, w = os.pipe()
+        z = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "cli_zygote.py"), str(w)], cwd=ROOT,
+                             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, pass_fds=(w,))
+        os.close(w)
+        _ZYGOTE.update(proc=z, replies=os.fdopen(r, "rb", buffering=0), pending=b"")
+    return z
+
+
+def _reply(timeout: float | None) -> str | None:
+    """The zygote's next answer line, None past `timeout` seconds."""
+    import select
+
+    fh, deadline = _ZYGOTE["replies"], None if timeout is None else time.monotonic() + timeout
+    while b"\n" not in _ZYGOTE["pending"]:
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if not select.select([fh], [], [], left)[0]:
+            return None
+        chunk = os.read(fh.fileno(), 4096)
+        if not chunk:
+            raise RuntimeError("the CLI zygote (tests/cli_zygote.py) died")
+        _ZYGOTE["pending"] += chunk
+    line, _ZYGOTE["pending"] = _ZYGOTE["pending"].split(b"\n", 1)
+    return line.decode()
+
+
+def _forked_cli(args, cwd, env, timeout) -> subprocess.CompletedProcess:
+    import json
+    import signal
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="run-cli-") as d:
+        out, err = os.path.join(d, "out"), os.path.join(d, "err")
+        z = _zygote()
+        z.stdin.write((json.dumps({"args": args, "cwd": str(cwd), "env": env, "out": out, "err": err}) + "\n")
+                      .encode())
+        z.stdin.flush()
+        pid = int(_reply(60).split()[1])
+        line = _reply(timeout)
+        if line is None:
+            os.kill(pid, signal.SIGKILL)
+            _reply(None)
+        texts = [open(p, encoding="utf-8", errors="replace").read() for p in (out, err)]
+        cmd = [sys.executable, CLI, *args]
+        if line is None:
+            raise subprocess.TimeoutExpired(cmd, timeout, texts[0], texts[1])
+        code = os.waitstatus_to_exitcode(int(line.split()[1]))
+        return subprocess.CompletedProcess(cmd, code, texts[0], texts[1])
+
+
+def run_cli(*args, cwd=ROOT, env=None, timeout=600, fresh=False, **kw) -> subprocess.CompletedProcess:
+    """`python cli.py ARGS` (= `diffkit ARGS`) in a process of its own, its output captured as text.
 
     cwd: the repository root unless given. env: variables set (or replaced) over the current environment,
     read at the call (a monkeypatched variable reaches the child). timeout: seconds before
-    subprocess.TimeoutExpired (a hung child fails its test rather than the whole run). Other keyword arguments
-    go to subprocess.run."""
-    return subprocess.run([sys.executable, CLI, *map(str, args)], capture_output=True, text=True, cwd=cwd,
+    subprocess.TimeoutExpired (a hung child fails its test rather than the whole run).
+
+    The process is forked from tests/cli_zygote.py, which has imported torch and the CLI already (1.5-2 s a
+    run saved); `fresh=True`, other keyword arguments (they go to subprocess.run) or variables other than
+    DIFFKIT_* and TMPDIR in `env` (PYTHONPATH, torch's own: read at import) start a new interpreter instead."""
+    args = [str(a) for a in args]
+    if not fresh and not kw and all(k.startswith(_FAST_ENV) for k in env or ()) and hasattr(os, "fork"):
+        return _forked_cli(args, cwd, {**os.environ, **(env or {})}, timeout)
+    return subprocess.run([sys.executable, CLI, *args], capture_output=True, text=True, cwd=cwd,
                           env=None if env is None else {**os.environ, **env}, timeout=timeout, **kw)
 
 

@@ -3,6 +3,7 @@ through the CLI (both isolation modes) and the exit code is what ``torch.allclos
 on every leaf says; flags are validated; signals leave nothing behind; sources are read as Python
 reads them."""
 import json
+import glob
 import os
 import signal
 import subprocess
@@ -248,25 +249,57 @@ def test_internal_error_exits_3_and_says_it_is_diffkits_fault(files, planted):
         assert "bug in diffkit" in proc.stderr and "ERROR in candidate" not in proc.stdout, proc.stdout[-800:]
 
 
-def test_sigterm_stops_the_children_and_removes_temp_dirs(files):
+def _descendants(pid: int) -> set[int]:
+    """The processes below `pid` (from /proc's children lists)."""
+    found, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        for task in glob.glob(f"/proc/{p}/task/*/children"):
+            try:
+                kids = {int(k) for k in open(task).read().split()}
+            except OSError:
+                continue
+            todo += list(kids - found)
+            found |= kids
+    return found
+
+
+def _temp_dirs(*roots) -> set[str]:
+    return {os.path.join(r, n) for r in roots if os.path.isdir(r) for n in os.listdir(r) if n.startswith("diffkit-")}
+
+
+@pytest.mark.parametrize("two", [False, True], ids=["one-child", "a-child-per-side"])
+def test_sigterm_stops_the_children_and_removes_temp_dirs(files, two):
+    """SIGTERM while the candidate's forward spins: the CLI exits 128+15, no process it started is left, and
+    the temporary folders it made (the hand-over's, on /dev/shm where it can) are gone."""
     tmp, ref = files
+    started = tmp / "started"
     cand = tmp / "cand.py"
     cand.write_text("import torch, torch.nn as nn\nclass ModelNew(nn.Module):\n    def forward(self, x):\n"
-                    "        while True:\n            pass\n")
+                    f"        open({str(started)!r}, 'w').close()\n        while True:\n            pass\n")
     env = dict(os.environ, TMPDIR=str(tmp))
+    if two:
+        env["DIFFKIT_TWO_PROCESSES"] = "1"
+    roots = (str(tmp), "/dev/shm")
+    before = _temp_dirs(*roots)
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "cli.py"), "diff", str(ref), str(cand), "--no-report"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
-    deadline = time.time() + 60
-    while time.time() < deadline and not any(n.startswith("diffkit-") for n in os.listdir(tmp)):
-        time.sleep(0.2)
-    time.sleep(5)  # the candidate's child is in its endless forward by now
+    deadline = time.time() + 120
+    while time.time() < deadline and not started.exists() and proc.poll() is None:
+        time.sleep(0.1)
+    assert started.exists(), proc.communicate()
+    kids = _descendants(proc.pid)
+    made = _temp_dirs(*roots) - before
+    assert kids  # (the forward runs in a child process)
     proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=30)
     assert proc.returncode == 128 + signal.SIGTERM
-    time.sleep(1)
-    left = subprocess.run(["pgrep", "-f", str(cand)], capture_output=True, text=True).stdout.split()
+    deadline = time.time() + 10
+    while time.time() < deadline and any(os.path.exists(f"/proc/{k}") for k in kids):
+        time.sleep(0.1)
+    left = [k for k in kids if os.path.exists(f"/proc/{k}") and "Z" not in open(f"/proc/{k}/stat").read().split()[2]]
     assert not left, f"children still running: {left}"
-    assert not [n for n in os.listdir(tmp) if n.startswith("diffkit-")]
+    assert not [d for d in made if os.path.exists(d)], made
 
 
 class _TanhSum(torch.nn.Module):

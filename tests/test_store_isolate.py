@@ -127,7 +127,8 @@ class ModelNew(_base["ModelNew"]):
 def test_crash_or_hang_in_the_child_keeps_what_was_captured(tmp_path, action, why, ops):
     cand = tmp_path / "cand.py"
     cand.write_text(CRASH.format(kernels=KERNELS, action=action))
-    out = run_cli("diff", os.path.join(REFS, "transformer_block.py"), str(cand), "--timeout", "60", "--json",
+    # (a hang is waited for twice: in the one child, then in the candidate's own child to say it repeats)
+    out = run_cli("diff", os.path.join(REFS, "transformer_block.py"), str(cand), "--timeout", "20", "--json",
                   str(tmp_path / "r.json"), "--no-report")
     assert out.returncode == 2, out.stdout + out.stderr
     data = json.loads((tmp_path / "r.json").read_text())
