@@ -65,6 +65,8 @@ def diff(ref_path, cand_path, json_path, csv_path, report_dir, no_report, html_p
         out = Outputs(json_path, csv_path, report_dir, no_report, html_path, md_path, junit_path, sys.stdout.isatty(),
                       full)
         _check(ref_path, options, no_isolate, sanitize)
+        if out.clash():
+            raise click.UsageError(out.clash())
         if not no_isolate and not is_capture(cand_path):
             sys.exit(isolated(ref_path, cand_path, options, timeout, out, sanitize))
         # in this process (--no-isolate, a captured candidate): --timeout bounds the whole diff here

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 
@@ -29,20 +29,44 @@ __all__ = ["compare", "compare_traces", "diff_files", "capture_reference", "run_
            "reinit_zero_parameters", "apply_auto_tolerance", "is_capture", "error_result"]
 
 
-def compare(ref_model: torch.nn.Module, cand_model: torch.nn.Module, inputs: Sequence[Any], atol: float | None = None,
-            rtol: float | None = None, *, cand_inputs: Sequence[Any] | None = None, options: Options | None = None,
-            **settings) -> Result:
+def _check_models(ref_model: Any, cand_model: Any, inputs: Any) -> None:
+    """A sentence for arguments compare() cannot take (paths belong to diff_files, inputs are a sequence)."""
+    paths = [isinstance(m, (str, os.PathLike)) for m in (ref_model, cand_model)]
+    if any(paths):
+        raise TypeError("diffkit.compare() takes two models (torch.nn.Module) and their inputs; for files use "
+                        "diffkit.diff_files(ref_path, cand_path, ...) (KernelBench's construction and inputs), or "
+                        "diffkit.load_pair(ref_path, cand_path) to build the models yourself")
+    for side, m in (("reference", ref_model), ("candidate", cand_model)):
+        if not isinstance(m, torch.nn.Module):
+            raise TypeError(f"diffkit.compare(): the {side} model must be a torch.nn.Module, not "
+                            f"{type(m).__name__}")
+    if inputs is None or isinstance(inputs, (torch.Tensor, str, bytes, dict)) or not isinstance(inputs, Iterable):
+        raise TypeError(f"diffkit.compare(): `inputs` must be a list or tuple of the forward's arguments "
+                        f"(e.g. [torch.randn(8, 512)]), not {type(inputs).__name__}")
+
+
+def compare(ref_model: torch.nn.Module, cand_model: torch.nn.Module, inputs: Sequence[Any] | None = None,
+            atol: float | None = None, rtol: float | None = None, *, cand_inputs: Sequence[Any] | None = None,
+            options: Options | None = None, **settings) -> Result:
     """Run both models on (clones of) `inputs` and say where the candidate first diverges.
 
     `atol`/`rtol` default to KernelBench's per-dtype tolerance (1e-4 float32, 1e-2 half/bfloat16).
     Any other `Options` field may be given by keyword (`tolerance="auto"`, `strict=True`,
-    `max_memory=…`, `only=…`, `stop_at_first=True`, `health=False` …), or a whole `options`.
+    `max_memory=…`, `only=…`, `stop_at_first=True`, `health=False`, `sync_weights=True` (the reference's
+    parameters and buffers copied into the candidate by name first) …), or a whole `options`.  `inputs` may
+    be any iterable (a generator is read once).
     """
+    _check_models(ref_model, cand_model, inputs)
+    inputs = list(inputs)
     opts = options or Options.build(atol=atol, rtol=rtol, **settings)
-    ref_in = clone_inputs(list(inputs))
+    weights = sync_weights(ref_model, cand_model) if opts.sync_weights else None
+    ref_in = clone_inputs(inputs)
     cand_in = clone_inputs(list(cand_inputs if cand_inputs is not None else inputs))
     result = run(ModelSource(ref_model, ref_in), ModelSource(cand_model, cand_in, follows_inputs=cand_inputs is None),
                  opts)
+    if weights is not None:
+        result.weights = weights
+        result.meta["protocol"] = {**result.meta.get("protocol", {}), "sync_weights": True}
     if opts.harden and result.verdict != "error":
         if cand_inputs is not None:
             result.warnings.append("--harden: not run (the candidate was given inputs of its own)")

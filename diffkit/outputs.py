@@ -73,6 +73,16 @@ class Outputs:
         self._claimed_by: int | None = None
         self.on_claim = None  # called when the answer is claimed (a --no-isolate deadline disarms its alarm)
 
+    def clash(self) -> str | None:
+        """Two single-file flags naming one file (the second would overwrite the first): a sentence, else None."""
+        named = [(f, p) for f, p in (("--json", self.json_path), ("--csv", self.csv_path), ("--html", self.html_path),
+                                     ("--markdown", self.md_path), ("--junit", self.junit_path)) if p]
+        for i, (f, p) in enumerate(named):
+            for g, q in named[i + 1:]:
+                if os.path.realpath(p) == os.path.realpath(q):
+                    return f"{f} and {g} both name {p}: the second would overwrite the first; give each its own file"
+        return None
+
     def claim(self) -> bool:
         """Whether the caller is the one to write the answer (the first to ask): a --no-isolate diff's deadline and
         the diff itself never both write it."""

@@ -249,6 +249,17 @@ def test_internal_error_exits_3_and_says_it_is_diffkits_fault(files, planted):
         assert "bug in diffkit" in proc.stderr and "ERROR in candidate" not in proc.stdout, proc.stdout[-800:]
 
 
+@pytest.mark.parametrize("flags", [("--json", "a.json", "--csv", "a.json"), ("--junit", "x", "--markdown", "./x"),
+                                   ("--json", "r/out", "--html", "r/../r/out")])
+def test_two_files_asked_at_one_path_is_a_usage_error(files, flags):
+    """The second would overwrite the first without a word: refused before anything runs, nothing written."""
+    tmp, ref = files
+    proc = run_cli("diff", str(ref), str(ref), "--no-report", *flags, cwd=tmp)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
+    assert "both name" in proc.stderr and flags[0] in proc.stderr and flags[2] in proc.stderr, proc.stderr
+    assert not (tmp / flags[1]).exists()
+
+
 def _descendants(pid: int) -> set[int]:
     """The processes below `pid` (from /proc's children lists)."""
     found, todo = set(), [pid]
