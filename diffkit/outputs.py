@@ -113,7 +113,7 @@ class Outputs:
                     fh.write(result.to_json())
             if self.csv_path:
                 result.to_csv(self.csv_path)
-            if not self.no_report:
+            if not self.no_report and not _nothing_ran(result):
                 paths = report.write_report(result, self.report_dir or os.path.join(
                     self.cwd, report.default_report_dir(result)))
                 notes.append(f"report: {paths['html']}")
@@ -136,6 +136,12 @@ class Outputs:
         for note in notes:
             click.echo(note, err=True)
         return written
+
+
+def _nothing_ran(result: Result) -> bool:
+    """A diff that stopped at a path that is not there (a typo): no report folder is made for it."""
+    e = result.error
+    return e is not None and e.phase == "read" and bool(e.stage) and not os.path.exists(e.stage)  # (stage: the path)
 
 
 def stdout_gone() -> None:

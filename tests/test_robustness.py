@@ -260,6 +260,19 @@ def test_two_files_asked_at_one_path_is_a_usage_error(files, flags):
     assert not (tmp / flags[1]).exists()
 
 
+@pytest.mark.parametrize("which", ["reference", "candidate"])
+def test_a_path_that_is_not_there_makes_no_report_folder(files, which):
+    """A typo: exit 2 with the sentence, --json still written (the answer), but no reports/<name>/ for a diff
+    that never ran."""
+    tmp, ref = files
+    args = ["typo_ref.py", str(ref)] if which == "reference" else [str(ref), "typo_cand.py"]
+    proc = run_cli("diff", *args, "--json", "r.json", cwd=tmp)
+    assert proc.returncode == 2 and f"{which} read failed" in proc.stdout and "file not found" in proc.stdout
+    assert json.loads((tmp / "r.json").read_text())["error"]["side"] == which
+    assert not (tmp / "reports").exists(), list((tmp / "reports").rglob("*"))
+    assert "report:" not in proc.stderr
+
+
 def _descendants(pid: int) -> set[int]:
     """The processes below `pid` (from /proc's children lists)."""
     found, todo = set(), [pid]
