@@ -567,6 +567,70 @@ def _continuations(state: AlignState) -> int:
     return moved
 
 
+# torch calls that build one tensor out of several, each part whole (a loop's steps stacked or concatenated)
+COLLECT_OPS = frozenset({"stack", "cat", "concat", "concatenate", "hstack", "vstack", "dstack", "column_stack"})
+
+
+def _parts(state: AlignState, ci: int, ri: int) -> list[tuple[int, int]] | None:
+    """The parts of two collections position by position, where they are counterparts: as many parts, of
+    the same shapes in the same order, and every position paired on either side paired together (one at
+    least, unless the two collections are paired with each other already and no part is); else None."""
+    rf, cf = state.flows()
+    c, r = state.cand[ci], state.ref[ri]
+    if not (collects_in(state, "cand", ci) and collects_in(state, "ref", ri)) or c.op.rsplit(".", 1)[-1] != \
+            r.op.rsplit(".", 1)[-1] or tuple(c.shape) != tuple(r.shape):
+        return None
+    cp, rp = cf.inputs[ci], rf.inputs[ri]
+    if len(cp) != len(rp):
+        return None
+    anchored = 0
+    for a, b in zip(cp, rp):
+        if tuple(state.cand[a].shape) != tuple(state.ref[b].shape):
+            return None
+        pa, pb = state.partner(a), state.paired_ref.get(b)
+        if pa is not None or pb is not None:
+            if pa != b:
+                return None  # a part paired elsewhere: not the same collection, position by position
+            anchored += 1
+    free = not any(state.partner(a) is not None or b in state.paired_ref for a, b in zip(cp, rp))
+    return list(zip(cp, rp)) if anchored or (free and state.partner(ci) == ri) else None
+
+
+def collects_in(state: AlignState, side: str, i: int) -> bool:
+    """Whether record `i` of one side (`side`: "cand" or "ref") is a collection of other records
+    (`COLLECT_OPS`), each read once and whole: its inputs' elements add up to its own."""
+    recs, flow = (state.cand, state.cand_flow) if side == "cand" else (state.ref, state.ref_flow)
+    rec = recs[i]
+    ins = flow.inputs[i]
+    return rec.kind == "op" and rec.op.rsplit(".", 1)[-1] in COLLECT_OPS and len(ins) >= 2 \
+        and sum(record_numel(recs[j]) for j in ins) == record_numel(rec)
+
+
+def _collections(state: AlignState) -> int:
+    """A loop's steps collected (stacked, concatenated) on both sides: the collections are counterparts
+    where a paired stage reads one unpaired collection on each side, and paired collections pair their
+    unpaired parts position by position (`_parts`: as many parts, of the same shapes, the paired ones
+    paired together), so the first wrong step is compared, not only the collection built from the steps.
+    Returns the pairs made."""
+    rf, cf = state.flows()
+    made = 0
+    for cj, p in sorted(state.pairs.items()):
+        rj = p.ref
+        c_col = [k for k in cf.inputs[cj] if k not in state.pairs and k not in state.superseded
+                 and collects_in(state, "cand", k)]
+        r_col = [k for k in rf.inputs[rj] if k not in state.paired_ref and collects_in(state, "ref", k)]
+        if len(c_col) == 1 and len(r_col) == 1 and _parts(state, c_col[0], r_col[0]) is not None:
+            state.add(c_col[0], r_col[0], "dataflow", DATAFLOW_PARTIAL_CONFIDENCE)
+            made += 1
+    for ci, p in sorted(state.pairs.items()):
+        for a, b in _parts(state, ci, p.ref) or ():
+            if a not in state.pairs and b not in state.paired_ref and a not in state.superseded \
+                    and state.cand[a].kind != "input" and not cf.derived[a] and not rf.derived[b]:
+                state.add(a, b, "dataflow", DATAFLOW_PARTIAL_CONFIDENCE)
+                made += 1
+    return made
+
+
 def pass_dataflow(state: AlignState) -> None:
     """Pair records by what they were computed from (their covers, see `covers`): a candidate record
     that consumed the counterparts of a reference record's inputs and read the same parameters is its
@@ -578,5 +642,5 @@ def pass_dataflow(state: AlignState) -> None:
         return
     for _ in range(DATAFLOW_MAX_ROUNDS):
         if not (_dataflow_round(state, partial=False) or _dataflow_round(state, partial=True)
-                or _continuations(state)):
+                or _continuations(state) or _collections(state)):
             break

@@ -248,7 +248,65 @@ def param_map(ref_params: dict[str, torch.Tensor] | None, cand_params: dict[str,
         pool = free.get(key, [])
         if len(pool) == 1 and len(names) == 1:
             out[names[0]] = pool[0]
+            del pool[0]
+    _pair_other_shape(out, ref_params, cand_params, left, free)
     return out
+
+
+def _pair_other_shape(out: dict[str, str], ref_params: dict[str, torch.Tensor], cand_params: dict[str, torch.Tensor],
+                      left: list[str], free: dict[tuple, list[str]]) -> None:
+    """The last of `param_map`'s steps: a candidate parameter still unpaired, stored in another shape than any
+    reference one left (a transposed copy, a weight flattened or folded to 2-D) and holding other values,
+    pairs with the reference one left of its element count where exactly one is left on each side."""
+    by_numel: dict[tuple, tuple[list, list]] = {}
+    for key, pool in free.items():
+        for rn in pool:
+            by_numel.setdefault((ref_params[rn].numel(), key[1]), ([], []))[0].append(rn)
+    for n in left:
+        if n not in out:
+            t = cand_params[n]
+            by_numel.setdefault((t.numel(), t.dtype), ([], []))[1].append(n)
+    for (numel, _), (rs, cs) in by_numel.items():
+        if len(rs) == 1 and len(cs) == 1 and numel > 1 and tuple(ref_params[rs[0]].shape) != tuple(
+                cand_params[cs[0]].shape):
+            out[cs[0]] = rs[0]
+
+
+# a folded copy is looked for along axes of at most this many slices
+FOLD_MAX_SLICES = 4096
+
+
+def folded_in(r: torch.Tensor, c: torch.Tensor) -> str | None:
+    """Where a larger candidate parameter `c` holds all of reference parameter `r`'s values as one block along
+    one of its axes (a bias folded into its weight as an extra column, q/k/v weights stacked into one), in
+    words ("folded in along axis 1 at 16..16"); None otherwise."""
+    if c.numel() <= r.numel() or r.dtype != c.dtype or r.numel() < 1:
+        return None
+    rr = r if r.dim() == c.dim() else r.unsqueeze(-1) if r.dim() + 1 == c.dim() else None
+    if rr is None:
+        return None
+    rr = rr.detach().to(c.device)
+    for d in range(c.dim()):
+        if c.shape[d] > FOLD_MAX_SLICES or any(rr.shape[k] != c.shape[k] for k in range(c.dim()) if k != d):
+            continue
+        w = rr.shape[d]
+        for s in range(c.shape[d] - w + 1):
+            if torch.equal(c.detach().narrow(d, s, w), rr):
+                return f"folded in along axis {d} at {s}..{s + w - 1}"
+    return None
+
+
+def in_ref_layout(r: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, str] | None:
+    """A paired candidate parameter `c` brought into its reference counterpart `r`'s shape, and how it is
+    stored: "" (as the reference), "transposed" (its last two axes swapped), "reshaped"; None when their
+    element counts differ."""
+    if tuple(c.shape) == tuple(r.shape):
+        return c, ""
+    if c.numel() != r.numel():
+        return None
+    if r.dim() >= 2 and c.dim() >= 2 and tuple(c.transpose(-1, -2).shape) == tuple(r.shape):
+        return c.transpose(-1, -2), "transposed"
+    return c.reshape(r.shape), "reshaped"
 
 
 def map_params_by_use(mapping: dict[str, str], ref_records: Sequence[Record], cand_records: Sequence[Record],
@@ -280,6 +338,26 @@ def map_params_by_use(mapping: dict[str, str], ref_records: Sequence[Record], ca
     out = dict(mapping)
     for rs, cs in groups.values():
         if len(rs) == len(cs):
+            out.update(zip(cs, rs))
+    return _pair_by_creation(out, ref_params, cand_params)
+
+
+def _pair_by_creation(mapping: dict[str, str], ref_params: dict[str, torch.Tensor],
+                      cand_params: dict[str, torch.Tensor]) -> dict[str, str]:
+    """The parameters still unpaired after values and use, shape by shape in the order the two models create
+    them (their named order), where each side has as many of that shape left: re-declared copies of several
+    layers whose values differ and whose reads the capture did not see (a kernel given them all at once)."""
+    taken = set(mapping.values())
+    groups: dict[tuple, tuple[list, list]] = {}
+    for n, t in ref_params.items():
+        if n not in taken and n not in cand_params:
+            groups.setdefault((tuple(t.shape), t.dtype), ([], []))[0].append(n)
+    for n, t in cand_params.items():
+        if n not in mapping:
+            groups.setdefault((tuple(t.shape), t.dtype), ([], []))[1].append(n)
+    out = dict(mapping)
+    for rs, cs in groups.values():
+        if rs and len(rs) == len(cs):
             out.update(zip(cs, rs))
     return out
 

@@ -177,7 +177,10 @@ class _State(_Values, _Dataflow, _Folding):
             rec = self.trace.records[hit[1]]
             if rec.shape == tuple(tensor.shape):
                 new = self.unique(name)
-                if rec.kind != "tap":  # a tap's name wins; else the module path names it
+                # a tap's name wins, and so does a submodule's when the model returns its output as it is
+                # (`fc2`, the name the user wrote, with `output` an alias); else the module path names it
+                keeps = rec.kind == "tap" or (is_output and name == "output" and rec.kind == "module")
+                if not keeps:
                     rec.aliases.append(rec.name)
                     rec.name = new
                     rec.kind = kind
@@ -268,6 +271,8 @@ class _State(_Values, _Dataflow, _Folding):
             return
         if fname in _SKIP_FUNCS:
             return
+        if self.copy_of(fname, args, kwargs, out):  # a copy of an input or a whole parameter is that (capture_flow)
+            return
         if out is None and fname == "__setitem__" and args and isinstance(args[0], torch.Tensor):
             f = naming.user_frame(sys._getframe(2)) if self.fold is not None else None
             if f is not None and self.store_part(fname, args, kwargs, f, "Tensor.__setitem__"):
@@ -287,6 +292,7 @@ class _State(_Values, _Dataflow, _Folding):
             return
         found = _tensors(out)
         if not found:
+            self.note_export(fname, args, out)  # values handed to numpy (capture_flow)
             return
         if self.fold is not None:
             f = naming.user_frame(sys._getframe(2))
@@ -471,6 +477,10 @@ def _post_hook(module, args, *rest):
         is_root = module is st.model
         if is_root:
             st.trace.output_form = "tensor" if isinstance(output, torch.Tensor) else type(output).__name__
+            odd = next((t.layout for _, t in _tensors(output) if t.layout != torch.strided), None)
+            if odd is not None:  # a sparse (or other non-dense) output: nothing KernelBench's allclose can compare
+                st.trace.output_form = f"tensor of layout {odd}"
+                return None
         n = st.calls.get(top_path, 0) + 1
         st.calls[top_path] = n
         base = "output" if is_root else (top_path if n == 1 else f"{top_path}#{n}")

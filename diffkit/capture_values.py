@@ -46,8 +46,8 @@ def _holders(t: torch.Tensor) -> int | None:
 class _Values:
     """Values held without a copy, and copied before they change (a part of `capture._State`).
 
-    Uses of the other parts: `param_of`, `param_tensor` (`_Dataflow`); `pending`, `pending_hold`,
-    `flush_before_write` (`_Folding`); `snapshot`, `trace` (`_State`)."""
+    Uses of the other parts: `param_of`, `param_tensor`, `copies`, `before_copy_written` (`_Dataflow`);
+    `pending`, `pending_hold`, `flush_before_write` (`_Folding`); `snapshot`, `trace` (`_State`)."""
 
     def _init_values(self, model: torch.nn.Module | None) -> None:
         # records holding a torch op's output itself, not a copy yet: storage pointer -> [(record, version)]
@@ -131,6 +131,8 @@ class _Values:
         (and record a pending buffer there first, `flush_before_write`)."""
         if self.busy:
             return
+        if self.copies:
+            self.before_copy_written(args, kwargs)  # (an input's copy: a write into that input's memory)
         if self.pending:
             self.busy = True
             try:

@@ -17,6 +17,7 @@ import torch
 
 from .align import Pair, best_layout, from_ref_layout, layout_of_equal, map_params_by_use, param_map, permuted, \
     to_ref_layout
+from .align_graph import in_ref_layout
 from .capture import Record
 from .load import describe_difference
 from .result import Finding, Stage
@@ -111,13 +112,16 @@ def check_nan_inf(ctx: Context) -> list[Finding]:
     if "mask_value" in ctx.found:
         return []  # (the candidate's infinities are a mask the reference writes as a large number)
     bad = (~torch.isfinite(ctx.cand)) & torch.isfinite(ctx.ref)
+    region = check_region(ctx)  # (NaN among the garbage of a block never written: the block is the finding)
+    unwritten = [f for f in region if f.kind == "unwritten_region"]
     ctx.stop = True
     idx = torch.nonzero(bad)
     first = tuple(int(i) for i in idx[0]) if len(idx) else ()
     rows = sorted({int(i[0]) for i in idx[:1000]}) if len(idx) and idx.shape[1] else []
-    return [Finding("nan_inf", f"candidate produces {int(bad.sum())} non-finite values where the reference is finite "
+    return unwritten + [Finding("nan_inf", f"candidate produces {int(bad.sum())} non-finite values where the reference is finite "
                     f"({s.cand_nan} NaN, {s.cand_inf} Inf), first at index {list(first)}"
-                    + (f"; along axis 0 they sit in {len(rows)} of {ctx.ref.shape[0]} slices" if rows else ""), 0.95)]
+                    + (f"; along axis 0 they sit in {len(rows)} of {ctx.ref.shape[0]} slices" if rows else ""),
+                    0.85 if unwritten else 0.95)]
 
 
 def check_nonfinite_both(ctx: Context) -> list[Finding]:
@@ -181,11 +185,26 @@ def _rows_region(ctx: Context) -> list[Finding]:
         return []
     shape = "×".join(map(str, ctx.cand_native.shape))
     where = f"rows {lo}..{hi} ({nbad} of {m}) of the candidate's [{m}, {c.shape[1]}] view of its {shape} output"
-    return _block_finding(c[lo:hi + 1], lo, hi, m, where, "row", f"{m} rows", "{}-row tiles")
+    return _block_finding(c[lo:hi + 1], lo, hi, m, where, "row", f"{m} rows", "{}-row tiles", _scale(ctx))
+
+
+# a value this many times the reference's largest magnitude is no result of the stage's arithmetic
+UNINITIALISED_FACTOR = 1e12
+
+
+def _looks_uninitialised(region: torch.Tensor, scale: float) -> bool:
+    """Whether every value of a block is one uninitialised float memory holds and a computation does not give:
+    zero or subnormal (below float32's smallest normal), non-finite, or astronomically large; and not all zero
+    (that is a constant, said otherwise)."""
+    if not region.numel() or not bool(region.ne(0).any()):
+        return False
+    v = region.abs()
+    odd = (v < torch.finfo(torch.float32).tiny) | ~torch.isfinite(region) | (v > UNINITIALISED_FACTOR * max(scale, 1.0))
+    return bool(odd.all())
 
 
 def _block_finding(region: torch.Tensor, lo: int, hi: int, n: int, where: str, unit: str, count: str,
-                   tiles: str) -> list[Finding]:
+                   tiles: str, scale: float | None = None) -> list[Finding]:
     """The finding for a block [lo, hi] of `n` along one axis that holds all of a stage's error: unwritten
     when the block holds one constant, a boundary when it is the last, partial tile; none otherwise.
     `where` names the block, `unit` what else matches ("row"), `count` how `n` reads ("12 rows"), `tiles`
@@ -196,6 +215,12 @@ def _block_finding(region: torch.Tensor, lo: int, hi: int, n: int, where: str, u
     if region.numel() and float(region.max() - region.min()) == 0.0:
         return [Finding("unwritten_region", f"{where} are all {float(region.flatten()[0]):g} while every other {unit} "
                         f"matches: a block the kernel never wrote" + (tail + "skipped" if block else ""), 0.95)]
+    if scale is not None and _looks_uninitialised(region, scale):
+        return [Finding("unwritten_region", f"{where} hold only values no arithmetic on this stage's values gives "
+                        f"(zeros, subnormal numbers below {torch.finfo(torch.float32).tiny:.3g}, magnitudes beyond "
+                        f"{UNINITIALISED_FACTOR:.0e} × the reference's largest, or NaN) while every other {unit} matches: "
+                        f"memory the kernel never wrote, holding whatever it held" + (tail + "skipped" if block else ""),
+                        0.9)]
     if block:
         return [Finding("boundary", f"error confined to {where}{tail}computed wrongly", 0.8)]
     return []
@@ -234,10 +259,63 @@ def _region_along_axes(ctx: Context) -> list[Finding]:
         where = (f"indices {lo}..{hi} ({hi - lo + 1} of {n}) along axis {d} of the candidate's {shape} output "
                  f"(its own layout)")
         found = _block_finding(c.movedim(d, 0)[lo:hi + 1], lo, hi, n, where, "element", f"{n}",
-                               "{}-wide tiles along that axis")
+                               "{}-wide tiles along that axis", _scale(ctx))
         if found:
             return found
     return []
+
+
+def unwritten_that_varies(stage: Stage, ref_value: torch.Tensor, cand_value: torch.Tensor, d: dict) -> Finding | None:
+    """The stage's error fills one block of the candidate's output (its own layout: a block of rows of the
+    [rows, last axis] view, else along one axis) and every element that differs between two runs on the same
+    inputs (`d`: modelstate.bitwise_difference, with its spans) lies inside that block: memory the kernel never
+    wrote, holding whatever it held (an output from ``torch.empty`` left partly unwritten), which is why it
+    changes from run to run.  None when the error or the run-to-run difference reaches beyond one block."""
+    if stage.stats is None or stage.ref is None or stage.cand is None or not d.get("span") or cand_value is None \
+            or ref_value is None or not cand_value.is_floating_point():
+        return None
+    c = cand_value.detach().to(torch.float64)
+    try:
+        r = from_ref_layout(ref_value.detach().to(torch.float64).to(c.device), tuple(stage.cand.shape),
+                            stage.pair_transform)
+    except (RuntimeError, ValueError):
+        return None
+    if r.shape != c.shape or c.dim() == 0 or len(d["span"]) != c.dim():
+        return None
+    st = stage.stats
+    bad = ((c - r).abs() > st.atol + st.rtol * r.abs()) | ~torch.isfinite(c)
+    if not bool(bad.any()) or bool(bad.all()):
+        return None
+    shape = "×".join(map(str, c.shape))
+    rows = bad.reshape(-1, c.shape[-1])
+    views = [(rows, d.get("row_span"), f"rows {{}}..{{}} ({{}} of {rows.shape[0]}) of the candidate's "
+              f"[{rows.shape[0]}, {rows.shape[1]}] view of its {shape} output", "{}-row tiles")]
+    views += [(bad.movedim(a, 0).reshape(c.shape[a], -1), d["span"][a],
+               f"indices {{}}..{{}} ({{}} of {c.shape[a]}) along axis {a} of the candidate's {shape} output",
+               "{}-wide tiles along that axis") for a in range(c.dim() - 1, -1, -1)]
+    for along, span, where, tiles in views:
+        n = along.shape[0]
+        idx = torch.nonzero(along.any(dim=1)).flatten()
+        lo, hi = int(idx.min()), int(idx.max())
+        if n < 2 or hi - lo + 1 != len(idx) or hi - lo + 1 == n or not span or not lo <= span[0] <= span[1] <= hi:
+            continue
+        if float(along[lo:hi + 1].float().mean()) < 0.9:  # (the block is wrong throughout, or nearly)
+            continue
+        block = _block_size(lo, n) if hi == n - 1 else None
+        tail = (f"; {n} = {lo // block}×{block} + {n - lo}: consistent with {tiles.format(block)} whose last, "
+                f"partial one is never written") if block else ""
+        return Finding("unwritten_region", f"{where.format(lo, hi, hi - lo + 1)} hold values the kernel never wrote, "
+                       f"while everything outside them matches: they hold whatever the memory held (an output "
+                       f"allocated uninitialised, torch.empty or np.empty, left partly unwritten) -- running the candidate twice on the same inputs changes "
+                       f"{d['elements']} of {d['numel']} elements, all inside that block (max difference "
+                       f"{float(d.get('max_abs', 0.0)):.3g}){tail}", 0.95)
+    return None
+
+
+def _scale(ctx: Context) -> float:
+    """The reference stage's largest finite magnitude."""
+    fin = ctx.ref[torch.isfinite(ctx.ref)]
+    return float(fin.abs().max()) if fin.numel() else 1.0
 
 
 def _block_size(start: int, total: int) -> int | None:
@@ -307,6 +385,21 @@ def _bias_of(ctx: Context, n: int) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
+def _known_as(ctx: Context, name: str) -> str:
+    """A reference parameter's name with the name the candidate declares it under, where that differs (a head
+    re-declared as `fc_bias` for `fc.bias`): "fc.bias (the candidate's fc_bias)"."""
+    if name not in ctx.ref_params or not ctx.cand_params or name in ctx.cand_params:
+        return name
+    try:
+        counterpart = ctx.rename if ctx.rename is not None else map_params_by_use(
+            param_map(ctx.ref_params, ctx.cand_params), ctx.ref_records, ctx.cand_records, ctx.ref_params,
+            ctx.cand_params)
+    except (RuntimeError, ValueError):
+        return name
+    theirs = [c for c, r in counterpart.items() if r == name and c != name]
+    return f"{name} (the candidate's {theirs[0]})" if len(theirs) == 1 else name
+
+
 def _per_channel(err: torch.Tensor, axis: int) -> torch.Tensor:
     """The error's mean over every axis but `axis`."""
     return err.movedim(axis, -1).reshape(-1, err.shape[axis]).mean(dim=0)
@@ -336,6 +429,7 @@ def check_bias_offset(ctx: Context) -> list[Finding]:
         where = f"along axis {axis} (size {n})"
         pn = _norm(per_channel)
         for name, b in _bias_of(ctx, n):
+            shown = _known_as(ctx, name)
             b = b.to(per_channel.device)
             bb = float((b * b).sum())
             if bb == 0:
@@ -345,10 +439,10 @@ def check_bias_offset(ctx: Context) -> list[Finding]:
                 continue
             big = f"max |{name}| {float(b.abs().max()):.3g}"
             if abs(k + 1) < 1e-3:
-                return [Finding("missing_bias", f"candidate = reference − {name} {where}, in all {n} channels "
+                return [Finding("missing_bias", f"candidate = reference − {shown} {where}, in all {n} channels "
                                 f"({big}): the bias is not added", 0.95)]
             if abs(k - 1) < 1e-3:
-                return [Finding("offset", f"candidate = reference + {name} {where}, in all {n} channels "
+                return [Finding("offset", f"candidate = reference + {shown} {where}, in all {n} channels "
                                 f"({big}): the bias is added twice", 0.95)]
             return [Finding("offset", f"candidate = reference {'+' if k > 0 else '−'} {abs(k):.4g} × {name} {where} "
                             f"({big}): the bias enters scaled by {1 + k:.4g} instead of 1", 0.9)]
@@ -501,6 +595,49 @@ def check_shift(ctx: Context) -> list[Finding]:
                 return [Finding("boundary", f"candidate = the reference shifted by {k} along axis {d} (size {n}), "
                                 f"{way}: {n - k} slices agree once moved, the {k} at the border do not -- padding put on "
                                 f"one side only, or an index off by {k}", 0.85)]
+    return _shift_two_axes(ctx)
+
+
+# a shift along two axes at once is searched up to this many elements along each (an off-by-one or -two
+# padding or window offset), on stages of at most this many elements
+SHIFT_2D_MAX = 3
+SHIFT_2D_NUMEL = 1 << 22
+
+
+def _overlap(k: int, n: int) -> tuple[slice, slice]:
+    """For a shift by `k` along an axis of `n`: (the candidate's indices that have a source, those sources)."""
+    return (slice(k, n), slice(0, n - k)) if k > 0 else (slice(0, n + k), slice(-k, n))
+
+
+def _shift_two_axes(ctx: Context) -> list[Finding]:
+    """The candidate is the reference moved by (k1, k2) along two axes at once, the elements moved past
+    the border differing: cand[.., i, .., j] = ref[.., i − k1, .., j − k2] wherever that index exists (a
+    window or padding off by one in both spatial axes of an image: a 'same' convolution padded on the
+    top and left only, its output cropped to the input's size).  Only reported where the same elements
+    compared unmoved do not agree (a reference constant along the axes shows no shift)."""
+    r, c = ctx.ref, ctx.cand
+    st = ctx.stage.stats
+    if r.dim() < 2 or r.numel() > SHIFT_2D_NUMEL or c.shape != r.shape:
+        return []
+    for d1, d2 in itertools.combinations(range(r.dim()), 2):
+        n1, n2 = r.shape[d1], r.shape[d2]
+        if n1 < 3 or n2 < 3:
+            continue
+        rm, cm = r.movedim((d1, d2), (0, 1)), c.movedim((d1, d2), (0, 1))
+        reach1 = [k for k in range(-SHIFT_2D_MAX, SHIFT_2D_MAX + 1) if k and n1 - abs(k) >= SHIFT_MIN_OVERLAP * n1]
+        reach2 = [k for k in range(-SHIFT_2D_MAX, SHIFT_2D_MAX + 1) if k and n2 - abs(k) >= SHIFT_MIN_OVERLAP * n2]
+        for k1, k2 in sorted(itertools.product(reach1, reach2), key=lambda kk: abs(kk[0]) + abs(kk[1])):
+            (c1, s1), (c2, s2) = _overlap(k1, n1), _overlap(k2, n2)
+            moved = cm[c1, c2]
+            if not bool(_within(st, moved, rm[s1, s2]).all()) or bool(_within(st, moved, rm[c1, c2]).all()):
+                continue
+            border = cm.numel() - moved.numel()
+            ways = [f"by {abs(k)} along axis {d} (size {n}) towards the {'end' if k > 0 else 'start'}"
+                    for k, d, n in ((k1, d1, n1), (k2, d2, n2))]
+            return [Finding("boundary", f"candidate = the reference shifted along two axes at once, {ways[0]} and "
+                            f"{ways[1]}: the {moved.numel()} elements that overlap agree once moved, the {border} "
+                            f"at the border do not -- the padding (or the window's start) off by ({k1}, {k2}) in "
+                            f"both axes: padding put on one side only, the output cropped to the right size", 0.85)]
     return []
 
 
@@ -613,6 +750,7 @@ def check_missing_parameter(ctx: Context) -> list[Finding]:
     e = _norm(ctx.err)
     shape = tuple(ref_v.shape)
     for name, p in missing:
+        shown = _known_as(ctx, name)
         for axis in [ref_v.dim() - 1, *range(ref_v.dim() - 1)]:
             if shape[axis] != p.shape[0]:
                 continue
@@ -623,7 +761,7 @@ def check_missing_parameter(ctx: Context) -> list[Finding]:
                     if left <= EXPLAINED:
                         through = "" if len(chain) == 1 else (f", carried through {' → '.join(r.name for r in chain[1:])} "
                                                               f"(the stage whose value the candidate returns)")
-                        return [Finding("missing_bias", f"candidate = the reference without {name} at {rec.name} "
+                        return [Finding("missing_bias", f"candidate = the reference without {shown} at {rec.name} "
                                         f"{'along axis ' + str(axis) + ' ' if ref_v.dim() > 1 else ''}"
                                         f"(max |{name}| {float(p.abs().max()):.3g}){through}, to within "
                                         f"{100 * left:.2g}% of the error: the bias is not added", 0.95)]
@@ -659,6 +797,131 @@ def check_transposed_weight(ctx: Context) -> list[Finding]:
         return [Finding("transposed_weight", f"the stage matches x @ W' where W' is the [{n_out}, {k}] weight {wname}'s "
                         f"memory read as [{k}, {n_out}]: the kernel indexes the weight as w[k*{n_out} + n] instead of "
                         f"w[n*{k} + k]", 0.95)]
+    return []
+
+
+# a GEMM's operands reproduce the reference stage when what they leave is this small, relative to it
+GEMM_FIT = 1e-4
+GEMM_MAX_OPERANDS = 6
+
+
+def _input_values(records: list, rec) -> list[tuple[str, torch.Tensor]]:
+    """(name, float64 value) of each floating tensor a reference record's call consumed."""
+    out = []
+    for i in getattr(rec, "inputs", ()) or ():
+        i = getattr(i, "index", i)
+        src = records[i] if isinstance(i, int) and 0 <= i < len(records) else None
+        if src is not None and src.value is not None and src.value.is_floating_point():
+            out.append((src.name, src.value.detach().to(torch.float64)))
+    return out
+
+
+def _elementwise_chain(ctx: Context) -> list[tuple[Any, list]]:
+    """(reference record, the elementwise maps that carry its value to the stage's) for the stage's own record
+    and up to WHAT_IF_STEPS records upstream of it, each the one input of a one-to-one elementwise stage (a
+    kernel covering a GEMM and the scaling or activation after it returns the last)."""
+    rec, maps, out = ctx.ref_records[ctx.stage.ref.index], [], []
+    for _ in range(WHAT_IF_STEPS + 1):
+        out.append((rec, list(maps)))
+        ins = [getattr(i, "index", i) for i in rec.inputs]
+        big = [i for i in ins if ctx.ref_records[i].value is not None and ctx.ref_records[i].value.numel() > 1]
+        if len(big) != 1 or rec.params or rec.value is None:
+            break
+        src = ctx.ref_records[big[0]]
+        if src.value.numel() != rec.value.numel():
+            break
+        f = _elementwise_map(src.value, rec.value)
+        if f is None:
+            break
+        maps.insert(0, f)
+        rec = src
+    return out
+
+
+def _gemm_forms(ctx: Context, rec) -> list[tuple[str, torch.Tensor, str, torch.Tensor, bool, torch.Tensor]]:
+    """The ways the record's value is a product A @ B (+ a bias along the last axis) of what its call read:
+    (A's name, A, B's name, B's stored tensor, whether B is that tensor transposed, the bias or 0).
+    Operands: the tensors it consumed, and the 2-D parameters it read, as stored or transposed (a Linear)."""
+    ops = [(n, t, False, False) for n, t in _input_values(ctx.ref_records, rec) if t.dim() >= 2]
+    for n, p in params_of(rec, ctx.ref_params).items():
+        if p.dim() == 2 and p.is_floating_point():
+            p = p.detach().to(torch.float64)
+            ops += [(n, p, False, True), (n, p, True, True)]
+    ops = ops[:GEMM_MAX_OPERANDS * 2]
+    target = rec.value.detach().to(torch.float64) if rec.value is not None else None
+    if target is None or target.dim() < 2:
+        return []
+    out = []
+    for (na, a, ta, _), (nb, b, tb, _) in itertools.permutations(ops, 2):
+        if ta or na == nb:
+            continue
+        bb = b.mT if tb else b
+        if a.shape[-1] != bb.shape[-2]:
+            continue
+        try:
+            y = torch.matmul(a.to(target.device), bb.to(target.device))
+        except RuntimeError:
+            continue
+        if tuple(y.shape) != tuple(target.shape):
+            continue
+        rest = target - y
+        bias = rest.reshape(-1, rest.shape[-1]).mean(dim=0)
+        scale = max(_norm(target), 1e-30)
+        if _norm(rest) <= GEMM_FIT * scale:
+            bias = torch.zeros_like(bias)
+        elif _norm(rest - bias) > GEMM_FIT * scale:
+            continue
+        out.append((na, a, nb, b, tb, bias))
+    return out
+
+
+def _misread(t: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """The operand a kernel gets when it indexes a matrix's memory the other way: a [K, N] B fetched at
+    k + n*K (its memory read as [N, K], transposed); a stored-[N, K] weight used as W.T fetched at k*N + n
+    (its memory read as [K, N])."""
+    r, c = t.shape[-2], t.shape[-1]
+    return t.reshape(*t.shape[:-2], c, r) if transposed else t.reshape(*t.shape[:-2], c, r).mT
+
+
+def check_transposed_operand(ctx: Context) -> list[Finding]:
+    """The stage (or an elementwise chain after it that one kernel covers) is a matrix product of what the
+    reference call read, and the candidate is that product with one operand's memory indexed the other way
+    round: B read transposed (``A @ B.T`` for a square B, B fetched at k + n*K in a tiled kernel), a weight
+    read as [in, out], A read transposed.  Any opaque matmul: only the reference's operands are used."""
+    if "transposed_weight" in ctx.found or ctx.ref.dim() < 2:
+        return []
+    e = _norm(ctx.err)
+    if e == 0:
+        return []
+    for rec, maps in _elementwise_chain(ctx):
+        for na, a, nb, b, tb, bias in _gemm_forms(ctx, rec):
+            is_param = nb in ctx.ref_params
+            tries = [(nb, "B", a, _misread(b, tb), b)]
+            if na not in ctx.ref_params and a.dim() >= 2:
+                tries.append((na, "A", _misread(a, False), b.mT if tb else b, a))
+            for name, role, aa, bb, stored in tries:
+                try:
+                    y = torch.matmul(aa, bb) + bias
+                except RuntimeError:
+                    continue
+                for f in maps:
+                    y = f(y)
+                if y.numel() != ctx.cand.numel():
+                    continue
+                left = _norm(ctx.cand - y.reshape(ctx.cand.shape)) / e
+                if left > EXPLAINED:
+                    continue
+                shape = list(stored.shape[-2:])
+                through = "" if rec.index == ctx.stage.ref.index else f", carried through the elementwise stages after {rec.name}"
+                how = (f"read with its memory taken as {shape[::-1]}" if role == "B" and tb else
+                       f"read with its memory taken as {shape[::-1]} and transposed (for a square matrix: the "
+                       f"matrix transposed)")
+                what = "a kernel indexing the weight w[k*N + n]" if is_param and tb else \
+                    f"a kernel fetching {role}'s element ({'k, n' if role == 'B' else 'm, k'}) at the index of the transposed matrix"
+                kind = "transposed_weight" if is_param else "transposed_operand"
+                return [Finding(kind, f"the stage matches the matrix product at {rec.name} with its operand {role} = "
+                                f"{name} ({'×'.join(map(str, shape))}) {how}{through}, to within {100 * left:.2g}% of "
+                                f"the error: {what}", 0.95)]
     return []
 
 
@@ -763,12 +1026,43 @@ def _known_approximation(ctx: Context, x: torch.Tensor) -> str:
     return ""
 
 
+def _span_params(ctx: Context) -> dict[str, torch.Tensor]:
+    """The parameters read by the candidate's records between the stage's inputs and its record: upstream of
+    the record, up to (not past) records holding one of the reference stage's inputs (a head written as
+    ``h @ W + b`` reads W in a record of its own, which pairs with nothing)."""
+    rec = ctx.stage.cand
+    if rec is None or not 0 <= rec.index < len(ctx.cand_records):
+        return {}
+    inputs = [v for _, v in _input_values(ctx.ref_records, ctx.ref_records[ctx.stage.ref.index])]
+    st = ctx.stage.stats
+
+    def is_input(r) -> bool:
+        if r.value is None or r.kind == "input":
+            return r.kind == "input"
+        v = r.value.detach().to(torch.float64)
+        return any(v.shape == x.shape and bool(_within(st, v, x.to(v.device)).all()) for x in inputs)
+
+    out: dict[str, torch.Tensor] = {}
+    seen, frontier = set(), [getattr(i, "index", i) for i in ctx.cand_records[rec.index].inputs]
+    while frontier and len(seen) < UPSTREAM_RECORDS:
+        i = frontier.pop(0)
+        if i in seen or not isinstance(i, int) or not 0 <= i < len(ctx.cand_records):
+            continue
+        seen.add(i)
+        r = ctx.cand_records[i]
+        if is_input(r):
+            continue
+        out.update(params_of(r, ctx.cand_params))
+        frontier += [getattr(j, "index", j) for j in r.inputs]
+    return out
+
+
 def check_other_weights(ctx: Context) -> list[Finding]:
     """The candidate's call read a parameter holding other values than its reference counterpart (the
     same name, else as `align.param_map` pairs them: by values, then shape by shape in creation order):
     the two models were built with other weights (parameters created in another order, another init),
     and the stage is wrong whatever its kernel does.  KernelBench copies nothing between the models."""
-    cread = params_of(ctx.stage.cand, ctx.cand_params)
+    cread = {**_span_params(ctx), **params_of(ctx.stage.cand, ctx.cand_params)}
     if not cread or not ctx.ref_params:
         return []
     counterpart = ctx.rename if ctx.rename is not None else map_params_by_use(
@@ -779,9 +1073,14 @@ def check_other_weights(ctx: Context) -> list[Finding]:
         p = ctx.ref_params.get(rn) if rn is not None else None
         if p is None or p.numel() != q.numel() or not (p.is_floating_point() and q.is_floating_point()):
             continue
-        if layout_of_equal(p, q) is not None or p.shape != q.shape:  # (the same values in another layout: a
-            continue                                                   # weight stored transposed)
-        found.append(f"{cn}" + (f" (reference {rn})" if rn != cn else "") + f": {describe_difference(p, q)}")
+        if layout_of_equal(p, q) is not None:  # (the same values in another layout: a weight stored transposed)
+            continue
+        view = in_ref_layout(p, q)  # (a copy stored in another shape, transposed or flattened, holding other values)
+        if view is None:
+            continue
+        stored = f", stored {view[1]} as {list(q.shape)}" if view[1] else ""
+        found.append(f"{cn}" + (f" (reference {rn}{stored})" if rn != cn or stored else "")
+                     + f": {describe_difference(p, view[0])}")
     if not found:
         return []
     more = f" and {len(found) - 2} more" if len(found) > 2 else ""
@@ -815,7 +1114,7 @@ def _integer_findings(stage: Stage, rv: torch.Tensor, cv: torch.Tensor) -> list[
 
 CHECKS: list[Callable[[Context], list[Finding]]] = [
     check_mask_value, check_nan_inf, check_nonfinite_both, check_other_weights, check_region, check_reduction_axis,
-    check_permutation, check_shift, check_transposed_weight,
+    check_permutation, check_shift, check_transposed_weight, check_transposed_operand,
     check_bias_offset, check_missing_parameter, check_scale, check_approximation, check_precision,
 ]
 
@@ -857,7 +1156,8 @@ def diagnose(stage: Stage, ref: Any, cand: Any, ref_params: dict[str, torch.Tens
         ctx.found = [f.kind for f in findings]
         if ctx.stop:
             break
-    exact = {"missing_bias", "offset", "scale", "sign", "permutation", "transposed_weight", "unwritten_region",
+    exact = {"missing_bias", "offset", "scale", "sign", "permutation", "transposed_weight", "transposed_operand",
+             "unwritten_region",
              "wrong_reduction_axis", "other_weights"}
     if any(f.kind in exact for f in findings):
         # an exact explanation makes the statistical ones noise (compare.py drops them too when a

@@ -25,7 +25,8 @@ from typing import Any, Callable
 import torch
 import torch.utils._pytree as pytree
 
-from .align import layout_of_equal, param_map
+from .align import layout_of_equal, map_params_by_use, param_map
+from .align_graph import folded_in, in_ref_layout
 from .capture import (_install_extension_import_hook, input_names, materialized, path_key, rng_state,
                       set_rng_state)
 from .errors import DiffkitError
@@ -220,7 +221,8 @@ def _pair_unnamed(report: WeightReport, rstate: dict, cstate: dict) -> None:
     if not ref_left or not cand_left:
         return
     with torch.no_grad():
-        paired = param_map({n: rstate[n] for n in ref_left}, {n: cstate[n] for n in cand_left})
+        ref_left_state, cand_left_state = {n: rstate[n] for n in ref_left}, {n: cstate[n] for n in cand_left}
+        paired = map_params_by_use(param_map(ref_left_state, cand_left_state), (), (), ref_left_state, cand_left_state)
         for cn in list(cand_left):
             rn = paired.get(cn)
             if rn is None:
@@ -230,11 +232,20 @@ def _pair_unnamed(report: WeightReport, rstate: dict, cstate: dict) -> None:
                 report.renamed.append([cn, rn])
             elif how:
                 report.relaid.append([cn, rn, how])
-            else:
+            else:  # (a copy stored in another shape is compared in the reference's)
+                view, stored = in_ref_layout(rstate[rn], cstate[cn]) or (cstate[cn], "")
                 report.differ.append({"name": cn, "reference": rn, "shape": list(cstate[cn].shape),
-                                      "looks_like": describe_difference(rstate[rn], cstate[cn])})
+                                      "looks_like": describe_difference(rstate[rn], view)
+                                      + (f" (stored {stored})" if stored else "")})
             cand_left.remove(cn)
             ref_left.remove(rn)
+        for cn in list(cand_left):  # reference parameters folded into a larger one (a bias as an extra column)
+            held = [(rn, how) for rn in ref_left for how in [folded_in(rstate[rn], cstate[cn])] if how]
+            for rn, how in held:
+                report.relaid.append([cn, rn, how])
+                ref_left.remove(rn)
+            if held:
+                cand_left.remove(cn)
     report.ref_only = [n for n in report.ref_only if n in ref_left]
     report.cand_only = [n for n in report.cand_only if n in cand_left]
     made = list(cstate)
@@ -346,10 +357,18 @@ def _user_location(tb, path: str, fn: Any = None) -> str:
     return path
 
 
+MAX_SOURCE_BYTES = 64 * 2**20  # a model file larger than this is not source (weights, a dump, a device)
+
+
 def exec_file(path: str, side: str) -> types.ModuleType:
     """Run a KernelBench file as source and return it as a module (errors say side, phase, where)."""
     if not os.path.exists(path):
         raise DiffkitError(side, "read", f"file not found: {path}", path)
+    if not os.path.isfile(path):  # a folder, a FIFO, /dev/zero: read as source it would hang or never end
+        raise DiffkitError(side, "read", f"{path} is not a regular file (a KernelBench file is Python source)", path)
+    if os.path.getsize(path) > MAX_SOURCE_BYTES:
+        raise DiffkitError(side, "read", f"{path} is {os.path.getsize(path) / 2**20:.0f} MiB: too large to be a "
+                           f"KernelBench source file (limit {MAX_SOURCE_BYTES // 2**20} MiB)", path)
     try:
         with tokenize.open(path) as fh:  # the encoding Python itself would use (PEP 263 coding line)
             source = fh.read()
@@ -528,6 +547,10 @@ def _construct(cls, init: list[Any], side: str, path: str, name: str) -> torch.n
     model = _call(side, "init", path, cls, *init)
     if not isinstance(model, torch.nn.Module):
         raise DiffkitError(side, "init", f"{name}(...) returned {type(model).__name__}, not an nn.Module", path)
+    if "_parameters" not in vars(model):  # (nn.Module.__init__ never ran: every use of the model would raise)
+        raise DiffkitError(side, "init", f"{name}.__init__ does not call super().__init__(): the object is not "
+                           f"set up as an nn.Module (no parameters, buffers or submodules can be registered)",
+                           _user_location(None, path, cls))
     return model
 
 
@@ -544,6 +567,9 @@ def _candidate_class(module: types.ModuleType, path: str, name: str = "ModelNew"
         has = " (it defines `Model`: KernelBench builds the candidate from `ModelNew` and fails a file without one)" \
             if name == "ModelNew" and getattr(module, "Model", None) is not None else ""
         raise DiffkitError("candidate", "import", f"{path} defines no `{name}`{has}", path)
+    if not isinstance(cls, type):
+        raise DiffkitError("candidate", "import", f"`{name}` in {path} is a {type(cls).__name__}, not a class "
+                           f"(KernelBench builds the candidate as `{name}(*get_init_inputs())`)", path)
     return cls
 
 

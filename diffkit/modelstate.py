@@ -42,6 +42,8 @@ class Trial:
                         "where"} (where: the output tensor or stage)
     failed_run:         1 or 2: which of the candidate's runs was out of tolerance first
     captured:           this trial was diffed stage by stage (trial 1, and the first failing one)
+    kernelbench:        torch.allclose's own answer where it differs from `allclose` (a --stat other than
+                        elementwise, --tolerance auto judged the trial); None where they agree
     """
 
     trial: int
@@ -56,6 +58,7 @@ class Trial:
     nondeterministic: dict | None = None
     failed_run: int | None = None
     captured: bool = False
+    kernelbench: bool | None = None
 
     @property
     def failed(self) -> bool:
@@ -94,7 +97,20 @@ def bitwise_difference(a: torch.Tensor, b: torch.Tensor) -> dict | None:
     at = [list(map(int, ix)) for ix in mask.nonzero()[:MAX_SHOWN].tolist()] if mask.dim() else [[]]
     diff = torch.nan_to_num((a.double() - b.double()).abs(), nan=float("inf")) if a.is_floating_point() else \
         (a.double() - b.double()).abs()
-    return {"elements": n, "numel": mask.numel(), "max_abs": float(diff.max()) if diff.numel() else 0.0, "at": at}
+    return {"elements": n, "numel": mask.numel(), "max_abs": float(diff.max()) if diff.numel() else 0.0, "at": at,
+            **_spans(mask)}
+
+
+def _spans(mask: torch.Tensor) -> dict:
+    """Where the differing elements lie: "span", [first, last] index along each axis, and "row_span", the
+    same over the rows of the [rows, last axis] view (whether a run-to-run difference stays inside one
+    block of the output: memory a kernel never wrote)."""
+    if mask.dim() == 0:
+        return {}
+    idx = mask.nonzero()
+    rows = mask.reshape(-1, mask.shape[-1]).any(dim=1).nonzero().flatten()
+    return {"span": [[int(idx[:, d].min()), int(idx[:, d].max())] for d in range(mask.dim())],
+            "row_span": [int(rows.min()), int(rows.max())]}
 
 
 def difference_words(d: dict) -> str:

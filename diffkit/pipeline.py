@@ -236,6 +236,9 @@ def compare_outputs(stages: list[Stage], ref: Trace, cand: Trace, error: ErrorIn
         what = {"NoneType": "None", "": "no tensor"}.get(form, ("an " if form[:1].lower() in "aeiou" else "a ") + form)
         found.error = ErrorInfo(missing, "output", f"the {missing} returned {what}, not a tensor (nor tensors in a "
                                 f"tuple, list or dict): nothing to compare", "its forward's return value")
+        if form.startswith("tensor of layout"):
+            found.error.message = (f"the {missing} returned a {form}: KernelBench's torch.allclose compares dense "
+                                   f"(strided) tensors only (return it with .to_dense())")
     return found
 
 
@@ -470,7 +473,8 @@ def _leaves(trace: Trace) -> dict[str, Any]:
     out = {}
     for r in trace.records:
         if r.is_output:
-            path = r.name.split("#")[0]
+            # (a submodule's output returned as it is keeps the submodule's name: `output` is an alias)
+            path = next((n for n in (r.name, *r.aliases) if n.split("#")[0] == "output"), r.name).split("#")[0]
             out[path[len("output"):] if path.startswith("output") else path] = r
             for a in r.aliases:  # the same tensor returned at several places (``return y, y``)
                 if a.startswith("output[") or a.startswith("output."):
@@ -664,4 +668,9 @@ def _this_trial(outputs: Outputs, outs: list[Stage], second: SecondRun | None, c
     if passed and again is not None and not again["allclose"] and not again.get("stateful"):
         passed, t.failed_run, t.max_abs, t.mean_abs = False, 2, again["max_abs"], again["mean_abs"]
     t.allclose = passed
+    # torch.allclose itself, whatever rule judged the stages (--stat, --tolerance auto): both runs
+    kb = outputs.error is None and outputs.structure is None and outputs.shape_mismatch is None and not dtypes \
+        and bool(outs) and all(s.stats is not None and s.stats.allclose for s in outs) \
+        and (again is None or again.get("stateful") or bool(again.get("kernelbench", again["allclose"])))
+    t.kernelbench = kb if kb != passed else None
     return t

@@ -15,6 +15,7 @@ import torch
 
 from .align import to_ref_layout
 from .capture import Trace
+from .diagnose import unwritten_that_varies
 from .locate import output_failed, output_stages
 from .measure import measure
 from .modelstate import (WRITTEN_PARAMETER, SideState, bitwise_difference, difference_words, output_leaves,
@@ -99,10 +100,14 @@ class _RerunComparer:
 
 
 def nondeterministic(root_cause: Stage | None, stage: Stage, d: dict, drop: bool = True,
-                     kept: Sequence[str] = ()) -> None:
+                     kept: Sequence[str] = (), traces: tuple[Trace, Trace] | None = None) -> None:
     """Say on `stage` that the candidate's two runs differ there (`d`: a bitwise difference): a race, or with
     `kept` (what its forward changed of its own state) a forward that computes otherwise from call to call.
-    `drop`: the rounding-size findings of the stage and of `root_cause` go (run-to-run noise explains them)."""
+    `drop`: the rounding-size findings of the stage and of `root_cause` go (run-to-run noise explains them).
+    `traces` (reference, candidate's first run): where the difference stays inside the one block that holds
+    the stage's error, that block is named first (`unwritten_region`), the difference its evidence."""
+    if not kept and traces is not None and _unwritten(stage, d, traces):
+        return
     if kept:  # the forward changed the model's own state: a second call is another computation
         if any(f.kind == "stateful" for f in stage.diagnosis):
             return
@@ -126,6 +131,22 @@ def nondeterministic(root_cause: Stage | None, stage: Stage, d: dict, drop: bool
     stage.diagnosis.insert(0, Finding(
         "nondeterministic", f"running the candidate twice on the same inputs gives different values here: "
         f"{difference_words(d)} -- a race, an uninitialised read or randomness in the kernel", 0.9))
+
+
+def _unwritten(stage: Stage, d: dict, traces: tuple[Trace, Trace]) -> bool:
+    """Put an `unwritten_region` finding first on `stage` when its run-to-run difference `d` lies inside the block
+    that holds its error (diagnose.unwritten_that_varies); the region findings made from one run go."""
+    ref, cand = traces
+    if stage.ref is None or stage.cand is None or stage.ref.index >= len(ref.records) or \
+            stage.cand.index >= len(cand.records):
+        return False
+    found = unwritten_that_varies(stage, ref.records[stage.ref.index].value, cand.records[stage.cand.index].value, d)
+    if found is None:
+        return False
+    drop_statistical(stage)
+    stage.diagnosis = [found] + [f for f in stage.diagnosis if f.kind not in ("unwritten_region", "boundary",
+                                                                             "nondeterministic")]
+    return True
 
 
 @dataclass
@@ -185,7 +206,7 @@ def check_nondeterminism(stages: list[Stage], fd: Stage | None, root_cause: Stag
         # from before were not known)
     else:
         kept = state.attributes + [w for w in written if w not in state.attributes]
-    return _differences_found(stages, fd, root_cause, ref, diffs, kept)
+    return _differences_found(stages, fd, root_cause, (ref, cand_trace), diffs, kept)
 
 
 def _captured_differences(stages: list[Stage], fd: Stage | None, cand_trace: Trace, candidate, options: Options,
@@ -212,11 +233,12 @@ def _captured_differences(stages: list[Stage], fd: Stage | None, cand_trace: Tra
     return {n: (d, by_name[n].value) for n, d in rerun_differences(cand_trace, again, wanted).items()}
 
 
-def _differences_found(stages: list[Stage], fd: Stage | None, root_cause: Stage | None, ref: Trace,
+def _differences_found(stages: list[Stage], fd: Stage | None, root_cause: Stage | None, traces: tuple[Trace, Trace],
                        diffs: dict[str, tuple[dict, torch.Tensor | None]], kept: list[str]) -> SecondRun:
     """What the records that differ between the two runs say (`kept`: what the forward changed of its own
     state): findings on their stages (the first one that fails, the first divergence), one for the run,
     and how the second run's output fares against the reference."""
+    ref = traces[0]
     found = SecondRun({"differs": len(diffs)})
     if not diffs:
         if kept:  # the second run's output differed, the captured third equals the first: state, not a race
@@ -230,9 +252,9 @@ def _differences_found(stages: list[Stage], fd: Stage | None, root_cause: Stage 
     hit = sorted((by_cand[n] for n in diffs if n in by_cand), key=lambda s: s.index)
     first = hit[0] if hit else None
     if first is not None and first.failed:  # a passing stage keeps a clean row: the run-level finding names it
-        nondeterministic(root_cause, first, diffs[first.cand.name][0], drop=first is fd, kept=kept)
+        nondeterministic(root_cause, first, diffs[first.cand.name][0], drop=first is fd, kept=kept, traces=traces)
     if fd is not None and fd.cand is not None and fd.cand.name in diffs and fd is not first:
-        nondeterministic(root_cause, fd, diffs[fd.cand.name][0], kept=kept)
+        nondeterministic(root_cause, fd, diffs[fd.cand.name][0], kept=kept, traces=traces)
     outs = output_stages(stages)
     for s in outs:
         got = diffs.get(s.cand.name)
@@ -243,8 +265,8 @@ def _differences_found(stages: list[Stage], fd: Stage | None, root_cause: Stage 
         st = measure(rv, to_ref_layout(got[1], tuple(s.ref.shape), s.pair_transform), s.stats.atol, s.stats.rtol,
                      s.stats.stat)
         if found.second is None or not st.ok:
-            found.second = {"allclose": st.ok, "max_abs": st.max_abs, "mean_abs": st.mean_abs, "stage": s.index,
-                            "stateful": bool(kept)}
+            found.second = {"allclose": st.ok, "kernelbench": st.allclose, "max_abs": st.max_abs,
+                            "mean_abs": st.mean_abs, "stage": s.index, "stateful": bool(kept)}
     where = f"stage {first.index} {first.ref_name or first.cand_name}" if first is not None else next(iter(diffs))
     out_name = next((s.cand.name for s in outs if s.cand.name in diffs), None)
     out_d = diffs[out_name][0] if out_name is not None else None

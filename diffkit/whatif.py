@@ -17,7 +17,7 @@ candidate there.
 The catalogue (`KINDS`): drop_bias, extra_bias, running_stats, batch_stats, unbiased_variance,
 biased_variance, epsilon, reduce_axis, scale, transposed_weight, transposed_operand,
 swapped_operands, tanh_gelu, erf_gelu, low_precision, unwritten_tail, clamp, sign_flip,
-unstable_softmax.
+unstable_softmax, norm_axes, block_stats, mixed_gelu, activation, swapped_order, bias_placement, skip_stage.
 """
 from __future__ import annotations
 
@@ -40,7 +40,9 @@ __all__ = ["KINDS", "PRIOR", "MUTATIONS", "DEFAULT_BUDGET", "Variant", "WhatIf",
 # mistakes kernel writers make most often (from the seeds and the field notes) come first
 PRIOR = {k: i for i, k in enumerate(("drop_bias", "scale", "transposed_weight", "swapped_operands",
                                      "transposed_operand", "reduce_axis", "unbiased_variance", "running_stats",
-                                     "batch_stats", "biased_variance", "tanh_gelu", "erf_gelu", "unwritten_tail",
+                                     "batch_stats", "biased_variance", "tanh_gelu", "erf_gelu", "mixed_gelu",
+                                     "norm_axes", "block_stats", "activation", "swapped_order", "bias_placement",
+                                     "skip_stage", "unwritten_tail",
                                      "sign_flip", "extra_bias", "unstable_softmax", "low_precision", "epsilon",
                                      "clamp"))}
 assert set(PRIOR) == set(KINDS)
@@ -89,6 +91,7 @@ class _Mutator:
 
     def __init__(self, variants: Sequence[Variant]):
         self.by_site = {v.site: v for v in variants}
+        self.watching = [v.watch for v in variants if v.watch is not None]
         self.planted = 0
 
     def before_module(self, module: torch.nn.Module, args: tuple) -> None:
@@ -97,6 +100,8 @@ class _Mutator:
                 v.before(module, args)
 
     def plant(self, index: int, call: tuple, tensor: torch.Tensor, shared: bool = False) -> None:
+        for watch in self.watching:
+            watch(index, call, tensor)
         v = self.by_site.get(index)
         if v is None:
             return
@@ -201,8 +206,8 @@ def rank_key(w: WhatIf) -> tuple:
 
 def search(s: Search, model_consts: Sequence[float] = (), records: Sequence[Record] = (), pairs: int = 4) -> list[WhatIf]:
     """Try every variant at every site of the window (within the budget of forwards); when none
-    reproduces the candidate within tolerance, try the best `pairs` two at a time.  Returns the
-    results best first (`rank_key`)."""
+    reproduces the candidate within tolerance, try the best `pairs` two at a time, then the best one
+    with each other mistake (`_with_the_best`).  Returns the results best first (`rank_key`)."""
     t0 = time.perf_counter()
     variants: list[Variant] = []
     by_index = {r.index: r for r in records}
@@ -210,7 +215,7 @@ def search(s: Search, model_consts: Sequence[float] = (), records: Sequence[Reco
     for i in s.window:
         rec = by_index.get(i)
         if rec is not None:
-            variants += catalogue(rec, s.model, model_consts, shapes)
+            variants += catalogue(rec, s.model, model_consts, shapes, by_index)
     # a fair share of the budget for every kind at every site: the first variant of each (site, kind)
     # first, commoner mistakes and later sites first among those, then the second variants, and so on
     nth: dict[tuple, int] = {}
@@ -274,9 +279,38 @@ def search(s: Search, model_consts: Sequence[float] = (), records: Sequence[Reco
                 if w is not None:
                     results.append(w)
         results.sort(key=rank_key)
+        if not results[0].explains:
+            results += _with_the_best(s, results, t0)
+            results.sort(key=rank_key)
     s.results = results
     s.seconds = time.perf_counter() - t0
     return results
+
+
+def _with_the_best(s: Search, results: list[WhatIf], t0: float) -> list[WhatIf]:
+    """The best single mistake with one more at another site: a second mistake whose effect alone the first
+    hides (a dropped bias after a wrong activation).  The closest variant of each (site, kind) first, while the
+    forward budget (what the single variants left of it) and the time budget last; stops at one that explains."""
+    singles = [w for w in results if len(w.variants) == 1]
+    if not singles:
+        return []
+    first = singles[0].variants[0]
+    done = {frozenset(map(id, w.variants)) for w in results if len(w.variants) == 2}
+    seen: set[tuple] = set()
+    out: list[WhatIf] = []
+    for w in singles[1:]:
+        v = w.variants[0]
+        if v.site == first.site or (v.site, v.kind) in seen or frozenset((id(first), id(v))) in done:
+            continue
+        seen.add((v.site, v.kind))
+        if s.forwards >= s.budget or time.perf_counter() - t0 > s.seconds_budget:
+            break
+        got = _evaluate(s, [first, v])
+        if got is not None:
+            out.append(got)
+            if got.explains:
+                break
+    return out
 
 
 def window(stages: Sequence[Any], ref: Trace, fd: Any) -> list[int]:

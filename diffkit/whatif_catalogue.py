@@ -8,23 +8,29 @@ table for one record and lists its `Variant`s, in the table's order.
 The kinds (`KINDS`): drop_bias, extra_bias, running_stats, batch_stats, unbiased_variance,
 biased_variance, epsilon, reduce_axis, scale, transposed_weight, transposed_operand,
 swapped_operands, tanh_gelu, erf_gelu, low_precision, unwritten_tail, clamp, sign_flip,
-unstable_softmax.
+unstable_softmax; and what a fused kernel decides for the stages it replaces: norm_axes (a norm's statistics
+over other axes, a GroupNorm with other groups), block_stats (statistics per block of consecutive elements),
+mixed_gelu (a norm's statistics from one GELU, its values from the other), activation (SiLU for sigmoid,
+LeakyReLU for ReLU, an approximation), swapped_order (two elementwise steps the other way round),
+bias_placement (a layer's bias added after the activation), skip_stage (a stage left out).
 """
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from .capture import Record, StopCapture
+from .records import Ref
 
 KINDS = ("drop_bias", "extra_bias", "running_stats", "batch_stats", "unbiased_variance", "biased_variance",
          "epsilon", "reduce_axis", "scale", "transposed_weight", "transposed_operand", "swapped_operands",
-         "tanh_gelu", "erf_gelu", "low_precision", "unwritten_tail", "clamp", "sign_flip", "unstable_softmax")
+         "tanh_gelu", "erf_gelu", "low_precision", "unwritten_tail", "clamp", "sign_flip", "unstable_softmax",
+         "norm_axes", "block_stats", "mixed_gelu", "activation", "swapped_order", "bias_placement", "skip_stage")
 
 EPSILONS = (1e-5, 1e-6, 1e-12, 1e-8, 1e-3)
 TAIL_BLOCKS = (8, 16, 32, 64, 128, 256)
@@ -44,6 +50,9 @@ class Variant:
     before: Callable[[torch.nn.Module, tuple], None] | None = None  # sees each module call before it runs
     fn: Any = None  # the function or module that made the site's record (a run out of step is caught by it)
     aliases: tuple = ()  # the site record's other names
+    # sees every record the run makes before any is planted, (index, live call, result): a mistake that spans
+    # two stages (two elementwise steps swapped) keeps what it needs of the earlier one
+    watch: Callable[[int, Call, torch.Tensor], None] | None = None
 
 
 # ------------------------------------------------------------------------------------------ sites
@@ -156,6 +165,8 @@ def _map_float(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
 
 
 _BN_MODULES = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d)
+_IN_MODULES = (torch.nn.InstanceNorm1d, torch.nn.InstanceNorm2d, torch.nn.InstanceNorm3d)
+_CONVT_MODULES = (torch.nn.ConvTranspose1d, torch.nn.ConvTranspose2d, torch.nn.ConvTranspose3d)
 _LINEAR_OPS = {"linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "einsum", "__matmul__", "__rmatmul__",
                "tensordot"}
 _REDUCE_OPS = {"mean", "sum", "amax", "amin", "norm", "logsumexp", "prod", "std", "var"}
@@ -215,6 +226,7 @@ class Site:
     name: str  # `_name(fn)`
     constants: Sequence[float]  # the model's scalar settings (`model_constants`)
     shapes: dict[int, tuple]  # the shapes of the trace's records by index
+    records: dict[int, Record] = field(default_factory=dict)  # the trace's records by index (what made an input)
 
     @property
     def stage(self) -> str:
@@ -254,7 +266,8 @@ class Mutation:
     setting `each` gives (keyword arguments for `text` and `make`; one plain planting by default).  `text`
     (formatted with the stage's name and the setting) says what the mistaken kernel does; `make(site,
     **setting)` gives the function computing the mistaken result, or that function and a hook that sees each
-    module call before it runs (`Variant.before`)."""
+    module call before it runs (`Variant.before`, None for none), and optionally a third, a hook that sees every
+    record the run makes (`Variant.watch`)."""
 
     kind: str
     when: Callable[[Site], bool]
@@ -264,31 +277,33 @@ class Mutation:
 
 
 def catalogue(rec: Record, model: torch.nn.Module | None, constants: Sequence[float] = (),
-              shapes: dict[int, tuple] | None = None) -> list[Variant]:
+              shapes: dict[int, tuple] | None = None, records: dict[int, Record] | None = None) -> list[Variant]:
     """Every variant of the catalogue (`MUTATIONS`, in order) that applies to reference record `rec`.
     `constants`: scalar settings of the model (temperatures, scales, sizes) a missing or extra factor may
-    come from; `shapes`: the shapes of the trace's records by index (what an op's inputs looked like)."""
+    come from; `shapes`: the shapes of the trace's records by index (what an op's inputs looked like);
+    `records`: the trace's records by index (which call made an input: two steps a kernel may swap)."""
     c = _call_of(rec)
     if c is None or not is_site(rec):
         return []
     kind, fn, tmpl = c
-    s = Site(rec, kind, fn, tmpl, _name(fn), constants, shapes or {})
+    s = Site(rec, kind, fn, tmpl, _name(fn), constants, shapes or {}, records or {})
     out: list[Variant] = []
     for m in MUTATIONS:
         if not m.when(s):
             continue
         for setting in m.each(s):
             made = m.make(s, **setting)
-            apply, before = made if isinstance(made, tuple) else (made, None)
+            apply, before, watch = (tuple(made) + (None,))[:3] if isinstance(made, tuple) else (made, None, None)
             out.append(Variant(m.kind, rec.index, s.stage, m.text.format(stage=s.stage, **setting), apply, before, fn,
-                               tuple(rec.aliases)))
+                               tuple(rec.aliases), watch))
     return out
 
 
 # --- bias
 def _bias_term(s: Site) -> Callable[[Call, torch.Tensor], torch.Tensor] | None:
     """How the bias a site adds is read from the live call, in its result's broadcast (None: it adds none)."""
-    if s.module(torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d) and s.fn.bias is not None:
+    if s.module(torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, *_CONVT_MODULES) and \
+            s.fn.bias is not None:
         ch = -1 if isinstance(s.fn, torch.nn.Linear) else 1
         return lambda call, o, m=s.fn: _bias_view(m.bias, o, ch if ch >= 0 else o.dim() - 1)
     if s.op("linear", "addmm", "baddbmm", "addmv"):
@@ -540,6 +555,361 @@ def _always(s: Site) -> bool:
     return True
 
 
+# --- structure: the choices a fused kernel makes for the stages it replaces (issue 44)
+@dataclass(frozen=True)
+class _Norm:
+    """A normalisation site: its family, the axes its statistics are taken over (GroupNorm: its groups
+    instead), and how the live call gives (input, weight, bias, eps)."""
+
+    family: str  # "layer" (affine over the trailing axes) | "group" | "instance" | "batch" (affine per channel)
+    dims: tuple[int, ...]
+    groups: int  # GroupNorm's number of groups (0 for the others)
+    parts: Callable[[Call], tuple]
+
+
+def _op_parts(call: Call) -> tuple:
+    """(input, weight, bias, eps) of a layer_norm / group_norm call (the same positions)."""
+    return _arg(call, 0, "input"), _arg(call, 2, "weight"), _arg(call, 3, "bias"), _arg(call, 4, "eps", 1e-5)
+
+
+def _module_parts(call: Call) -> tuple:
+    m = call[1]
+    return _first_input(call), m.weight, m.bias, m.eps
+
+
+def _norm_of(s: Site) -> _Norm | None:
+    """The normalisation a site computes with statistics of its own input (None for other sites, and for
+    norms that read running statistics)."""
+    n = len(s.shape)
+    spatial = tuple(range(2, n))
+    if s.module(torch.nn.LayerNorm):
+        k = len(s.fn.normalized_shape)
+        return _Norm("layer", tuple(range(n - k, n)), 0, _module_parts)
+    if s.op("layer_norm"):
+        shape = s.arg(1, "normalized_shape")
+        k = 1 if isinstance(shape, int) else len(shape or ())
+        return _Norm("layer", tuple(range(n - k, n)), 0, _op_parts) if 0 < k <= n else None
+    if s.module(torch.nn.GroupNorm) and n >= 2:
+        return _Norm("group", (), s.fn.num_groups, _module_parts)
+    if s.op("group_norm") and n >= 2 and isinstance(s.arg(1, "num_groups"), int):
+        return _Norm("group", (), s.arg(1, "num_groups"), _op_parts)
+    if s.module(*_IN_MODULES) and n >= 3 and (s.fn.training or not s.fn.track_running_stats):
+        return _Norm("instance", spatial, 0, _module_parts)
+    if s.op("instance_norm") and n >= 3 and s.arg(5, "use_input_stats", True):
+        return _Norm("instance", spatial, 0, lambda call: (_arg(call, 0, "input"), _arg(call, 3, "weight"),
+                                                           _arg(call, 4, "bias"), _arg(call, 7, "eps", 1e-5)))
+    if _bn_batch_stats(s) and n >= 2:
+        return _Norm("batch", (0,) + spatial, 0, _module_parts)
+    if s.op("batch_norm") and n >= 2 and s.arg(5, "training", False):
+        return _Norm("batch", (0,) + spatial, 0, lambda call: (_arg(call, 0, "input"), _arg(call, 3, "weight"),
+                                                               _arg(call, 4, "bias"), _arg(call, 7, "eps", 1e-5)))
+    return None
+
+
+def _standardise(x: torch.Tensor, dims: tuple[int, ...], groups: int, eps: float, outside: bool = False,
+                 stats_from: torch.Tensor | None = None) -> torch.Tensor:
+    """(x - mean) / sqrt(var + eps) with the biased variance over `dims` (over each of `groups` channel groups
+    when `groups`); `outside`: eps added to the standard deviation instead; `stats_from`: the statistics taken
+    from that tensor (of x's shape) instead of x."""
+    src = x if stats_from is None else stats_from
+    if groups:
+        xv, sv, dims = x.reshape(x.shape[0], groups, -1), src.reshape(x.shape[0], groups, -1), (2,)
+    else:
+        xv, sv = x, src
+    mean = sv.mean(dims, keepdim=True)
+    var = sv.var(dims, keepdim=True, correction=0)
+    den = var.sqrt() + eps if outside else torch.sqrt(var + eps)
+    return ((xv - mean) / den).reshape(x.shape)
+
+
+def _affine(y: torch.Tensor, norm: _Norm, w: Any, b: Any) -> torch.Tensor:
+    """The norm's weight and bias, placed as the reference places them."""
+    if norm.family == "layer":
+        return (y * w if w is not None else y) + (b if b is not None else 0)
+    if w is not None:
+        y = y * _bias_view(w, y, 1)
+    return y + _bias_view(b, y, 1) if b is not None else y
+
+
+def _axes_words(dims: Sequence[int], shape: tuple) -> str:
+    letters = {4: "NCHW", 5: "NCDHW"}.get(len(shape))
+    name = "·".join(letters[d] for d in dims) if letters else "axes " + ", ".join(map(str, dims))
+    return f"{name} ({math.prod(shape[d] for d in dims)} values)"
+
+
+def _other_norm_axes(s: Site) -> list[dict]:
+    """Other sets of axes (other numbers of groups for a GroupNorm) a kernel may take the statistics over: the
+    trailing axes, the channels, the batch, the spatial axes, everything."""
+    norm, shape, n = _norm_of(s), s.shape, len(s.shape)
+    if norm.groups:
+        c, g = shape[1], norm.groups
+        why = {c: ", one per channel: an InstanceNorm", 1: ", the whole sample"}
+        return [{"dims": (), "groups": k, "over": f"{k} groups of {c // k} channel{'s' * (c > k)}{why.get(k, '')}",
+                 "cur": f"{g} groups of {c // g}"} for k in range(1, c + 1) if c % k == 0 and k != g]
+
+    def eff(d):
+        return tuple(i for i in d if shape[i] > 1)
+    pool = [tuple(range(n - j, n)) for j in range(1, n + 1)] + [(1,), (0,), (0,) + tuple(range(2, n)),
+                                                                tuple(range(2, n))]
+    seen, out = {eff(norm.dims)}, []
+    for d in pool:
+        if d and eff(d) and eff(d) not in seen:
+            seen.add(eff(d))
+            out.append({"dims": d, "groups": 0, "over": _axes_words(d, shape), "cur": _axes_words(norm.dims, shape)})
+    return out
+
+
+def _norm_axes(s: Site, dims: tuple, groups: int, **_: Any) -> Apply:
+    norm = _norm_of(s)
+
+    def apply(call, o):
+        x, w, b, eps = norm.parts(call)
+        return _affine(_standardise(x, dims, groups, eps), norm, w, b)
+
+    return apply
+
+
+def _row_length(s: Site, norm: _Norm) -> int:
+    """How many consecutive elements each set of statistics covers (0: not consecutive, a BatchNorm's)."""
+    if norm.family == "batch":
+        return 0
+    if norm.groups:
+        return math.prod(s.shape[1:]) // norm.groups
+    return math.prod(s.shape[d] for d in norm.dims)
+
+
+BLOCKS = (1024, 512, 256, 128, 64, 32, 16, 8)  # elements a thread block may reduce over
+
+
+def _blocks(s: Site) -> list[dict]:
+    """Power-of-two blocks of consecutive elements smaller than each normalised set (a reduction left per
+    thread block); not those whole channels or whole trailing rows make (other groups / axes say those)."""
+    norm = _norm_of(s)
+    length = _row_length(s, norm)
+    whole = math.prod(s.shape[2:]) if norm.groups else s.shape[-1] if len(norm.dims) > 1 else 0
+    return [{"b": b, "n": length} for b in BLOCKS
+            if b < length and length % b == 0 and not (whole and b % whole == 0)]
+
+
+def _block_stats(s: Site, b: int, n: int) -> Apply:
+    norm = _norm_of(s)
+
+    def apply(call, o):
+        x, w, bias, eps = norm.parts(call)
+        return _affine(_standardise(x.reshape(-1, b), (1,), 0, eps).reshape(x.shape), norm, w, bias)
+
+    return apply
+
+
+def _eps_outside(s: Site) -> Apply:
+    norm = _norm_of(s)
+
+    def apply(call, o):
+        x, w, b, eps = norm.parts(call)
+        return _affine(_standardise(x, norm.dims, norm.groups, eps, outside=True), norm, w, b)
+
+    return apply
+
+
+# a stage's input passed through: elementwise steps, activations, norms
+_ACT_MODULES = (torch.nn.GELU, torch.nn.ReLU, torch.nn.SiLU, torch.nn.Sigmoid, torch.nn.Tanh, torch.nn.LeakyReLU,
+                torch.nn.Hardswish, torch.nn.Hardsigmoid, torch.nn.ELU, torch.nn.SELU, torch.nn.CELU,
+                torch.nn.Softplus, torch.nn.Mish, torch.nn.Hardtanh, torch.nn.ReLU6)
+_ACT_OPS = {"gelu", "relu", "silu", "sigmoid", "tanh", "leaky_relu", "hardswish", "hardsigmoid", "elu", "selu",
+            "celu", "softplus", "mish", "hardtanh", "relu6", "logsigmoid", "softsign", "tanhshrink"}
+_BINARY_OPS = {"mul", "div", "add", "sub", "__mul__", "__rmul__", "__truediv__", "__add__", "__radd__", "__sub__",
+               "true_divide", "multiply", "divide"}
+_UNARY_OPS = _ACT_OPS | {"exp", "clamp", "clip", "square", "sqrt", "rsqrt", "abs", "neg", "__neg__", "log"}
+_NORM_OPS = ("layer_norm", "group_norm", "instance_norm", "batch_norm", "softmax", "log_softmax")
+
+
+def _first_ref(s: Site) -> int | None:
+    """The position of the call's first argument that is a record of the trace."""
+    args, _ = _tmpl_args(s.tmpl)
+    return next((i for i, a in enumerate(args) if isinstance(a, Ref)), None)
+
+
+def _ref_shape(s: Site, pos: int | None) -> tuple | None:
+    args, _ = _tmpl_args(s.tmpl)
+    return s.shapes.get(args[pos].index) if pos is not None else None
+
+
+def _elementwise(s: Site) -> bool:
+    """An elementwise step a kernel may apply in another order or leave out: an activation, a unary op, or a
+    binary op of two tensors or of a tensor and a number (not a bias: drop_bias says that)."""
+    if s.module(*_ACT_MODULES):
+        return True
+    if s.kind != "op" or not (s.name in _UNARY_OPS or s.name in _BINARY_OPS) or _bias_term(s) is not None:
+        return False
+    return s.name not in _BINARY_OPS or len(_tmpl_args(s.tmpl)[0]) == 2
+
+
+def _skippable(s: Site) -> bool:
+    """A stage that keeps its input's shape and that a kernel may leave out: an elementwise step of two tensors
+    or of one, a norm, a softmax, an activation (a product with a number: `scale` says that)."""
+    pos = _first_ref(s)
+    if pos is None or _ref_shape(s, pos) != s.shape:
+        return False
+    if s.module(*_NORM_MODULES, *_IN_MODULES, torch.nn.Softmax, torch.nn.LogSoftmax) or s.op(*_NORM_OPS):
+        return True
+    if not _elementwise(s):
+        return False
+    args, _ = _tmpl_args(s.tmpl)
+    return s.name not in _BINARY_OPS or all(isinstance(a, (Ref, torch.Tensor)) for a in args[:2])
+
+
+def _skip(s: Site) -> Apply:
+    pos = _first_ref(s)
+    return lambda call, o: _args(call)[0][pos]
+
+
+def _activation_of(s: Site) -> str | None:
+    """Which activation a site computes ("silu", "sigmoid", "relu", "leaky_relu", "gelu", …), None for others."""
+    if s.kind == "module":
+        names = {torch.nn.SiLU: "silu", torch.nn.Sigmoid: "sigmoid", torch.nn.ReLU: "relu",
+                 torch.nn.LeakyReLU: "leaky_relu", torch.nn.GELU: "gelu", torch.nn.Hardswish: "hardswish",
+                 torch.nn.Hardsigmoid: "hardsigmoid"}
+        return names.get(type(s.fn))
+    return s.name if s.name in ("silu", "sigmoid", "relu", "leaky_relu", "gelu", "hardswish", "hardsigmoid") \
+        else None
+
+
+def _slope(s: Site) -> float:
+    return float(s.fn.negative_slope if s.kind == "module" else s.arg(1, "negative_slope", 0.01))
+
+
+def _activation_variants(s: Site) -> list[dict]:
+    """The activations a kernel writer puts in the place of this one (a variant, an approximation)."""
+    act = _activation_of(s)
+    table = {
+        "silu": [("sigmoid(x), not SiLU x·sigmoid(x)", torch.sigmoid),
+                 ("hardswish, a piecewise approximation of SiLU", F.hardswish)],
+        "sigmoid": [("x·sigmoid(x) (SiLU), not sigmoid(x)", F.silu),
+                    ("hardsigmoid, a piecewise approximation of sigmoid", F.hardsigmoid)],
+        "relu": [("LeakyReLU (slope 0.01), not ReLU", lambda x: F.leaky_relu(x, 0.01))],
+        "gelu": [("x·sigmoid(1.702x), the sigmoid approximation of GELU", lambda x: x * torch.sigmoid(1.702 * x))],
+        "hardswish": [("SiLU x·sigmoid(x), not hardswish", F.silu)],
+        "hardsigmoid": [("sigmoid(x), not hardsigmoid", torch.sigmoid)],
+    }
+    out = [{"words": w, "f": f} for w, f in table.get(act, ())]
+    if act == "leaky_relu":
+        a = _slope(s)
+        out.append({"words": f"ReLU, not LeakyReLU (slope {a:g})", "f": F.relu})
+        out += [{"words": f"LeakyReLU with slope {b:g} (not {a:g})", "f": lambda x, b=b: F.leaky_relu(x, b)}
+                for b in (0.01, 0.1, 0.2) if not math.isclose(a, b)]
+    return out
+
+
+def _activation(s: Site, words: str, f: Callable) -> Apply:
+    pos = _first_ref(s) or 0
+    return lambda call, o: f(_args(call)[0][pos])
+
+
+def _call_with(call: Call, pos: int, value: torch.Tensor) -> torch.Tensor:
+    """The call made again with argument `pos` replaced."""
+    kind, fn, args, kwargs = call
+    args = list(args)
+    args[pos] = value
+    return fn(*args, **kwargs)
+
+
+def _producer(s: Site) -> tuple[Record, int, Site] | None:
+    """The record a site reads first, the position of that record's own first record argument, and the site it
+    is; None when the site reads no record that a call of this trace made."""
+    pos = _first_ref(s)
+    if pos is None:
+        return None
+    rec = s.records.get(_tmpl_args(s.tmpl)[0][pos].index)
+    c = _call_of(rec) if rec is not None else None
+    if c is None or not is_site(rec):
+        return None
+    prev = Site(rec, c[0], c[1], c[2], _name(c[1]), s.constants, s.shapes, s.records)
+    ppos = _first_ref(prev)
+    return (rec, ppos, prev) if ppos is not None else None
+
+
+def _holding(index: int, pos: int) -> tuple[dict, Callable]:
+    """A watch that keeps the live call of record `index` and a copy of its argument `pos`."""
+    held: dict = {}
+
+    def watch(i, call, tensor):
+        if i == index:
+            held["call"], held["x"] = call, _args(call)[0][pos].detach().clone()
+
+    return held, watch
+
+
+def _swappable(s: Site) -> list[dict]:
+    """Two consecutive elementwise steps of one shape (this site reading the other's result)."""
+    if not _elementwise(s) or _first_ref(s) is None:
+        return []
+    p = _producer(s)
+    if p is None or not _elementwise(p[2]) or not (tuple(p[0].shape) == s.shape == _ref_shape(p[2], p[1])):
+        return []
+    return [{"prev": p[0].name, "a": p[0].index, "pa": p[1], "pb": _first_ref(s)}]
+
+
+def _swapped(s: Site, prev: str, a: int, pa: int, pb: int) -> tuple:
+    held, watch = _holding(a, pa)
+
+    def apply(call, o):
+        if "call" not in held:
+            raise _NotApplicable("the step before was not made")
+        return _call_with(held["call"], pa, _call_with(call, pb, held["x"]))
+
+    return apply, None, watch
+
+
+def _gelu_before_norm(s: Site) -> list[dict]:
+    """A norm reading a GELU's result: a fused kernel may compute that GELU twice, two ways."""
+    if _norm_of(s) is None:
+        return []
+    p = _producer(s)
+    if p is None or not _is_gelu(p[2]) or tuple(p[0].shape) != s.shape or _ref_shape(p[2], p[1]) != s.shape:
+        return []
+    exact = _gelu_approximation(p[2]) == "none"
+    words = ("the exact (erf) GELU", "the tanh-approximated GELU")
+    return [{"prev": p[0].name, "a": p[0].index, "pa": p[1], "other": "tanh" if exact else "none",
+             "stats": words[0 if exact else 1], "values": words[1 if exact else 0]}]
+
+
+def _mixed_gelu(s: Site, prev: str, a: int, pa: int, other: str, stats: str, values: str) -> tuple:
+    norm = _norm_of(s)
+    held, watch = _holding(a, pa)
+
+    def apply(call, o):
+        if "x" not in held:
+            raise _NotApplicable("the GELU was not made")
+        g, w, b, eps = norm.parts(call)
+        v = F.gelu(held["x"], approximate=other)
+        return _affine(_standardise(v, norm.dims, norm.groups, eps, stats_from=g), norm, w, b)
+
+    return apply, None, watch
+
+
+def _biased_producer(s: Site) -> list[dict]:
+    """An activation reading the result of a layer that adds a bias (Linear, Conv, ConvTranspose)."""
+    if not (s.module(*_ACT_MODULES) or s.op(*_ACT_OPS)):
+        return []
+    p = _producer(s)
+    if p is None or _first_ref(s) != 0 or tuple(p[0].shape) != s.shape:
+        return []
+    prev = p[2]
+    if prev.module(torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, *_CONVT_MODULES) and \
+            prev.fn.bias is not None:
+        return [{"prev": p[0].name, "layer": prev.fn, "ch": -1 if isinstance(prev.fn, torch.nn.Linear) else 1}]
+    return []
+
+
+def _bias_after(s: Site, prev: str, layer: torch.nn.Module, ch: int) -> Apply:
+    def apply(call, o):
+        x = _first_input(call)
+        bias = _bias_view(layer.bias, x, ch % x.dim())
+        return _call_with(call, 0, x - bias) + bias
+
+    return apply
+
+
 # The catalogue, in the order its variants are listed for a site.  Each entry: the mistake's kind, the sites it
 # applies to, what the mistaken kernel does in words, and how its result is computed.
 MUTATIONS: tuple[Mutation, ...] = (
@@ -599,6 +969,26 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation("erf_gelu", lambda s: _is_gelu(s) and _gelu_approximation(s) != "none",
              "`{stage}` uses the exact (erf) GELU, not the tanh approximation",
              lambda s: lambda call, o: F.gelu(_first_input(call), approximate="none")),
+    # --- structure (what a fused kernel replaced): the axes or blocks a norm's statistics cover, where its eps
+    # goes, two GELUs in one kernel, another activation, two steps in the other order, a bias after the
+    # activation, a stage left out
+    Mutation("norm_axes", lambda s: _norm_of(s) is not None, "`{stage}` normalises over {over} (not {cur})",
+             _norm_axes, _other_norm_axes),
+    Mutation("block_stats", lambda s: _norm_of(s) is not None,
+             "`{stage}` takes its statistics per block of {b} consecutive elements, not over all {n} it normalises "
+             "together (a reduction left per thread block)", _block_stats, _blocks),
+    Mutation("epsilon", lambda s: _norm_of(s) is not None,
+             "`{stage}` adds eps to the standard deviation, outside the square root", _eps_outside),
+    Mutation("mixed_gelu", lambda s: _norm_of(s) is not None,
+             "`{stage}` normalises {values} of `{prev}`'s input with the statistics of {stats} (two GELUs in one "
+             "kernel)", _mixed_gelu, _gelu_before_norm),
+    Mutation("activation", lambda s: _activation_of(s) is not None, "`{stage}` computes {words}", _activation,
+             _activation_variants),
+    Mutation("swapped_order", _elementwise, "`{stage}` applied before `{prev}` (the two steps in the other order)",
+             _swapped, _swappable),
+    Mutation("bias_placement", _always, "`{prev}`'s bias added after `{stage}`, not before it", _bias_after,
+             _biased_producer),
+    Mutation("skip_stage", _skippable, "`{stage}` skipped (its input passed on unchanged)", _skip),
     # --- weights and operands
     Mutation("transposed_weight", _always, "`{stage}` uses its weight {words}", _transposed_blocks, _square_blocks),
     Mutation("transposed_weight", _always,

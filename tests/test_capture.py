@@ -42,9 +42,9 @@ def test_records_in_order_with_source_names():
     assert names[0] == "input[0]"
     # q, k, v by position; the whole right-hand side gets the assigned name; sub-expressions their text
     for expected in ["qkv", "forward:q", "forward:k", "forward:v", "forward:k.transpose(-1, -2)",
-                     "forward:q @ k.transpose(-1, -2)", "forward:scores", "forward:attn", "tap:context", "output"]:
+                     "forward:q @ k.transpose(-1, -2)", "forward:scores", "forward:attn", "tap:context", "out"]:
         assert expected in names, (expected, names)
-    order = [names.index(n) for n in ["qkv", "forward:q", "forward:scores", "forward:attn", "tap:context", "output"]]
+    order = [names.index(n) for n in ["qkv", "forward:q", "forward:scores", "forward:attn", "tap:context", "out"]]
     assert order == sorted(order)
     assert [r.index for r in trace] == list(range(len(trace)))
     scores = trace["forward:scores"]
@@ -73,7 +73,8 @@ def test_nothing_recorded_twice():
     assert len(set(trace.names())) == len(trace)
     # a module's output that is also the model's output is one record with two names
     out = trace.output
-    assert out.name == "output" and "out" in out.aliases
+    # (named as the user wrote it: the submodule's name, `output` an alias)
+    assert out.name == "out" and "output" in out.aliases
     # the internals of nn.Linear (F.linear) are not recorded next to the module record
     assert not any(r.op == "F.linear" for r in trace)
 

@@ -354,3 +354,23 @@ def test_explain_flags_through_the_cli(tmp_path):
     assert d["what_if"] == []
     d, _ = run(unfused, "--explain", ref="axial_attention.py")
     assert d["what_if"] and d["what_if"][0]["kind"] == "drop_bias" and d["what_if"][0]["explains"]
+
+
+def test_nearest_what_ifs_are_only_those_closer_than_the_error_itself():
+    """A what-if that leaves the reference further from the candidate than it was explains nothing: it is not
+    listed as 'nearest', and when none comes closer the text says so."""
+    from types import SimpleNamespace
+
+    from diffkit.describe import what_if_lines
+
+    def w(after, detail):
+        return {"detail": detail, "max_abs_before": 0.5, "max_abs_after": after, "explains": False,
+                "rel_l2_after": 0.9, "mismatches_after": 10}
+
+    info = {"what_if": {"forwards": 12, "seconds": 0.4}}
+    mixed = SimpleNamespace(what_if=[w(0.2, "`a` negated"), w(0.9, "`b` scaled")], meta=info)
+    text = "\n".join(what_if_lines(mixed))
+    assert "`a` negated: partly explains it" in text and "`b` scaled" not in text
+    worse = SimpleNamespace(what_if=[w(0.7, "`a` negated"), w(0.9, "`b` scaled")], meta=info)
+    text = "\n".join(what_if_lines(worse))
+    assert "`a` negated" not in text and "`b` scaled" not in text and "nor brings the reference closer" in text
