@@ -15,6 +15,7 @@ from . import report
 from .errors import DiffkitError
 from .render import text_report
 from .result import Result
+from .safefiles import write_text
 
 
 class Terminated(BaseException):
@@ -109,8 +110,7 @@ class Outputs:
                 if path and os.path.dirname(path):
                     os.makedirs(os.path.dirname(path), exist_ok=True)
             if self.json_path:
-                with open(self.json_path, "w", encoding="utf-8") as fh:
-                    fh.write(result.to_json())
+                write_text(self.json_path, result.to_json())
             if self.csv_path:
                 result.to_csv(self.csv_path)
             if not self.no_report and not _nothing_ran(result):

@@ -18,6 +18,7 @@ from markupsafe import Markup
 from . import plots
 from .render import banner, harden_view, junit_xml, notices, stage_table, stages_csv, summary_markdown, template
 from .result import Result, Stage
+from .safefiles import write_text
 
 MAX_STAGES = 6
 TRACEBACK_CHARS = 6000  # the end of a traceback is where the failing line is
@@ -103,12 +104,7 @@ def html_report(result: Result, max_stages: int = MAX_STAGES) -> str:
 
 
 def _write(path: str, text: str) -> str:
-    d = os.path.dirname(path)
-    if d:
-        os.makedirs(d, exist_ok=True)
-    with open(path, "w", encoding="utf-8", newline="") as fh:
-        fh.write(text)
-    return path
+    return write_text(path, text)  # (never through a link planted in the report folder)
 
 
 def write_report(result: Result, directory: str | None = None) -> dict[str, str]:

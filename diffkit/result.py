@@ -21,6 +21,7 @@ from .describe import headline
 from .load import WeightReport
 from .measure import FLOAT32_TOLERANCE, Stats, Worst
 from .render import result_html, stage_html, stages_csv
+from .safefiles import write_text
 
 STATUSES = ("ok", "diverged", "after-divergence", "unmatched")
 VERDICTS = ("match", "diverged", "error")
@@ -539,7 +540,8 @@ class Result:
             "reference_health": self.health,
             "error": self.error.to_dict() if self.error else None,
             "stages": [s.to_dict() for s in self.stages],
-            "output": {"max_abs": _num(out.max_abs), "mean_abs": _num(out.mean_abs), "allclose": out.ok,
+            # allclose: KernelBench's torch.allclose whatever the rule in force; passed: the rule in force's
+            "output": {"max_abs": _num(out.max_abs), "mean_abs": _num(out.mean_abs), "allclose": out.allclose,
                        "passed": ostage.passed if ostage is not None else out.ok, "shape_mismatch": shape_mm,
                        "structure_mismatch": list(self.output_structure) if self.output_structure else None,
                        "stats": stats_to_dict(out)}
@@ -603,8 +605,7 @@ class Result:
     def to_csv(self, path: str | None = None) -> str:
         text = stages_csv(self)
         if path:
-            with open(path, "w", encoding="utf-8", newline="") as fh:
-                fh.write(text)
+            write_text(path, text)
         return text
 
     def __repr__(self) -> str:

@@ -76,6 +76,28 @@ def test_each_stat_changes_the_verdict_where_it_should(stat, outlier_ok, small_o
         assert f"--stat {stat}" in r2.summary_line()
 
 
+@pytest.mark.parametrize("stat", ["mean", "median"])
+def test_a_stat_that_passes_what_allclose_fails_never_claims_a_kernelbench_pass(tmp_path, stat):
+    """One element off by 0.5: the median/mean rule matches (the verdict --stat asks for), but every trial fails
+    torch.allclose, and the answer says so instead of "passes 5 of 5 KernelBench trials"."""
+    ref, cand = tmp_path / "ref.py", tmp_path / "cand.py"
+    ref.write_text("import torch, torch.nn as nn\nclass Model(nn.Module):\n    def forward(self, x):\n"
+                   "        return torch.tanh(x)\ndef get_inputs():\n    return [torch.randn(128, 64)]\n"
+                   "def get_init_inputs():\n    return []\n")
+    cand.write_text("import torch, torch.nn as nn\nclass ModelNew(nn.Module):\n    def forward(self, x):\n"
+                    "        y = torch.tanh(x)\n        y[3, 5] += 0.5\n        return y\n")
+    r = diffkit.diff_files(str(ref), str(cand), stat=stat)
+    assert r.verdict == "match", r.summary_line()
+    assert r.trials and all(t["allclose"] and t["kernelbench"] is False for t in r.trials), r.trials
+    line = r.summary_line()
+    assert "KernelBench trials" not in line and f"torch.allclose fails {len(r.trials)} of them" in line, line
+    proc = run_cli("diff", ref, cand, "--stat", stat, "--no-report")
+    assert proc.returncode == 0 and "passes 5 of 5" not in proc.stdout, proc.stdout[-1500:]
+    assert proc.stdout.count("KernelBench's torch.allclose FAILS it") == 5, proc.stdout[-1500:]
+    plain = diffkit.diff_files(str(ref), str(cand))  # KernelBench's own rule: no second answer
+    assert plain.verdict == "diverged" and all(t["kernelbench"] is None for t in plain.trials)
+
+
 def test_nan_fails_under_every_stat():
     x = _x()
     e = torch.zeros(64, 64)
@@ -120,7 +142,8 @@ def test_cli_stat_flag_in_json_and_reports(tmp_path):
                     str(rd / "r.json"))
         outs[stat] = p
         d = json.loads((rd / "r.json").read_text())
-        assert d["output"]["allclose"] == (stat == "median")
+        # passed: the rule in force; allclose: KernelBench's torch.allclose, which the element off by 1 fails
+        assert d["output"]["passed"] == (stat == "median") and d["output"]["allclose"] is False
         assert p.returncode == (0 if stat == "median" else 1), p.stdout + p.stderr
         if stat == "median":
             assert "--stat median" in (rd / "index.html").read_text()

@@ -1,0 +1,93 @@
+"""A battery of broken and hostile candidate files (issue 45): each ends with exit 2 and a sentence that says what
+and where (or with the right verdict), never a traceback or diffkit's own exit 3, and never a hang."""
+import os
+
+import pytest
+
+from conftest import REFS, run_cli
+
+GELU = open(os.path.join(REFS, "gelu.py"), encoding="utf-8").read()
+HEAD = "import torch, torch.nn as nn\n"
+
+
+def _model(body: str, init: str = "") -> str:
+    return HEAD + "class ModelNew(nn.Module):\n    def __init__(self):\n        super().__init__()\n" + \
+        (init or "        pass\n") + "    def forward(self, x):\n" + body
+
+
+CANDIDATES = {
+    # the file itself
+    "empty file": ("", "defines no `ModelNew`"),
+    "only comments": ("# nothing here\n", "defines no `ModelNew`"),
+    "binary bytes": (b"\x00\x01\xff\xfe" * 64, "cannot read"),
+    "bad utf-8": (b"x = '\xff\xfe'\n", "cannot read"),
+    "syntax error": ("class ModelNew(:\n", "syntax error"),
+    "tab/space mix": ("class ModelNew:\n\tdef f(self):\n        pass\n", "syntax error"),
+    "raises at import": ("raise RuntimeError('no GPU here')\n", "no GPU here"),
+    "sys.exit at import": ("import sys\nsys.exit(0)\n", "exit"),
+    "ModelNew is not a class": ("ModelNew = 3\n", "`ModelNew` in"),
+    "ModelNew not a Module": ("class ModelNew:\n    def __init__(self):\n        pass\n", "not an nn.Module"),
+    "no super().__init__()": (HEAD + "class ModelNew(nn.Module):\n    def __init__(self):\n        self.k = 2\n"
+                              "    def forward(self, x):\n        return x\n", "super().__init__()"),
+    "wrong constructor arity": (HEAD + "class ModelNew(nn.Module):\n    def __init__(self, a, b, c):\n"
+                                "        super().__init__()\n    def forward(self, x):\n        return x\n", "init"),
+    "constructor raises": (_model("        return x\n", "        raise ValueError('bad config')\n"), "bad config"),
+    # the forward
+    "forward raises": (_model("        raise RuntimeError('kernel launch failed')\n"), "kernel launch failed"),
+    "forward returns None": (_model("        torch.nn.functional.gelu(x)\n"), "returned None"),
+    "forward returns a string": (_model("        return 'done'\n"), "not a tensor"),
+    "forward returns sparse": (_model("        return torch.nn.functional.gelu(x).to_sparse()\n"), "layout"),
+    "forward returns int tensor": (_model("        return torch.nn.functional.gelu(x).long()\n"), None),
+    "forward returns wrong shape": (_model("        return torch.nn.functional.gelu(x)[:, :3]\n"), None),
+    "forward returns a tuple": (_model("        return (torch.nn.functional.gelu(x),)\n"), None),
+    "forward takes no input": (HEAD + "class ModelNew(nn.Module):\n    def forward(self):\n"
+                               "        return torch.zeros(4, 256)\n", "forward"),
+    "forward sys.exit": (_model("        import sys\n        sys.exit(0)\n"), "SystemExit"),
+    "forward os._exit": (_model("        import os\n        os._exit(0)\n"), "exit"),
+    "forward NaN": (_model("        return torch.nn.functional.gelu(x) * float('nan')\n"), None),
+    "forward inf": (_model("        return torch.nn.functional.gelu(x) + float('inf')\n"), None),
+    "forward empty tensor": (_model("        return torch.empty(0)\n"), None),
+    "forward recursion": (_model("        return self.forward(x)\n"), "RecursionError"),
+}
+
+
+def _write(path, content):
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        path.write_text(content)
+
+
+@pytest.mark.parametrize("name", list(CANDIDATES))
+def test_a_broken_candidate_gets_a_sentence(tmp_path, name):
+    content, words = CANDIDATES[name]
+    ref = tmp_path / "ref.py"
+    ref.write_text(GELU)
+    cand = tmp_path / "cand.py"
+    _write(cand, content)
+    proc = run_cli("diff", ref, cand, "--no-report", "--trials", "1", "--timeout", "120", cwd=tmp_path, timeout=300)
+    text = proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr and "INTERNAL ERROR" not in text, text[-3000:]
+    assert proc.returncode in (1, 2), (proc.returncode, text[-2000:])
+    last = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+    assert last.startswith("diffkit: "), text[-2000:]
+    if words is not None:
+        assert proc.returncode == 2 and words in last, last
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev_zero", "folder", "dangling link"])
+def test_a_path_that_is_no_source_file_is_refused_at_once(tmp_path, kind):
+    ref = tmp_path / "ref.py"
+    ref.write_text(GELU)
+    cand = tmp_path / "cand.py"
+    if kind == "fifo":
+        os.mkfifo(cand)
+    elif kind == "dev_zero":
+        cand = "/dev/zero"
+    elif kind == "folder":
+        cand.mkdir()
+    else:
+        os.symlink(tmp_path / "gone.py", cand)
+    proc = run_cli("diff", ref, cand, "--no-report", cwd=tmp_path, timeout=60)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
+    assert "not a regular file" in proc.stdout or "file not found" in proc.stdout, proc.stdout
