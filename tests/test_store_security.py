@@ -280,7 +280,9 @@ def test_recover_from_journal(dkt):
     lines = (dkt / "records.jsonl").read_text().splitlines()
     _unfinished(dkt, lines + ['{"index": 3, "na'])  # a torn last line ends it
     back = load_trace(str(dkt))
-    assert [r.name for r in back] == ["input[0]", "0", "output"] and back[2].value is not None
+    # (the Sequential's last module is the output: named `1`, as its path says, with `output` an alias)
+    assert [r.name for r in back] == ["input[0]", "0", "1"] and back[2].value is not None
+    assert back[2].is_output and "output" in back[2].aliases
     assert store._recover_journal(str(dkt), [])[0][1]["name"] == "0"
 
 
