@@ -1168,4 +1168,6 @@ def diagnose(stage: Stage, ref: Any, cand: Any, ref_params: dict[str, torch.Tens
         # again (data with per-channel means, scaled), not a second one
         findings = [f for f in findings if not (f.kind == "offset" and f.confidence < 0.8)]
     findings.sort(key=lambda f: -f.confidence)
-    return findings
+    # one finding per kind: two checks that reach the same explanation of one stage (the bias by its per-channel
+    # offset and by re-running the call without it) say one thing, the more confident (or earlier) wording
+    return [f for i, f in enumerate(findings) if all(g.kind != f.kind for g in findings[:i])]

@@ -68,10 +68,19 @@ def test_candidate(name, tmp_path):
         assert not [f for s in r.stages for f in s.diagnosis], [(s.ref_name, s.diagnosis) for s in r.stages]
         assert not r.findings
         return
-    assert r.verdict != "match"
-    fd = r.first_divergence
-    assert fd is not None and fd.matches(exp["stage"]), (fd, exp)
-    assert fd.diagnosis and fd.diagnosis[0].kind == exp["kind"], fd.diagnosis
+    seen = []
+    # what uninitialised memory holds depends on the process (a loaded machine's allocator may hand back
+    # memory that holds plausible numbers once): such a candidate gets up to three fresh processes
+    for _ in range(3 if exp.get("kind") == "unwritten_region" else 1):
+        if seen:
+            r = _diff(path, exp, tmp_path)
+        assert r.verdict != "match"
+        fd = r.first_divergence
+        assert fd is not None and fd.matches(exp["stage"]), (fd, exp)
+        seen.append([f.kind for f in fd.diagnosis])
+        if fd.diagnosis and fd.diagnosis[0].kind == exp["kind"]:
+            return
+    assert False, (seen, fd.diagnosis)
 
 
 def test_unwritten_tail_names_the_region_and_cites_the_rerun(tmp_path):
