@@ -19,7 +19,7 @@ from .safefiles import write_text
 
 
 class Terminated(BaseException):
-    """SIGTERM/SIGINT arrived: unwind (children stopped, temporary directories removed), then exit.
+    """SIGTERM/SIGINT/SIGHUP arrived: unwind (children stopped, temporary directories removed), then exit.
     A BaseException, so neither the user's model nor the capture takes it for an error of the model."""
 
     def __init__(self, signum: int):
@@ -31,8 +31,12 @@ def _on_signal(signum, frame):
     raise Terminated(signum)
 
 
+STOP_SIGNALS = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGINT", "SIGHUP") if hasattr(signal, n))
+
+
 def install_signal_handlers() -> None:
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    """SIGTERM, SIGINT and SIGHUP (a closed terminal) unwind the diff: exit 128+N, children and folders gone."""
+    for sig in STOP_SIGNALS:
         try:
             signal.signal(sig, _on_signal)
         except ValueError:  # not the main thread (e.g. called from a test runner's worker)

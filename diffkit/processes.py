@@ -57,7 +57,7 @@ from .compare import is_capture
 from .errors import INTERNAL
 from .handoff import HANDOFF_FILE
 from .options import Options
-from .outputs import Outputs, stdout_gone
+from .outputs import STOP_SIGNALS, Outputs, stdout_gone
 from .modelstate import Trial
 from .pipeline import run
 from .result import ErrorInfo
@@ -215,7 +215,7 @@ def _forked_child(job: Job, conn: Connection, ours: Connection, env: dict, err, 
                 # this process's standard output was a stand-in (a StringIO): print into fd 1 all the same
                 sys.stdout = io.TextIOWrapper(os.fdopen(1, "wb", closefd=False),
                                               encoding=getattr(sys.stdout, "encoding", None) or "utf-8")
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in STOP_SIGNALS:
             signal.signal(sig, signal.SIG_DFL)
         os.environ.clear()
         os.environ.update(env)
@@ -354,8 +354,9 @@ def isolated(ref_path: str, cand_path: str, options: Options, timeout: float, ou
     """Run each side in its own child process (the reference captured to a file, then the candidate diffed
     against that capture; with no GPU in play, one child for the whole diff first); if a child crashes or hangs,
     diff what was captured before it.  Returns the exit code."""
-    # (errors ignored at its removal: a child stopped once it answered may still have had files open in it)
-    with tempfile.TemporaryDirectory(prefix="diffkit-", dir=_handoff_dir(options), ignore_cleanup_errors=True) as tmp:
+    # (errors ignored at its removal: a child stopped once it answered may still have had files open in it; the
+    # name carries this process's id: whose folder it is, on a /dev/shm shared by every diff on the machine)
+    with tempfile.TemporaryDirectory(prefix=f"diffkit-{os.getpid()}-", dir=_handoff_dir(options), ignore_cleanup_errors=True) as tmp:
         return _Isolated(tmp, ref_path, cand_path, options, timeout, out, sanitize).run()
 
 

@@ -292,8 +292,9 @@ def _temp_dirs(*roots) -> set[str]:
     return {os.path.join(r, n) for r in roots if os.path.isdir(r) for n in os.listdir(r) if n.startswith("diffkit-")}
 
 
-@pytest.mark.parametrize("two", [False, True], ids=["one-child", "a-child-per-side"])
-def test_sigterm_stops_the_children_and_removes_temp_dirs(files, two):
+@pytest.mark.parametrize("two,sig", [(False, signal.SIGTERM), (True, signal.SIGTERM), (False, signal.SIGHUP)],
+                         ids=["one-child", "a-child-per-side", "sighup"])
+def test_sigterm_stops_the_children_and_removes_temp_dirs(files, two, sig):
     """SIGTERM while the candidate's forward spins: the CLI exits 128+15, no process it started is left, and
     the temporary folders it made (the hand-over's, on /dev/shm where it can) are gone."""
     tmp, ref = files
@@ -313,11 +314,13 @@ def test_sigterm_stops_the_children_and_removes_temp_dirs(files, two):
         time.sleep(0.1)
     assert started.exists(), proc.communicate()
     kids = _descendants(proc.pid)
-    made = _temp_dirs(*roots) - before
+    # (this diff's own: named after its process, other tests' diffs share /dev/shm)
+    made = {d for d in _temp_dirs(*roots) - before if os.path.basename(d).startswith(f"diffkit-{proc.pid}-")}
+    assert made, _temp_dirs(*roots) - before
     assert kids  # (the forward runs in a child process)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(sig)
     proc.wait(timeout=30)
-    assert proc.returncode == 128 + signal.SIGTERM
+    assert proc.returncode == 128 + sig
     deadline = time.time() + 10
     while time.time() < deadline and any(os.path.exists(f"/proc/{k}") for k in kids):
         time.sleep(0.1)
