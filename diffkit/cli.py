@@ -16,13 +16,13 @@ from .errors import INTERNAL, DiffkitError
 from .flags import DIFF_OPTIONS
 from .load import load_reference
 from .options import Options, Tolerance
-from .outputs import Outputs, Terminated, install_signal_handlers, print_internal_error
+from .outputs import Outputs, Terminated, exit_guard, install_signal_handlers, print_internal_error
 from .modelstate import seed_all
 from .runner import clone_inputs, run_captured
 from .processes import isolated
 from .roles import Job, run_here
 from .stream import parse_size
-from .suite import suite
+from .suite_ray import suite  # `diffkit suite`, with its --ray backend registered
 from .trials import trial_seeds
 
 
@@ -116,6 +116,8 @@ def capture_cmd(model_path, side, seed, trials, device, eval_mode, inputs_from, 
     class_name = {"cand": "ModelNew", "ref": "Model", None: None}[side]
     which = "candidate" if side == "cand" else "reference"
     install_signal_handlers()
+    guard = exit_guard(what="the capture")  # (held: for the rest of this process, the model's code runs in it)
+    guard.__enter__()
     try:
         if output:
             trace = capture_reference(model_path, output, options, class_name=class_name, inputs_from=inputs_from,

@@ -388,6 +388,9 @@ def exec_file(path: str, side: str) -> types.ModuleType:
     _install_extension_import_hook()
     try:
         exec(code, module.__dict__)
+    except SystemExit as e:  # a file that ends the process at import: said, never taken for diffkit's own exit
+        raise DiffkitError(side, "import", f"the file called sys.exit({e.code!r}) at import: a KernelBench file "
+                           f"defines its models and returns", _user_location(e.__traceback__, path)) from None
     except Exception as e:
         text = str(e)
         m = _BUILD_ERROR.search(text)

@@ -3,6 +3,7 @@
 unwind it (`Terminated`).  (Layer 11, split from the CLI: the children of an isolated diff write answers too.)"""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -41,6 +42,34 @@ def install_signal_handlers() -> None:
             signal.signal(sig, _on_signal)
         except ValueError:  # not the main thread (e.g. called from a test runner's worker)
             pass
+
+
+@contextlib.contextmanager
+def exit_guard(out: "Outputs | None" = None, what: str = "the diff"):
+    """While a model's code runs in this process (--no-isolate, `diffkit capture`): an os._exit it calls ends the
+    process with exit 2 and a sentence, not silently with the code it chose (0 would read as a match).  A forked
+    child's exit, and diffkit's own once the answer is being written (`out.answering`), pass through."""
+    real, pid = os._exit, os.getpid()
+
+    def guarded(code: int) -> None:
+        if os.getpid() != pid or (out is not None and out.answering):
+            real(code)
+        try:
+            sys.stdout.flush()
+        except (OSError, ValueError):
+            pass
+        try:
+            os.write(1, f"diffkit: ERROR: a model's code ended the process with os._exit({code}) before {what} "
+                        f"answered\n".encode())
+        except OSError:
+            pass
+        real(2)
+
+    os._exit = guarded
+    try:
+        yield
+    finally:
+        os._exit = real
 
 
 def is_users_fault(e: BaseException) -> bool:

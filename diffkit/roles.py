@@ -29,7 +29,7 @@ from .errors import EXIT, INTERNAL, DiffkitError
 from .handoff import Holder
 from .load import build_candidate_ahead, encode_values, prepare_candidate
 from .options import Options
-from .outputs import Outputs, Terminated, install_signal_handlers, is_users_fault, print_internal_error, \
+from .outputs import Outputs, Terminated, exit_guard, install_signal_handlers, is_users_fault, print_internal_error, \
     stdout_gone
 from .pipeline import settle
 from .result import ErrorInfo, Result
@@ -423,7 +423,7 @@ def _sanitizer_evidence(sanitizer: tuple | None):
 def run_here(job: Job, out: Outputs, timeout: float) -> None:
     """A diff in this process (--no-isolate, a captured candidate): --timeout bounds the whole diff; exits with
     the diff's code."""
-    with deadline(timeout, job.ref_path, job.cand_path, job.options, out):
+    with deadline(timeout, job.ref_path, job.cand_path, job.options, out), exit_guard(out):
         diff(job, out)
 
 

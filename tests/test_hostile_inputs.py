@@ -91,3 +91,26 @@ def test_a_path_that_is_no_source_file_is_refused_at_once(tmp_path, kind):
     proc = run_cli("diff", ref, cand, "--no-report", cwd=tmp_path, timeout=60)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
     assert "not a regular file" in proc.stdout or "file not found" in proc.stdout, proc.stdout
+
+
+@pytest.mark.parametrize("how", ["sys.exit(0)", "os._exit(0)", "sys.exit()"])
+@pytest.mark.parametrize("where", ["import", "forward"])
+@pytest.mark.parametrize("command", ["diff --no-isolate", "diff", "capture"])
+def test_a_model_that_ends_the_process_never_reads_as_success(tmp_path, how, where, command):
+    """sys.exit / os._exit in a candidate's file or forward, run in diffkit's own process (--no-isolate, `diffkit
+    capture`) or in a child: exit 2 and a sentence, never 0 (a match, a saved capture)."""
+    ref = tmp_path / "ref.py"
+    ref.write_text(GELU)
+    cand = tmp_path / "cand.py"
+    stmt = f"import os, sys\n{how}\n" if where == "import" else ""
+    body = f"        import os, sys\n        {how}\n" if where == "forward" else "        return x\n"
+    cand.write_text(stmt + _model(body))
+    if command == "capture":
+        args = ["capture", cand, "--side", "cand", "--inputs-from", ref, "-o", tmp_path / "c.dkt"]
+    else:
+        args = ["diff", ref, cand, "--no-report", "--trials", "1", *command.split()[1:]]
+    proc = run_cli(*args, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 2, (proc.returncode, proc.stdout[-1500:], proc.stderr[-1500:])
+    # (a capture that stopped mid-forward prints what it captured and what the forward raised)
+    said = "diffkit: ERROR" in proc.stdout or (command == "capture" and "raised SystemExit" in proc.stdout)
+    assert "Traceback" not in proc.stderr and said, proc.stdout[-1500:]
