@@ -20,10 +20,16 @@ deadline) is an ``error`` entry with the reason from its log.  After every finis
 files are rewritten atomically: index.html, summary.json, summary.csv, junit.xml, summary.md.  A small
 marker per pair (suite.json: the two files' SHA-256, the diff options, the result's SHA-256) lets
 ``--resume`` skip pairs already answered for the same files and options.
+
+A pair that needs CUDA or Triton on a machine without them is ``skipped``, not errored: its diff answered
+an error that says CUDA (or Triton) is missing and this machine indeed lacks it (`unavailable_reason`; the
+reason also names what in the files needs it, `needs_cuda`).  Skipped pairs are counted apart in every
+summary and leave the exit code alone.  ``--ray [ADDRESS]`` runs the pairs as Ray tasks (suite_ray.py).
 """
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import csv
 import dataclasses
 import hashlib
@@ -39,7 +45,7 @@ import threading
 import time
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import click
 
@@ -48,6 +54,7 @@ from .describe import failure_summary, headline, stage_names
 from .render import (VERDICT_COLOUR, _element as el, csv_safe, harden_cell, harden_setting_line, md_code, md_escape,
                      template)
 from .result import Result, json_safe
+from .safefiles import open_fresh, write_text
 from .flags import DIFF_OPTIONS
 from .processes import python_command, stop as _stop
 
@@ -56,13 +63,17 @@ KB_REFERENCE = re.compile(r"^(?P<problem>\d+)_.*\.py$")
 MARKER = "suite.json"  # per pair: what its result.json was computed from
 LOG = "diff.log"  # per pair: the child's stdout and stderr
 SUMMARY_FILES = ("index.html", "summary.json", "summary.csv", "junit.xml", "summary.md")
-VERDICT_ORDER = ("error", "diverged", "match")
+VERDICT_ORDER = ("error", "diverged", "match", "skipped")
 # options of `diffkit diff` a suite passes on to every pair when given (any that `diff` does not have are
 # skipped, so an option added to `diff` later, e.g. --stat, needs only its name here)
 PASS_THROUGH = ("atol", "rtol", "seed", "trials", "eval_mode", "sync_weights", "device", "timeout", "strict",
                 "tolerance", "reinit_zero", "stat", "no_isolate", "max_memory", "stream", "only", "stop_at_first",
                 "sanitize", "explain", "explain_budget", "explain_seconds", "harden")
 HARDEN_KEYS = ("harden", "harden_detail")  # SuiteEntry's --harden fields, written only when set
+LOCAL_RAY = "local"  # --ray with no address: start a local Ray cluster
+# other ways to run a suite's pairs, by name: suite_ray.py registers "ray" (the command line imports it; it
+# imports this module, so this one cannot import it back)
+BACKENDS: dict[str, Any] = {}
 GRACE_S = 120.0  # a child past both sides' --timeout plus this is stopped by the suite
 
 
@@ -73,7 +84,8 @@ class SuiteEntry:
 
     name:             unique in the suite; the pair's report folder under the suite directory
     ref, cand:        the two files (None when discovery found no counterpart)
-    verdict:          "match" | "diverged" | "error"; None while not run
+    verdict:          "match" | "diverged" | "error" | "skipped" (needs CUDA or Triton, which this machine
+                      lacks); None while not run
     first_divergence: "stage 7 output" (the reference name, with the candidate's when it differs)
     root_cause:       the stage that introduces the error (rootcause.py), in the same form; it may be the first
                       divergence itself
@@ -88,6 +100,7 @@ class SuiteEntry:
                       --harden was not asked (or the pair has no answer)
     harden_detail:    with --harden, the first setting that breaks the candidate, in a sentence (else the first
                       finding about the problem, e.g. input_independent)
+    skip_reason:      why a skipped pair was not judged: what it needs, what in its files needs it, the diff's error
     """
 
     name: str
@@ -105,6 +118,7 @@ class SuiteEntry:
     headline: str = ""
     harden: str | None = None
     harden_detail: str | None = None
+    skip_reason: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -121,7 +135,7 @@ class SuiteEntry:
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
-        for key in HARDEN_KEYS:  # not asked: no trace of --harden
+        for key in (*HARDEN_KEYS, "skip_reason"):  # not asked / not skipped: no trace of them
             if d[key] is None:
                 del d[key]
         return d
@@ -350,6 +364,79 @@ def _reason(log_text: str) -> str:
     return lines[-1][:500] if lines else "no output"
 
 
+# ----------------------------------------------------------------------------- skipped: CUDA or Triton missing
+# what a diff says when the machine lacks CUDA (torch's own messages: no CUDA build, no driver, no device, no
+# toolkit for load_inline) or Triton (the import fails, or Triton finds no GPU backend)
+MISSING = {
+    "CUDA": re.compile(r"Torch not compiled with CUDA enabled|Found no NVIDIA driver|CUDA_HOME environment variable "
+                       r"is not set|No CUDA GPUs are available|CUDA is not available|no CUDA-capable device|"
+                       r"CUDA driver version is insufficient|nvcc(: not found| not found|\b.*No such file)|"
+                       r"Cannot access accelerator device when none is available|NVIDIA driver on your system is too "
+                       r"old|cuda.*is not available", re.IGNORECASE),
+    "Triton": re.compile(r"No module named '?triton|0 active drivers|Triton.*(requires|needs) a GPU", re.IGNORECASE),
+}
+# how a file shows that it needs one of them (what the skip reason names; the verdict itself rests on the diff's
+# own error and on this machine lacking the thing)
+NEEDS = (
+    ("Triton", "imports triton", re.compile(r"^\s*(import|from)\s+triton\b", re.MULTILINE)),
+    ("CUDA", "builds a CUDA extension (load_inline with cuda_sources)", re.compile(r"\bcuda_sources\s*=")),
+    ("CUDA", "compiles .cu sources", re.compile(r"[\"'][^\"'\n]+\.cu[\"']")),
+    ("CUDA", "moves tensors with .cuda()", re.compile(r"\.cuda\(\s*\)")),
+    ("CUDA", "puts tensors on device \"cuda\"", re.compile(r"device\s*=\s*(torch\.device\()?[\"']cuda")),
+    ("CUDA", "declares DIFFKIT_EXPECT device cuda", re.compile(r"[\"']device[\"']\s*:\s*[\"']cuda")),
+)
+
+
+def needs_cuda(path: str | None) -> list[tuple[str, str]]:
+    """What in a pair file needs CUDA or Triton: [(thing, how the file shows it)], read without running it."""
+    if not path:
+        return []
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            text = fh.read()
+    except OSError:
+        return []
+    return [(thing, how) for thing, how, pattern in NEEDS if pattern.search(text)]
+
+
+def machine_has(thing: str) -> bool:
+    """Whether this machine has CUDA (a device torch can use) or Triton (importable, with a device to run on)."""
+    try:
+        import torch
+
+        cuda = bool(torch.cuda.is_available())
+    except Exception:
+        cuda = False
+    if thing == "CUDA":
+        return cuda
+    import importlib.util
+
+    return cuda and importlib.util.find_spec("triton") is not None
+
+
+def unavailable_reason(entry: SuiteEntry, log_text: str) -> str | None:
+    """Why an errored pair is to be skipped instead: its diff failed saying CUDA (or Triton) is missing and this
+    machine has none; None for any other error (a candidate that says so on a CUDA machine is an error)."""
+    said = "\n".join(x for x in (entry.error, log_text) if x)
+    for thing, pattern in MISSING.items():
+        hit = pattern.search(said)
+        if hit is None or machine_has(thing):
+            continue
+        shown = [f"{side} {how}" for side, path in (("the reference", entry.ref), ("the candidate", entry.cand))
+                 for t, how in needs_cuda(path) if t == thing or thing == "CUDA"]
+        line = next((ln.strip() for ln in said.splitlines() if hit.group(0) in ln), hit.group(0))
+        return (f"needs {thing}, which this machine lacks" + (f" ({'; '.join(shown)})" if shown else "")
+                + f": {line[:300]}")
+    return None
+
+
+def _skip(entry: SuiteEntry, reason: str) -> SuiteEntry:
+    entry.verdict, entry.error, entry.skip_reason = "skipped", None, reason
+    entry.first_divergence = entry.root_cause = entry.diagnosis = entry.diagnosis_detail = None
+    entry.headline = f"diffkit: SKIPPED: {reason}"
+    return entry
+
+
 def _sha256(path: str) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as fh:
@@ -387,16 +474,11 @@ def resumed(entry: SuiteEntry, pair_dir: str, diff_args: list[str]) -> SuiteEntr
 # ----------------------------------------------------------------------------- files
 def atomic_write(path: str, text: str) -> None:
     """Write `text` to `path` so a reader (or an interrupted suite) sees the old file or the new one."""
-    tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
-    with open(tmp, "w", encoding="utf-8", newline="") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    write_text(path, text)  # (a fresh file renamed into place: never through a link planted in the folder)
 
 
 def counts(entries: Sequence[SuiteEntry]) -> dict[str, int]:
-    c = {v: 0 for v in ("match", "diverged", "error", "pending")}
+    c = {v: 0 for v in ("match", "diverged", "error", "skipped", "pending")}
     for e in entries:
         c[e.verdict or "pending"] += 1
     return c
@@ -417,13 +499,13 @@ def harden_counts_text(entries: Sequence[SuiteEntry]) -> str:
 def summary_json(entries: Sequence[SuiteEntry]) -> str:
     """summary.json: one object per finished pair (name, verdict, first_divergence, root_cause, report, …)."""
     keys = ("name", "verdict", "first_divergence", "root_cause", "report", "diagnosis", "diagnosis_detail", "seconds",
-            "error", "headline", "ref", "cand") + (HARDEN_KEYS if hardened(entries) else ())
+            "error", "headline", "ref", "cand", "skip_reason") + (HARDEN_KEYS if hardened(entries) else ())
     rows = [{k: getattr(e, k) for k in keys} for e in entries if e.finished]
     return json.dumps(json_safe(rows), indent=2, allow_nan=False) + "\n"
 
 
 CSV_COLUMNS = ["name", "verdict", "first_divergence", "root_cause", "diagnosis", "seconds", "report", "error",
-               "headline", "ref", "cand"]
+               "headline", "ref", "cand", "skip_reason"]
 
 
 def summary_csv(entries: Sequence[SuiteEntry]) -> str:
@@ -443,7 +525,8 @@ def _message(e: SuiteEntry) -> str:
 
 
 def junit_xml(entries: Sequence[SuiteEntry], suite: str = "diffkit.suite") -> str:
-    """junit.xml: one testcase per pair; <failure> for diverged, <error> for errored, <skipped> for not run;
+    """junit.xml: one testcase per pair; <failure> for diverged, <error> for errored, <skipped> for skipped (with
+    the reason) and not run;
     the pair's report as the property diffkit_report."""
     root = ET.Element("testsuites")
     ts = el(root, "testsuite", name=suite)
@@ -467,20 +550,24 @@ def junit_xml(entries: Sequence[SuiteEntry], suite: str = "diffkit.suite") -> st
             el(case, "failure", detail, message=f"--harden: {e.harden_detail or e.harden}"[:500], type="harden")
         elif e.verdict == "error":
             el(case, "error", detail or e.error, message=e.error or _message(e), type="error")
+        elif e.verdict == "skipped":
+            el(case, "skipped", e.headline, message=e.skip_reason or "skipped")
         elif e.verdict is None:
             el(case, "skipped", message="not run (the suite was interrupted or is still running)")
     for k, v in (("tests", len(entries)), ("failures", c["diverged"] + sum(1 for e in entries if e.breaks)),
                  ("errors", c["error"]),
-                 ("skipped", c["pending"]), ("time", f"{total:.3f}")):
+                 ("skipped", c["pending"] + c["skipped"]), ("time", f"{total:.3f}")):
         ts.set(k, str(v))
     return ET.tostring(root, encoding="UTF-8", xml_declaration=True).decode("utf-8") + "\n"
 
 
 def summary_markdown(entries: Sequence[SuiteEntry], title: str = "diffkit suite") -> str:
     """summary.md: counts and a table of pairs (errors and divergences first), for a CI job summary."""
-    icon = {"match": "✅", "diverged": "❌", "error": "💥", None: "⏳"}
+    icon = {"match": "✅", "diverged": "❌", "error": "💥", "skipped": "⏭️", None: "⏳"}
     c = counts(entries)
     parts = [f"{c['match']} match", f"{c['diverged']} diverged", f"{c['error']} error"]
+    if c["skipped"]:
+        parts.append(f"{c['skipped']} skipped")
     if c["pending"]:
         parts.append(f"{c['pending']} not run")
     with_harden = hardened(entries)
@@ -492,7 +579,8 @@ def summary_markdown(entries: Sequence[SuiteEntry], title: str = "diffkit suite"
     lines = [f"## {md_escape(title)}: {', '.join(parts)} ({len(entries)} pairs)", "", head, rule]
     order = {v: i for i, v in enumerate(VERDICT_ORDER)}
     for e in sorted(entries, key=lambda x: order.get(x.verdict, len(order))):
-        first = e.first_divergence or (e.error if e.verdict == "error" else None)
+        first = e.first_divergence or (e.error if e.verdict == "error" else None) or (
+            e.skip_reason if e.verdict == "skipped" else None)
         lines.append(f"| {icon['diverged'] if e.breaks else icon.get(e.verdict, '')} | {md_code(e.name)} | {md_escape(e.verdict or 'not run')} | "
                      f"{md_escape(first or '–')} | {md_escape(e.root_cause or '–')} | "
                      f"{md_escape(e.diagnosis or '–')} | "
@@ -505,7 +593,7 @@ def index_html(entries: Sequence[SuiteEntry], title: str = "diffkit suite", note
     """index.html: a table of the pairs linking each pair's report (Jinja2, autoescaped)."""
     return template("suite.html").render(title=title, entries=list(entries), counts=counts(entries), note=note,
                                          harden=hardened(entries), breaks=sum(1 for e in entries if e.breaks),
-                                         colours=dict(VERDICT_COLOUR, pending="#999999"),
+                                         colours=dict(VERDICT_COLOUR, pending="#999999", skipped="#b9770e"),
                                          written=time.strftime("%Y-%m-%d %H:%M:%S"))
 
 
@@ -523,7 +611,8 @@ def write_summaries(entries: Sequence[SuiteEntry], out_dir: str, note: str = "")
 
 
 def exit_code(entries: Sequence[SuiteEntry]) -> int:
-    """0 all match, 1 any diverged or broken under --harden (none errored), 2 any errored or not run."""
+    """0 all match, 1 any diverged or broken under --harden (none errored), 2 any errored or not run; skipped
+    pairs (CUDA or Triton missing) count for nothing."""
     verdicts = {e.verdict for e in entries}
     if "error" in verdicts or None in verdicts:
         return EXIT["error"]
@@ -606,7 +695,7 @@ class Runner:
         log_path = os.path.join(d, LOG)
         start = time.monotonic()
         why = None
-        with open(log_path, "w", encoding="utf-8") as log:
+        with open_fresh(log_path) as log:
             # (the command as a user would type it; the child itself is started by `python_command`, which runs
             # this diffkit whatever the current folder holds)
             log.write("$ " + " ".join([sys.executable, "-m", "diffkit.cli", *self.command(entry)])
@@ -658,6 +747,9 @@ class Runner:
             if code != expected:  # e.g. the report could not be written: the diff said so and exited 2
                 entry.verdict, entry.error = "error", f"diff exited {code}: {_reason(log_text)}"
             else:
+                skip = unavailable_reason(entry, log_text) if entry.verdict == "error" else None
+                if skip is not None:
+                    _skip(entry, skip)
                 marker = {**_fingerprint(entry, self.diff_args), "result_sha256": _sha256(rjson),
                           "entry": entry.to_dict()}
                 atomic_write(os.path.join(d, MARKER), json.dumps(marker, indent=2) + "\n")
@@ -672,7 +764,8 @@ class Runner:
         entry.verdict = "error"
         entry.error = f"the diff {why}: {unreadable or _reason(log_text)}"
         entry.headline = f"diffkit: ERROR: {entry.error}"
-        return entry
+        skip = unavailable_reason(entry, log_text) if code is not None and code >= 0 else None
+        return _skip(entry, skip) if skip is not None else entry
 
     def stop_all(self) -> None:
         """Stop every running child (SIGTERM to its group, then SIGKILL)."""
@@ -714,13 +807,15 @@ class _Progress:
         secs = "" if entry.seconds is None else f" ({entry.seconds:.1f} s)"
         what = "resumed: " if skipped else ""
         detail = entry.first_divergence if entry.verdict == "diverged" else (
-            entry.error if entry.verdict == "error" else (f"--harden: {entry.harden}" if entry.breaks else ""))
+            entry.error if entry.verdict == "error" else entry.skip_reason if entry.verdict == "skipped" else (
+                f"--harden: {entry.harden}" if entry.breaks else ""))
         line = f"[{self.done}/{self.total}] {entry.name}: {what}{entry.verdict}{secs}"
         line += f" — {detail}" if detail else ""
         if self._bar is not None:
             from rich.markup import escape
 
-            colour = {"match": "green", "diverged": "red", "error": "magenta"}.get(entry.verdict or "", "white")
+            colour = {"match": "green", "diverged": "red", "error": "magenta", "skipped": "yellow"}.get(
+                entry.verdict or "", "white")
             self._bar.console.print(f"[{colour}]{escape(line)}[/{colour}]", highlight=False)
             self._bar.update(self._task, advance=1)
         else:
@@ -735,6 +830,52 @@ class _Progress:
             self._bar.update(self._task, description=escape(text if len(text) <= 60 else text[:59] + "…"))
 
 
+def plan(entries: list[SuiteEntry], out_dir: str, diff_args: list[str], resume: bool,
+         progress: _Progress) -> list[int]:
+    """The indices of the pairs to run; pairs discovery could not make, and with `resume` those already
+    answered (`entries` takes their recorded answer), are shown as done."""
+    todo: list[int] = []
+    for i, e in enumerate(entries):
+        if not e.runnable:
+            progress.advance(e)
+            continue
+        if resume:
+            done = resumed(e, os.path.join(out_dir, e.name), diff_args)
+            if done is not None:
+                entries[i] = done
+                progress.advance(done, skipped=True)
+                continue
+        todo.append(i)
+    return todo
+
+
+@contextlib.contextmanager
+def interruptible(stop: threading.Event) -> Iterator[list[int]]:
+    """SIGINT/SIGTERM set `stop` instead of raising; yields the list the signals received are appended to."""
+    stopped: list[int] = []
+
+    def handler(signum, frame):
+        stopped.append(signum)
+        stop.set()
+
+    old = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            old[sig] = signal.signal(sig, handler)
+        except ValueError:  # not the main thread
+            pass
+    try:
+        yield stopped
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
+
+
+def interrupted_note(entries: Sequence[SuiteEntry], stopped: list[int]) -> str:
+    return (f"interrupted by {signal.Signals(stopped[0]).name}: {counts(entries)['pending']} pairs not run; "
+            f"--resume runs them") if stopped else ""
+
+
 def run_suite(entries: list[SuiteEntry], out_dir: str, diff_args: list[str], *, slots: list[str | None] | None = None,
               timeout: float | None = None, resume: bool = False,
               interactive: bool = False) -> tuple[list[SuiteEntry], int | None]:
@@ -743,37 +884,15 @@ def run_suite(entries: list[SuiteEntry], out_dir: str, diff_args: list[str], *, 
     each finished pair, so an interrupted suite leaves valid ones."""
     os.makedirs(out_dir, exist_ok=True)
     slots = slots or [None]
-    deadline = (2 * timeout + GRACE_S) if timeout else None
-    runner = Runner(out_dir, diff_args, slots, deadline)
+    runner = Runner(out_dir, diff_args, slots, pair_deadline(timeout))
     entries = list(entries)
-    todo: list[int] = []
+    stopped: list[int] = []
     with _Progress(len(entries), interactive) as progress:
-        for i, e in enumerate(entries):
-            if not e.runnable:
-                progress.advance(e)
-                continue
-            if resume:
-                done = resumed(e, runner.pair_dir(e), diff_args)
-                if done is not None:
-                    entries[i] = done
-                    progress.advance(done, skipped=True)
-                    continue
-            todo.append(i)
+        todo = plan(entries, out_dir, diff_args, resume, progress)
         write_summaries(entries, out_dir)
-        stopped: list[int] = []
-
-        def handler(signum, frame):
-            stopped.append(signum)
-            runner.stop.set()
-
-        old = {}
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            try:
-                old[sig] = signal.signal(sig, handler)
-            except ValueError:  # not the main thread
-                pass
         try:
-            with cf.ThreadPoolExecutor(max_workers=max(1, runner.workers), thread_name_prefix="diffkit-suite") as pool:
+            with interruptible(runner.stop) as stopped, \
+                    cf.ThreadPoolExecutor(max(1, runner.workers), thread_name_prefix="diffkit-suite") as pool:
                 futures = {pool.submit(runner.run, entries[i]): i for i in todo}
                 pending = set(futures)
 
@@ -803,12 +922,13 @@ def run_suite(entries: list[SuiteEntry], out_dir: str, diff_args: list[str], *, 
                         collect(cf.wait(pending).done)
                         break
         finally:
-            for sig, h in old.items():
-                signal.signal(sig, h)
-            note = (f"interrupted by {signal.Signals(stopped[0]).name}: {counts(entries)['pending']} pairs not run; "
-                    f"--resume runs them") if stopped else ""
-            write_summaries(entries, out_dir, note=note)
+            write_summaries(entries, out_dir, note=interrupted_note(entries, stopped))
     return entries, (stopped[0] if stopped else None)
+
+
+def pair_deadline(timeout: float | None) -> float | None:
+    """How long the suite lets one pair's child run: past both sides' --timeout plus GRACE_S."""
+    return (2 * timeout + GRACE_S) if timeout else None
 
 
 # ----------------------------------------------------------------------------- the command
@@ -875,14 +995,22 @@ class SuiteCommand(click.Command):
               help="run only the pairs whose names match this glob (repeatable), e.g. 'level_2_*'")
 @click.option("--resume", is_flag=True,
               help="skip pairs already answered for the same files and options (their report's suite.json)")
+@click.option("--ray", "ray_address", is_flag=False, flag_value=LOCAL_RAY, default=None, metavar="[ADDRESS]",
+              help="run each pair as a Ray task: 'auto' joins the running cluster, an address joins that one, no "
+                   "value starts a local one (needs pip install -e '.[ray]'; put it after DIR or write --ray=ADDRESS)")
 @click.pass_context
-def suite(ctx, dirs, refs, cands, report_dir, workers, select, resume, **passthrough):
+def suite(ctx, dirs, refs, cands, report_dir, workers, select, resume, ray_address, **passthrough):
     """Diff many pairs, each in its own process: DIR holds one folder per problem (ref.py, cand.py), or
     --refs/--cands pair KernelBench-named files.  Writes each pair's report and index.html, summary.json,
     summary.csv, junit.xml and summary.md under --report-dir.
 
+    A pair that needs CUDA or Triton on a machine without them is skipped (counted apart, exit code unchanged).
+
     Exit code: 0 all match, 1 any diverged (or, with --harden, broken by a setting), 2 any errored (or a bad
-    flag), 130/143 interrupted."""
+    flag, or --ray without Ray installed), 130/143 interrupted."""
+    if ray_address is not None and ray_address != LOCAL_RAY and os.path.isdir(ray_address):
+        raise click.UsageError(f"--ray took the folder {ray_address} for a cluster address: put --ray after DIR, "
+                               f"or write --ray=ADDRESS")
     entries = discover(dirs, refs, cands)
     if select:
         import fnmatch
@@ -893,14 +1021,24 @@ def suite(ctx, dirs, refs, cands, report_dir, workers, select, resume, **passthr
                                + (f" matching {', '.join(select)}" if select else ""))
     argv = diff_argv(ctx, passthrough)
     interactive = sys.stdout.isatty()
-    slots = worker_slots(workers, passthrough.get("device"))
-    where = (f"{len(slots)} worker(s) on GPU {', '.join(sorted(set(s for s in slots if s), key=_natural))}"
-             if any(s is not None for s in slots) else f"{len(slots)} worker(s) on CPU")
-    click.echo(f"diffkit suite: {len(entries)} pairs, {where} -> {report_dir}")
-    entries, stopped = run_suite(entries, report_dir, argv, slots=slots, timeout=passthrough.get("timeout"),
-                                 resume=resume, interactive=interactive)
+    if ray_address is not None:
+        if workers is not None:
+            raise click.UsageError("--workers does not go with --ray: the cluster's CPUs and GPUs set how many "
+                                   "pairs run at once")
+        if "ray" not in BACKENDS:
+            raise click.UsageError("--ray: the Ray backend is not loaded (import diffkit.suite_ray)")
+        entries, stopped = BACKENDS["ray"](entries, report_dir, argv, address=ray_address,
+                                         timeout=passthrough.get("timeout"), resume=resume, interactive=interactive)
+    else:
+        slots = worker_slots(workers, passthrough.get("device"))
+        where = (f"{len(slots)} worker(s) on GPU {', '.join(sorted(set(s for s in slots if s), key=_natural))}"
+                 if any(s is not None for s in slots) else f"{len(slots)} worker(s) on CPU")
+        click.echo(f"diffkit suite: {len(entries)} pairs, {where} -> {report_dir}")
+        entries, stopped = run_suite(entries, report_dir, argv, slots=slots, timeout=passthrough.get("timeout"),
+                                     resume=resume, interactive=interactive)
     c = counts(entries)
     click.echo(f"diffkit suite: {c['match']} match, {c['diverged']} diverged, {c['error']} error"
+               + (f", {c['skipped']} skipped" if c["skipped"] else "")
                + (f", {c['pending']} not run" if c["pending"] else "") + harden_counts_text(entries)
                + f"; {os.path.join(report_dir, 'index.html')}")
     if stopped is not None:

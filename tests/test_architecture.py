@@ -21,8 +21,8 @@ MAX_FUNCTION_LINES = 100
 
 # The package's map, lowest layer first: what each layer holds, and its modules.
 LAYERS = [
-    ("words, exit codes and the metric kernels", "errors describe naming host_kernel metrics_kernel metric_slots "
-                                                 "metrics_triton"),
+    ("words, exit codes, the metric kernels, safe file writes", "errors describe naming host_kernel metrics_kernel "
+                                                                "metric_slots metrics_triton safefiles"),
     ("measuring a pair", "measure"),
     ("options", "options"),
     ("capture", "inputs capture records tensorargs capture_values capture_flow capture_fold capture_kernels"),
@@ -34,8 +34,8 @@ LAYERS = [
     ("locating, explaining, writing reports", "report locate rootcause diagnose modelstate"),
     ("the pipeline", "pipeline runner sources traces health rerun"),
     ("KernelBench's trials", "trials"),
-    ("entry points and child processes", "processes roles outputs flags sanitize compare harden suite testing "
-                                         "pytest_plugin"),
+    ("entry points and child processes", "processes roles outputs flags sanitize compare harden suite suite_ray "
+                                         "testing pytest_plugin"),
     ("the command line and the package", "cli diffkit"),
 ]
 # Imports of diffkit modules allowed inside a function, and why.
