@@ -147,6 +147,22 @@ def run_cli(*args, cwd=ROOT, env=None, timeout=600, fresh=False, **kw) -> subpro
                           env=None if env is None else {**os.environ, **env}, timeout=timeout, **kw)
 
 
+def check_what_if(result, exp: dict) -> None:
+    """A broken fused candidate's Result names its planted mistake first (`exp`: its DIFFKIT_EXPECT): the best what-if
+    reproduces the candidate, is of the planted kind, and plants it at the planted stage (alone, or made again
+    wherever the fused kernel repeats the same code; at that stage or at a record inside that module)."""
+    assert result.verdict == "diverged", result.summary_line()
+    want = exp["what_if"]
+    assert result.what_if, result.meta.get("what_if")
+    best = result.what_if[0]
+    top = [(w["kind"], w["stage"], w["max_abs_after"]) for w in result.what_if[:4]]
+    assert best["explains"], top
+    names = {n for m in best["mutations"] for n in [m["stage"], *m["aliases"]]}
+    assert best["kind"] == want["kind"], top
+    assert any(n == want["stage"] or n.startswith(want["stage"] + ".") for n in names), top
+    assert best["max_abs_after"] <= best["max_abs_before"]
+
+
 def expectation(path):
     """The DIFFKIT_EXPECT dict a broken candidate declares (read without running the file)."""
     for node in ast.parse(open(path, encoding="utf-8").read()).body:

@@ -18,28 +18,16 @@ import torch.nn as nn
 import diffkit
 from diffkit.capture import capture
 
-from conftest import KERNELS, REFS, same_pair
+from conftest import KERNELS, REFS, expectation, same_pair
 
 WHY = os.path.join(KERNELS, "why")
 COPY_OPS = ("detach", "cpu", "contiguous")
 
 
-def _expect(path):
-    with open(path, encoding="utf-8") as fh:
-        src = fh.read()
-    start = src.index("DIFFKIT_EXPECT")
-    depth, i = 0, src.index("{", start)
-    for j in range(i, len(src)):
-        depth += {"{": 1, "}": -1}.get(src[j], 0)
-        if depth == 0:
-            return eval(src[i:j + 1], {"None": None})
-    return None
-
-
 def _cases():
     if not os.path.isdir(WHY):
         return []
-    return [(n, _expect(os.path.join(WHY, n))) for n in sorted(os.listdir(WHY))
+    return [(n, expectation(os.path.join(WHY, n))) for n in sorted(os.listdir(WHY))
             if n.startswith(("pair_", "loop_")) and n.endswith(".py")]
 
 

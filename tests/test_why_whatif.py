@@ -14,27 +14,15 @@ from diffkit import whatif
 from diffkit.capture import StopCapture, capture
 from diffkit.pipeline import run_captured
 
-from conftest import KERNELS, REFS, same_pair
+from conftest import KERNELS, REFS, check_what_if, expectation, same_pair
 
 WHY = os.path.join(KERNELS, "why")
-
-
-def _expect(path):
-    with open(path, encoding="utf-8") as fh:
-        src = fh.read()
-    start = src.index("DIFFKIT_EXPECT")
-    depth, i = 0, src.index("{", start)
-    for j in range(i, len(src)):
-        depth += {"{": 1, "}": -1}.get(src[j], 0)
-        if depth == 0:
-            return eval(src[i:j + 1], {"None": None})
-    return None
 
 
 def _cases():
     if not os.path.isdir(WHY):
         return []
-    return [(n, _expect(os.path.join(WHY, n))) for n in sorted(os.listdir(WHY))
+    return [(n, expectation(os.path.join(WHY, n))) for n in sorted(os.listdir(WHY))
             if n.startswith("whatif_") and n.endswith(".py")]
 
 
@@ -52,24 +40,16 @@ def test_there_are_broken_and_correct_candidates():
 @pytest.mark.parametrize("name,exp", [pytest.param(*c, id=c[0], marks=same_pair(os.path.join(WHY, c[0])))
                                       for c in _cases()])
 def test_the_planted_mistake_is_named_first(name, exp):
-    # the default options: KernelBench's five trials, the what-if on because the candidate is one opaque record
-    result = diffkit.diff_files(os.path.join(REFS, exp["reference"]), os.path.join(WHY, name))
+    # the default options (KernelBench's five trials, the what-if on because the candidate is one opaque record) but
+    # no wall-time limit on the search: what it finds must not depend on the machine's load
+    result = diffkit.diff_files(os.path.join(REFS, exp["reference"]), os.path.join(WHY, name), explain_seconds=0)
     if exp.get("verdict") == "match":
         assert result.verdict == "match", result.summary_line()
         assert result.what_if == [] and "what_if" not in result.meta
         return
-    assert result.verdict == "diverged", result.summary_line()
-    assert result.first_divergence.ref_name == exp["stage"] or exp["stage"] in result.first_divergence.ref.aliases, \
+    assert result.first_divergence is not None and result.first_divergence.matches(exp["stage"]), \
         result.summary_line()
-    want = exp["what_if"]
-    assert result.what_if, result.meta.get("what_if")
-    best = result.what_if[0]
-    top = [(w["kind"], w["stage"], w["max_abs_after"]) for w in result.what_if[:4]]
-    assert best["explains"], top
-    names = {n for m in best["mutations"] for n in [m["stage"], *m["aliases"]]}
-    assert best["kind"] == want["kind"], top
-    assert any(n == want["stage"] or n.startswith(want["stage"] + ".") for n in names), top
-    assert best["max_abs_after"] <= best["max_abs_before"]
+    check_what_if(result, exp)
     assert result.meta["what_if"]["seconds"] > 0  # the search says how long it took
 
 
