@@ -13,6 +13,14 @@ import os
 import tempfile
 from typing import IO
 
+def _read_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+# read once, at import: reading it means setting it, and a suite writes from several threads at once
+_UMASK = _read_umask()
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
@@ -25,7 +33,7 @@ def write_bytes(path: str, data: bytes) -> str:
     try:
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
-        os.chmod(tmp, 0o644 & ~_umask())
+        os.chmod(tmp, 0o644 & ~_UMASK)  # (mkstemp makes it 0600; as open() would have made it)
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -51,9 +59,3 @@ def open_fresh(path: str) -> IO[str]:
         pass
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC, 0o644)
     return os.fdopen(fd, "w", encoding="utf-8", errors="replace")
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
