@@ -31,6 +31,10 @@ def _options(atol, rtol, tolerance, **rest) -> Options:
         max_bytes = parse_size(rest.pop("max_memory"))
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--max-memory")
+    try:
+        rest["device_memory"] = parse_size(rest.pop("device_memory", None)) or None
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--device-memory")
     stream = rest.pop("stream")
     stat = rest.pop("stat", "elementwise")
     try:

@@ -10,6 +10,7 @@ import torch
 
 from . import handoff
 from .capture import Trace
+from .device_memory import cap_process
 from .errors import DiffkitError
 from .harden import harden, harden_models
 from .health import may_be_random, reference_health, reinit_zero_parameters
@@ -112,6 +113,7 @@ def capture_reference(ref_path: str, out_dir: str, options: Options | None = Non
     only (`write_trials`; for a reader that can rebuild the reference, as an isolated diff's candidate
     process can)."""
     options = options or Options()
+    cap_process(options.device or "cuda", options.device_memory)
     seeds = trial_seeds(options.trials, options.seed)
     built = load_reference(ref_path, seed=seeds[0], device=options.device, eval_mode=options.eval,
                            class_name=class_name, inputs_from=inputs_from, side=side, on_init=on_init)
@@ -175,6 +177,7 @@ def diff_files(ref_path: str, cand_path: str, *, options: Options | None = None,
     Either may instead be a capture directory; a candidate file against a captured reference runs
     on the capture's trials (inputs and outputs)."""
     opts = options or Options.build(atol=atol, rtol=rtol, **settings)
+    cap_process(opts.device or "cuda", opts.device_memory)
     ref_cap, cand_cap = is_capture(ref_path), is_capture(cand_path)
     if cand_cap and not ref_cap:
         raise DiffkitError("", "read", "a captured candidate needs a captured reference: give the reference as a "

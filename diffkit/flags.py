@@ -52,6 +52,10 @@ DIFF_OPTIONS: list[click.Option] = [
                  help="streaming diff: hold at most SIZE (e.g. 512M, 4G) of captured values on the device (CPU: in "
                       "memory); the rest goes to pinned host memory, then disk. Default without the flag: "
                       "in-memory diff"),
+    click.Option(["--device-memory", "device_memory"], default=None, metavar="SIZE",
+                 help="take at most SIZE (e.g. 24G) of the GPU, as if the card had that much (to check a diff fits "
+                      "a smaller card, or to share one); captured values that do not fit are streamed, then kept on "
+                      "the host. Default: what is free on the card when the diff starts"),
     click.Option(["--stream", "stream"], is_flag=True,
                  help="streaming diff with the default budget (a quarter of the free device memory)"),
     click.Option(["--only", "only"], default=None, metavar="PATTERNS",

@@ -88,6 +88,9 @@ class Options:
     streaming:     the bounded-memory two-pass diff (None: on when a budget, filter or stop is asked).
     max_memory:    bytes of captured values held on the device (CPU: in memory) when streaming.
     host_memory:   bytes of pinned host memory for a GPU streaming diff before values go to disk.
+    device_memory: bytes of the GPU this diff's processes may take (torch's per-process memory fraction): the
+                   diff runs as it would on a card of that size (None: what is free on the card).  A diff whose
+                   captured values do not fit streams, then keeps them on the host (diffkit.device_memory).
     only:          comma-separated globs on record names; only those are captured (streaming).
     stop_at_first: end the candidate's forward at its first divergent record (streaming).
     lockstep:      streaming with a live reference: run its forward on a thread of its own, ahead of
@@ -127,6 +130,7 @@ class Options:
     streaming: bool | None = None
     max_memory: int | None = None
     host_memory: int | None = None
+    device_memory: int | None = None
     only: str | None = None
     stop_at_first: bool = False
     lockstep: bool = True
@@ -149,7 +153,7 @@ class Options:
         if isinstance(self.explain_seconds, bool) or not isinstance(self.explain_seconds, (int, float)) \
                 or not self.explain_seconds >= 0:
             raise ValueError(f"explain_seconds must be a number of seconds >= 0, not {self.explain_seconds!r}")
-        for name in ("max_memory", "host_memory"):
+        for name in ("max_memory", "host_memory", "device_memory"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 0):
                 raise ValueError(f"{name} must be a whole number of bytes >= 0, not {v!r}")

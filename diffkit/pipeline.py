@@ -14,6 +14,7 @@ steps, each taking typed values and returning one, and assembles the Result from
 from __future__ import annotations
 
 import copy
+import gc
 import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
@@ -24,13 +25,14 @@ import torch.utils._pytree as pytree
 from . import whatif
 from .align import to_ref_layout
 from .capture import FOLD_AFTER, Trace, materialized
+from .device_memory import Ladder, OutOfDeviceMemory, is_out_of_memory, trace_ran_out
 from .describe import output_shape_words, output_structure_words
 from .diagnose import diagnose
 from .health import may_be_random, reference_health, reinit_zero_parameters, stochastic_reason
 from .load import load_reference_for_capture
 from .locate import build_stages, locate, output_failed, output_stages, undone_stages
 from .measure import Stats, kernelbench_note
-from .modelstate import SideState, Trial, all_parameters, restore_state, seed_all, snapshot_state, to_where_it_left
+from .modelstate import SideState, Sides, Trial, all_parameters, restore_state, seed_all, snapshot_state, to_where_it_left
 from .options import Options
 from .rerun import SecondRun, check_nondeterminism, drop_statistical, nondeterministic, rerun_differences
 from .result import ErrorInfo, Finding, Result, Stage, Values
@@ -82,10 +84,41 @@ def settle(result: Result) -> Result:
 
 def _diff(reference: Source, candidate: Source, options: Options, known: dict | None, error: ErrorInfo | None,
           evidence: Callable[[Result], None] | None) -> Result:
+    """`_diff_once`, again in a mode that keeps fewer values on the device each time the GPU runs out of memory
+    (`device_memory.Ladder`): a diff adapts to the card it is given, or says what it needed (exit 2)."""
+    ladder = Ladder.start(candidate.device(), options.device_memory) if isinstance(candidate, ModelSource) else None
+    while True:
+        sides = Sides()
+        try:
+            result = _diff_once(reference, candidate, options, known, error, evidence, sides, ladder is not None)
+        except OutOfDeviceMemory as e:
+            ran_out = e
+        else:
+            if ladder is not None:
+                result.meta["device_memory"] = ladder.meta(options)
+            return result
+        for side, src in (("ref", reference), ("cand", candidate)):  # each model as it was before this attempt
+            state = getattr(sides, side)
+            if state is not None and isinstance(src, ModelSource):
+                restore_state(src.model, state.before)
+        del sides
+        gc.collect()
+        torch.cuda.empty_cache()
+        options = ladder.next(options, ran_out)
+
+
+def _diff_once(reference: Source, candidate: Source, options: Options, known: dict | None, error: ErrorInfo | None,
+               evidence: Callable[[Result], None] | None, sides: Sides, watch: bool) -> Result:
+    """One diff in the mode `options` ask for.  `watch`: a device that runs out of memory (in a forward, kept in
+    its trace, or raised by diffkit's own steps) raises `OutOfDeviceMemory` for `_diff`'s next step."""
     streaming = options.is_streaming and isinstance(candidate, ModelSource)
-    traces = streaming_traces(reference, candidate, options) if streaming else \
-        full_traces(reference, candidate, options, known)
+    traces = None
     try:
+        traces = streaming_traces(reference, candidate, options, sides) if streaming else \
+            full_traces(reference, candidate, options, known, sides)
+        for trace, side in ((traces.ref, "reference"), (traces.cand, "candidate")):
+            if watch and trace_ran_out(trace):
+                raise OutOfDeviceMemory(f"in the {side}'s forward at {trace.error.stage}")
         result = explain(traces, reference, candidate, options, error)
         if evidence is not None:
             evidence(result)
@@ -94,14 +127,20 @@ def _diff(reference: Source, candidate: Source, options: Options, known: dict | 
             result.what_if = searched.found
             result.meta["what_if"] = searched.meta
         return result
+    except Exception as e:
+        if watch and is_out_of_memory(e):
+            raise OutOfDeviceMemory(f"{'comparing' if traces is not None else 'capturing'}: "
+                                    f"{str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__}") from None
+        raise
     finally:
-        # extra runs (health, the second run, replays) leave each model as its captured forward did
-        for side, src in (("ref", reference), ("cand", candidate)):
-            state = getattr(traces.sides, side)
-            if state is not None and isinstance(src, ModelSource):
-                restore_state(src.model, state.after)
-        for fn in traces.cleanup:
-            fn()
+        if traces is not None:
+            # extra runs (health, the second run, replays) leave each model as its captured forward did
+            for side, src in (("ref", reference), ("cand", candidate)):
+                state = getattr(traces.sides, side)
+                if state is not None and isinstance(src, ModelSource):
+                    restore_state(src.model, state.after)
+            for fn in traces.cleanup:
+                fn()
 
 
 # ------------------------------------------------------------------------------------------ the back half

@@ -373,9 +373,11 @@ class _Isolated:
         self.host_only = _host_only(options.device)
         # on a GPU the reference's process keeps its values on the device and hands them over (diffkit.handoff)
         # while it stays alive; written to files only if the candidate's process fails.  Not when a budget
-        # bounds memory (streaming), nor under a sanitizer; DIFFKIT_NO_HANDOVER=1 hands them over in files
+        # bounds memory (streaming), nor under a sanitizer, nor when --device-memory caps the diff (the cap is per
+        # process: values held by the reference's process would be beside the candidate's, not within its cap);
+        # DIFFKIT_NO_HANDOVER=1 hands them over in files
         self.hand = (not self.given and not sanitize and not options.is_streaming and not self.host_only
-                     and not os.environ.get("DIFFKIT_NO_HANDOVER"))
+                     and not options.device_memory and not os.environ.get("DIFFKIT_NO_HANDOVER"))
         self.san_log = os.path.join(tmp, "sanitizer.log")
         # the candidate's capture file is crash insurance only: without a sanitizer it keeps names and shapes,
         # and the values are captured by a second run only if this one crashes or hangs (_run_again)

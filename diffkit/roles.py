@@ -25,6 +25,7 @@ from . import handoff
 from .capture import set_breadcrumb
 from .compare import capture_reference, diff_files, error_result
 from .describe import harden_summary
+from .device_memory import is_out_of_memory, users_error
 from .errors import EXIT, INTERNAL, DiffkitError
 from .handoff import Holder
 from .load import build_candidate_ahead, encode_values, prepare_candidate
@@ -208,9 +209,10 @@ def _reference(job: Job, link: Link) -> None:
             pass
 
     try:
-        capture_reference(job.ref_path, capture_dir, job.options, on_init=publish,
-                          hand_over=holder.hand_over if holder is not None else None,
-                          outputs_only_trials=True)  # (the candidate's process reruns a failing trial)
+        with _card_ran_out(job.options):
+            capture_reference(job.ref_path, capture_dir, job.options, on_init=publish,
+                              hand_over=holder.hand_over if holder is not None else None,
+                              outputs_only_trials=True)  # (the candidate's process reruns a failing trial)
     except DiffkitError as e:
         out.write(error_result(e, job.ref_path, job.cand_path, job.options), error=e)
         _done(link, 2)  # a load error is a finished answer, not a crash
@@ -285,6 +287,18 @@ def _internal_exit(e: BaseException, link: Link | None) -> None:
     sys.exit(INTERNAL)
 
 
+@contextlib.contextmanager
+def _card_ran_out(options: Options):
+    """A GPU that ran out of memory where the diff could not adapt (diffkit.device_memory.Ladder adapts the
+    capture itself): the user's card, said as an error of theirs (exit 2), never diffkit's bug."""
+    try:
+        yield
+    except Exception as e:
+        if not is_out_of_memory(e):
+            raise
+        raise users_error(e, options.device, options.device_memory) from None
+
+
 # ----------------------------------------------------------------------------- the diff itself
 def diff(job: Job, out: Outputs, link: Link | None = None) -> None:
     """Diff the pair, write the answer and exit with its code (the one child for both sides answers only a clean
@@ -294,8 +308,9 @@ def diff(job: Job, out: Outputs, link: Link | None = None) -> None:
     torch_before = _torch_globals() if both else None
     processes = PROCESSES.get(job.role, PROCESSES["here"])
     try:
-        result = diff_files(job.ref_capture or job.ref_path, job.cand_path, options=options,
-                            evidence=_sanitizer_evidence(job.sanitizer))
+        with _card_ran_out(options):
+            result = diff_files(job.ref_capture or job.ref_path, job.cand_path, options=options,
+                                evidence=_sanitizer_evidence(job.sanitizer))
         result.ref_path = job.ref_path
     except DiffkitError as e:
         if both and e.phase not in BEFORE_ANY_FORWARD:  # (a file that does not load is answered as it is)

@@ -67,7 +67,7 @@ VERDICT_ORDER = ("error", "diverged", "match", "skipped")
 # options of `diffkit diff` a suite passes on to every pair when given (any that `diff` does not have are
 # skipped, so an option added to `diff` later, e.g. --stat, needs only its name here)
 PASS_THROUGH = ("atol", "rtol", "seed", "trials", "eval_mode", "sync_weights", "device", "timeout", "strict",
-                "tolerance", "reinit_zero", "stat", "no_isolate", "max_memory", "stream", "only", "stop_at_first",
+                "tolerance", "reinit_zero", "stat", "no_isolate", "max_memory", "device_memory", "stream", "only", "stop_at_first",
                 "sanitize", "explain", "explain_budget", "explain_seconds", "harden")
 HARDEN_KEYS = ("harden", "harden_detail")  # SuiteEntry's --harden fields, written only when set
 LOCAL_RAY = "local"  # --ray with no address: start a local Ray cluster

@@ -82,10 +82,12 @@ def _run_side(src: ModelSource, options: Options, sides: Sides, side: str, **cap
     return trace
 
 
-def full_traces(reference: Source, candidate: Source, options: Options, known: dict | None) -> Traces:
-    """Both sides captured with every value in memory (or read from their capture files)."""
+def full_traces(reference: Source, candidate: Source, options: Options, known: dict | None,
+                sides: Sides | None = None) -> Traces:
+    """Both sides captured with every value in memory (or read from their capture files).  `sides` (filled in
+    as each side's forward ends) tells a caller whose diff failed later which state each model began in."""
     sd = options.stream_dir
-    sides = Sides()
+    sides = sides if sides is not None else Sides()
 
     def trace_of(src: Source, side: str) -> Trace:
         if not isinstance(src, ModelSource):
@@ -199,7 +201,7 @@ class _Stream:
         return [self.ref_store.clear, self.keep.clear] + ([self.journal.close] if self.journal is not None else [])
 
 
-def _stream_setup(reference: Source, candidate: ModelSource, options: Options) -> _Stream:
+def _stream_setup(reference: Source, candidate: ModelSource, options: Options, sides: Sides | None = None) -> _Stream:
     """The budgets of a streaming diff (a quarter of each for the candidate values the report keeps) and,
     with a stream directory, the capture files of names and shapes and the journal of measured pairs."""
     dev = candidate.device()
@@ -217,7 +219,7 @@ def _stream_setup(reference: Source, candidate: ModelSource, options: Options) -
         journal = open(os.path.join(sd, "stats.jsonl"), "w", encoding="utf-8")
     keep_filter = name_filter(options.only)
     return _Stream(dev, budget, host, ref_dev, keep_dev, ref_host, keep_host, TieredStore(keep_dev, keep_host),
-                   keep_filter, meta_ref, meta_cand, journal)
+                   keep_filter, meta_ref, meta_cand, journal, sides=sides if sides is not None else Sides())
 
 
 def _stream_reference(st: _Stream, reference: Source, options: Options) -> None:
@@ -240,11 +242,11 @@ def _stream_reference(st: _Stream, reference: Source, options: Options) -> None:
         st.ref_trace = _run_side(reference, options, st.sides, "ref", only=st.keep_filter, sink=st.ref_store)
 
 
-def streaming_traces(reference: Source, candidate: ModelSource, options: Options) -> Traces:
+def streaming_traces(reference: Source, candidate: ModelSource, options: Options, sides: Sides | None = None) -> Traces:
     """The two-pass diff in bounded memory (see diffkit.stream): the reference's values in a tiered
     store (or read lazily from its capture file), the candidate's records paired by name and measured
-    as they are produced, only the values the report needs kept."""
-    st = _stream_setup(reference, candidate, options)
+    as they are produced, only the values the report needs kept.  `sides`: as for `full_traces`."""
+    st = _stream_setup(reference, candidate, options, sides)
     rename = param_map(reference.params(), candidate.params())  # by value too: before a forward changes buffers
     _stream_reference(st, reference, options)
     lockstep, said = st.lockstep, []
@@ -271,7 +273,7 @@ def streaming_traces(reference: Source, candidate: ModelSource, options: Options
         for side, src in (("ref", reference), ("cand", candidate)):
             if getattr(st.sides, side) is not None:
                 restore_state(src.model, getattr(st.sides, side).before)
-        return streaming_traces(reference, candidate, options.replace(lockstep=False))
+        return streaming_traces(reference, candidate, options.replace(lockstep=False), st.sides)
     if comparer.lockstep is not None:
         comparer.settle()
     try:
