@@ -1,21 +1,20 @@
 """Write a report directory: index.html, stages.csv, result.json, summary.md, junit.xml.
 
-The HTML is self-contained (images inlined): it can be downloaded from CI and opened anywhere.
-Heatmaps are drawn for the first divergence, the root cause and then the other diverged stages,
-at most `max_stages` of them (the page says how many were left out).  Values are read only
-through `Stage.ref_value` / `Stage.cand_value`; a stage whose values were not kept gets its
-numbers and findings but no pictures.
+The HTML is self-contained (pictures inlined, no URL): it can be downloaded from CI and opened
+anywhere.  Maps and charts are drawn by `figures` (Pillow PNGs and inline SVG; matplotlib is not
+imported, `plots` keeps the matplotlib Figures for notebooks).  They are drawn for the first
+divergence, the root cause and then the other diverged stages, at most `max_stages` of them (the
+page says how many were left out); the banner and the stage table link to each drawn stage's
+section.  Values are read only through `Stage.ref_value` / `Stage.cand_value`; a stage whose
+values were not kept gets its numbers and findings but no pictures.
 """
 from __future__ import annotations
 
-import base64
 import os
 import re
 import time
 
-from markupsafe import Markup
-
-from . import plots
+from . import figures, plots
 from .render import banner, harden_view, junit_xml, notices, stage_table, stages_csv, summary_markdown, template
 from .result import Result, Stage
 from .safefiles import write_text
@@ -29,19 +28,23 @@ def default_report_dir(result: Result, root: str = "reports") -> str:
     return os.path.join(root, re.sub(r"[^0-9A-Za-z_.-]", "_", name))
 
 
-def png_src(png: bytes) -> Markup:
-    """A PNG as a data URI for an <img src>; safe to mark as markup once base64-encoded."""
-    return Markup("data:image/png;base64," + base64.b64encode(png).decode("ascii"))
+png_src = figures.data_uri  # a PNG as a data URI for an <img src>
 
 
 def _problem(e: Exception) -> str:
     return f"{type(e).__name__}: {e}"
 
 
+def section_id(stage: Stage) -> str:
+    """The id of a drawn stage's section (the banner and the stage table link to it)."""
+    return f"stage-{stage.index}"
+
+
 def _section(stage: Stage, heading: str) -> dict:
-    """One drawn stage: heatmaps, error distribution and worst elements when both values were kept."""
-    sec = {"stage": stage, "heading": heading, "images": [], "worst": [], "note": "", "problem": ""}
-    name = stage.ref_name or stage.cand_name or "?"
+    """One drawn stage: maps, error distribution and worst elements when both values were kept.
+    Each part is drawn on its own: one that fails is named in `problem`, the others stay."""
+    sec = {"stage": stage, "heading": heading, "id": section_id(stage), "maps": None, "charts": [], "worst": [],
+           "note": "", "problem": ""}
     if stage.stats is None:
         return sec  # nothing to draw for a pair that could not be compared; the template says why
     if stage.ref_value is None or stage.cand_value is None:
@@ -50,23 +53,24 @@ def _section(stage: Stage, heading: str) -> dict:
     if plots.values(stage) is None:
         sec["note"] = "the two values cannot be put side by side: no heatmaps for this stage"
         return sec
-    try:  # one stage that cannot be drawn must not lose the report
-        sec["images"].append({"src": png_src(plots.to_png(plots.heatmap(stage))), "alt": f"heatmaps of {name}"})
-        sec["images"].append({"src": png_src(plots.to_png(plots.error_distribution(stage))),
-                              "alt": f"error distribution of {name}"})
-        sec["worst"] = plots.worst_elements(stage)
-    except Exception as e:
-        sec["problem"] = _problem(e)
+    problems = []
+    for key, draw in (("maps", figures.stage_maps), ("charts", figures.stage_charts),
+                      ("worst", plots.worst_elements)):
+        try:  # one stage that cannot be drawn must not lose the report
+            sec[key] = draw(stage)
+        except Exception as e:
+            problems.append(_problem(e))
+    sec["problem"] = "; ".join(problems)
     return sec
 
 
 def _profile(result: Result) -> dict:
     if not result.compared:
-        return {"src": None, "problem": ""}
+        return {"svg": None, "problem": ""}
     try:
-        return {"src": png_src(plots.to_png(plots.error_profile(result))), "problem": ""}
+        return {"svg": figures.error_profile(result), "problem": ""}
     except Exception as e:
-        return {"src": None, "problem": _problem(e)}
+        return {"svg": None, "problem": _problem(e)}
 
 
 def _chosen(result: Result, max_stages: int) -> tuple[list[tuple[Stage, str]], int]:
@@ -94,10 +98,12 @@ def html_report(result: Result, max_stages: int = MAX_STAGES) -> str:
         except Exception as e:
             weights = f"(could not summarise: {_problem(e)})"
     error = result.error
+    sections = [_section(s, heading) for s, heading in chosen]
     return template("report.html").render(
         title=title, result=result, written=time.strftime("%Y-%m-%d %H:%M:%S"), banner=banner(result),
-        warnings=notices(result), weights=weights, profile=_profile(result),
-        sections=[_section(s, heading) for s, heading in chosen], left_out=left_out, table=stage_table(result),
+        warnings=notices(result), weights=weights, colour_bars=figures.colour_bar_css(), profile=_profile(result),
+        sections=sections,
+        drawn={sec["stage"].index: sec["id"] for sec in sections}, left_out=left_out, table=stage_table(result),
         what_if=[w for w in (result.what_if or []) if isinstance(w, dict)],
         what_if_info=(result.meta or {}).get("what_if") or {}, harden=harden_view(result),
         traceback=(error.traceback or "")[-TRACEBACK_CHARS:] if error is not None else "")

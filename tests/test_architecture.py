@@ -21,15 +21,15 @@ MAX_FUNCTION_LINES = 100
 
 # The package's map, lowest layer first: what each layer holds, and its modules.
 LAYERS = [
-    ("words, exit codes, the metric kernels, safe file writes", "errors describe naming host_kernel metrics_kernel "
-                                                                "metric_slots metrics_triton safefiles"),
+    ("words, exit codes, the metric kernels, safe file writes, the GPU's memory",
+     "errors describe naming host_kernel metrics_kernel metric_slots metrics_triton safefiles device_memory"),
     ("measuring a pair", "measure"),
     ("options", "options"),
     ("capture", "inputs capture records tensorargs capture_values capture_flow capture_fold capture_kernels"),
     ("capture files, hand-over, pairing, what-if mutations",
      "store store_io handoff align align_tuning align_layout align_graph align_state align_values align_dataflow "
      "whatif whatif_catalogue"),
-    ("streaming, loading files, drawing", "stream tiers load plots render"),
+    ("streaming, loading files, drawing", "stream tiers load plots figures render"),
     ("the result", "result"),
     ("locating, explaining, writing reports", "report locate rootcause diagnose modelstate"),
     ("the pipeline", "pipeline runner sources traces health rerun"),

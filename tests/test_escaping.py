@@ -116,6 +116,23 @@ def test_html_images_are_png_data_uris(evil):
         assert base64.b64decode(src.split(",", 1)[1]).startswith(b"\x89PNG")
 
 
+SVG_BREAKOUT = "</svg><script>alert(3)</script>\x00"
+
+
+def test_svg_charts_write_a_stage_name_as_text():
+    """A stage name that closes the <svg> and opens a script is text in the charts too (and characters XML
+    cannot hold are dropped, so each chart still parses)."""
+    result = diffkit.compare(_tapped(SVG_BREAKOUT, 2.0), _tapped(SVG_BREAKOUT, 3.0), [torch.randn(4, 4)])
+    fd = result.first_divergence
+    assert SVG_BREAKOUT in fd.ref_name
+    html = report.html_report(result)
+    assert "<script" not in html and html.count("<svg") == html.count("</svg>") >= 3
+    charts = [ET.fromstring(s) for s in re.findall(r"<svg\b.*?</svg>", html, re.S)]
+    labels = [t.text for c in charts for t in c.iter("text") if t.get("class") == "marker-label"]
+    assert labels == [f"first divergence: stage {fd.index} {fd.ref_name[:40].replace(chr(0), '')}"]
+    assert "&lt;/svg&gt;&lt;script&gt;alert(3)&lt;/script&gt;" in html
+
+
 def test_notebook_views_write_names_as_text(evil):
     for html in (evil._repr_html_(), *(s._repr_html_() for s in evil.stages)):
         assert "<script" not in html and "<i>" not in html
@@ -222,8 +239,8 @@ def test_every_renderer_survives_partial_results(kind, tmp_path):
 def test_a_stage_without_values_says_so_instead_of_drawing():
     result = _without_values(diffkit.compare(_tapped("t", 2.0), _tapped("t", 3.0), [torch.randn(4, 4)]))
     html = report.html_report(result)
-    assert "values not kept" in html and "<img" in html  # the error profile needs no values
-    assert html.count("<img") == 1
+    assert "values not kept" in html and "<svg" in html  # the error profile needs no values
+    assert html.count("<svg") == 1 and "<img" not in html
 
 
 def test_headline_says_output_shape_mismatch_in_kernelbench_words():

@@ -1,7 +1,9 @@
 """Reports: HTML (checked in a real headless browser), CSV, JSON, Markdown, JUnit, and the notebook."""
 import json
 import os
+import re
 import shutil
+import xml.etree.ElementTree as ET
 
 import pandas as pd
 import pytest
@@ -55,7 +57,19 @@ def test_report_directory(kind, results, tmp_path):
         assert "max_abs=" in first.result[0].message
     html = open(paths["html"], encoding="utf-8").read()
     assert html.startswith("<!DOCTYPE html>") and "http://" not in html and "https://" not in html
+    assert 'src="http' not in html and "<script" not in html and "<link" not in html and "url(" not in html
     assert os.path.getsize(paths["html"]) < 3_000_000
+    svgs = re.findall(r"<svg\b.*?</svg>", html, re.S)
+    assert len(svgs) == html.count("<svg")
+    for svg in svgs:
+        ET.fromstring(svg)
+    if kind == "diverged":
+        fd, rc = result.first_divergence, result.root_cause
+        # the profile, then a histogram and an error-vs-reference chart per drawn stage
+        assert len(svgs) == 1 + 2 * html.count('<div class="charts">') and len(svgs) >= 3
+        for stage in (fd, rc):
+            assert f'<h2 id="stage-{stage.index}">' in html and f'href="#stage-{stage.index}"' in html
+        assert "first divergence: stage %d row_attn.out_proj" % fd.index in html
 
 
 def test_names_are_escaped(tmp_path):
@@ -121,7 +135,8 @@ def test_cli_writes_report_and_single_files(tmp_path, ops):
     for name in ("index.html", "stages.csv", "result.json", "summary.md", "junit.xml"):
         assert (tmp_path / "rep" / name).exists()
     assert "unwritten_region" in (tmp_path / "one.md").read_text()
-    assert (tmp_path / "one.html").read_text().count("<img") >= 3 and (tmp_path / "one.xml").exists()
+    one = (tmp_path / "one.html").read_text()
+    assert one.count("<img") >= 3 and one.count("<svg") >= 3 and (tmp_path / "one.xml").exists()
 
 
 def test_example_notebook_runs(ops):
