@@ -9,6 +9,8 @@ evaluation pays them); the candidate's extension is built once beforehand, so bu
 is measured from here; peak device memory is what `nvidia-smi` reports in use on the card (sampled every 20 ms)
 above what it reported before the run, for both, so CUDA contexts count alike.  The baseline is
 bench/kb_baseline.py (load, seed, construct, five trials of two forwards + torch.allclose).
+Modes: `diff` (the default five trials), `diff_trials1` (--trials 1), `diff_forked` (five trials, the children
+forked from the parent with DIFFKIT_FORK_GPU=1 instead of fresh interpreters).
 Targets (issue 46): the default `diffkit diff` ≤ 2× the baseline's wall time and ≤ 2× its peak device memory;
 side by side and capped, every diff completes with the same answer as alone and uncapped."""
 import argparse
@@ -27,8 +29,8 @@ MODELS = {
     "mid": dict(ref="references/deep_transformer.py", cand="kernels/deep_transformer_fused.py",
                 env=dict(DIFFKIT_DEPTH="12", DIFFKIT_BATCH="4", DIFFKIT_SEQ="1024", DIFFKIT_DIM="1024",
                          DIFFKIT_HEADS="16")),
-    "l2_19": dict(ref="references/convtranspose2d_gelu_groupnorm_large.py",
-                  cand="kernels/convtranspose2d_gelu_groupnorm_large_cuda.py", env={}),
+    "l2_19": dict(ref="bench/models/convtranspose2d_gelu_groupnorm_large.py",
+                  cand="bench/models/convtranspose2d_gelu_groupnorm_large_cuda.py", env={}),
 }
 
 
@@ -93,12 +95,12 @@ def baseline(model: str) -> dict:
     return r
 
 
-def diffkit(model: str, *args: str, json_path: str | None = None) -> dict:
+def diffkit(model: str, *args: str, json_path: str | None = None, env: dict | None = None) -> dict:
     m = MODELS[model]
     cmd = [sys.executable, "cli.py", "diff", m["ref"], m["cand"], "--device", "cuda", "--no-report", *args]
     if json_path:
         cmd += ["--json", json_path]
-    return run(cmd, model)
+    return run(cmd, model, env)
 
 
 def answer(path: str) -> dict:
@@ -118,11 +120,13 @@ def compare_with_baseline(model: str, repeat: int) -> dict:
     warm = baseline(model)  # builds the candidate's extension into ninja's cache
     print(f"[{model}] warm-up baseline: rc {warm['rc']}, {warm['wall']:.2f} s "
           f"{warm['stderr'].strip().splitlines()[-1:] if warm['rc'] not in (0, 1) else ''}", flush=True)
-    rows = {"baseline": [], "diff": [], "diff_trials1": []}
+    rows = {"baseline": [], "diff": [], "diff_trials1": [], "diff_forked": []}
     for _ in range(repeat):  # in turns, so a drift of the box hits both alike
         rows["baseline"].append(baseline(model))
         rows["diff"].append(diffkit(model))
         rows["diff_trials1"].append(diffkit(model, "--trials", "1"))
+        # the children forked from the parent (torch imported once), CUDA started in each child
+        rows["diff_forked"].append(diffkit(model, env={"DIFFKIT_FORK_GPU": "1"}))
     out = {}
     for name, rs in rows.items():
         out[name] = {"wall": statistics.median(r["wall"] for r in rs), "peak": max(r["peak"] for r in rs),
@@ -137,7 +141,7 @@ def compare_with_baseline(model: str, repeat: int) -> dict:
               + ", ".join(f"{k} {v:.2f}" for k, v in own.get("phases", {}).items())
               + f"; torch's peak {gb(own.get('peak_device_bytes') or 0)}", flush=True)
     b = out["baseline"]
-    for name in ("diff", "diff_trials1"):
+    for name in ("diff", "diff_trials1", "diff_forked"):
         print(f"[{model}] {name}: wall {out[name]['wall'] / b['wall']:.2f}x the baseline (target <= 2x), "
               f"device peak {out[name]['peak'] / max(b['peak'], 1):.2f}x (target <= 2x)", flush=True)
     return out

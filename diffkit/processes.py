@@ -308,13 +308,16 @@ def _preload() -> None:
 
 def _can_fork(device: str | None = None) -> bool:
     """Children are forked from this process (saving an interpreter start and torch's import each)
-    on POSIX with a CPU-only torch, or with `--device cpu`; DIFFKIT_NO_FORK=1 asks for fresh
+    on POSIX with a CPU-only torch, or with `--device cpu`; on a CUDA build too with DIFFKIT_FORK_GPU=1, as long
+    as this process has not started CUDA (a child then starts its own).  DIFFKIT_NO_FORK=1 asks for fresh
     interpreters."""
     if not hasattr(os, "fork") or os.environ.get("DIFFKIT_NO_FORK"):
         return False
-    # a CUDA build: even asking whether a GPU is there can leave a forked child unable to use it, so the
-    # children get fresh interpreters (CPU-only builds, and --device cpu, fork)
-    return _host_only(device)
+    if _host_only(device):
+        return True
+    # a CUDA build: a process that has started CUDA (even asking whether a GPU is there can) cannot hand it to a
+    # forked child, so by default the children get fresh interpreters
+    return os.environ.get("DIFFKIT_FORK_GPU", "0") != "0" and not torch.cuda.is_initialized()
 
 
 def _host_only(device: str | None) -> bool:

@@ -146,8 +146,8 @@ def test_device_memory_flag_reads_sizes_and_refuses_nonsense(tmp_path):
 
 
 # ----------------------------------------------------------------------------- on a real card
-L2_REF = os.path.join(ROOT, "references", "convtranspose2d_gelu_groupnorm_large.py")
-L2_CAND = os.path.join(ROOT, "kernels", "convtranspose2d_gelu_groupnorm_large_cuda.py")
+L2_REF = os.path.join(ROOT, "bench", "models", "convtranspose2d_gelu_groupnorm_large.py")
+L2_CAND = os.path.join(ROOT, "bench", "models", "convtranspose2d_gelu_groupnorm_large_cuda.py")
 
 
 def _answer(path):

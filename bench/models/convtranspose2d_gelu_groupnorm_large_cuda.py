@@ -1,14 +1,12 @@
 """ConvTranspose2d (cuDNN, through the functional call) followed by one CUDA pass for each group's statistics of
 the GELU and one that applies GELU, the group's normalisation and the affine (CUDA only).  The candidate issue 46's
 memory benchmark diffs at KernelBench level 2 problem 19's sizes: the GELU'd activation is never stored, so the
-candidate holds two activations where the reference holds three."""
+candidate holds two activations where the reference holds three.  (In bench/models/, not kernels/: at these
+sizes a CPU-only suite over kernels/ would run the reference for minutes before finding the candidate needs CUDA.)"""
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.cpp_extension import load_inline
-
-DIFFKIT_EXPECT = {"reference": "convtranspose2d_gelu_groupnorm_large.py", "stage": None, "kind": None,
-                  "device": "cuda"}
 
 _SRC = r"""
 #include <torch/extension.h>

@@ -1,6 +1,7 @@
 """ConvTranspose2d -> GELU -> GroupNorm at the sizes of KernelBench level 2's problem 19 (batch 128, 64 -> 64
 channels, 256 x 256 in, kernel 3, stride 1: 258 x 258 out, 8 groups), in float32: 2.2 GB an activation, the
-problem issue 46 measures device memory on (a GPU-sized reference: on a CPU one forward takes minutes).
+problem issue 46 measures device memory on (a GPU-sized reference: on a CPU one forward takes minutes, which is
+why it lives in bench/models/ and not references/, whose every model the CPU tests run).
 DIFFKIT_L2_BATCH sets the batch (the memory benchmark's smaller runs)."""
 import os
 
