@@ -54,7 +54,8 @@ def main() -> None:
     """diffkit: find the first stage where a hand-written kernel stops matching its PyTorch reference."""
 
 
-@main.command(params=DIFF_OPTIONS)
+@main.command(params=list(DIFF_OPTIONS))  # (a copy: click.argument appends to it, and a fork server runs
+#  this module again as the parent's __main__, see diffkit.warm)
 @click.argument("ref_path", metavar="REF")
 @click.argument("cand_path", metavar="CAND")
 def diff(ref_path, cand_path, json_path, csv_path, report_dir, no_report, html_path, md_path, junit_path, full,

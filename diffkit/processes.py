@@ -102,7 +102,10 @@ def stop(proc) -> None:
         try:
             os.killpg(proc.pid, sig)
         except (ProcessLookupError, PermissionError):
-            pass
+            try:  # (a child forked a moment ago may not lead its own group yet)
+                os.kill(proc.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
         try:
             proc.wait(timeout=wait)
             return

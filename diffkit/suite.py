@@ -56,6 +56,7 @@ from .render import (VERDICT_COLOUR, _element as el, csv_safe, harden_cell, hard
 from .result import Result, json_safe
 from .safefiles import open_fresh, write_text
 from .flags import DIFF_OPTIONS
+from . import warm
 from .processes import python_command, stop as _stop
 
 KB_CANDIDATE = re.compile(r"^level_?(?P<level>\d+)_problem_(?P<problem>\d+)_sample_(?P<sample>\d+)_kernel\.py$")
@@ -427,7 +428,25 @@ def unavailable_reason(entry: SuiteEntry, log_text: str) -> str | None:
         line = next((ln.strip() for ln in said.splitlines() if hit.group(0) in ln), hit.group(0))
         return (f"needs {thing}, which this machine lacks" + (f" ({'; '.join(shown)})" if shown else "")
                 + f": {line[:300]}")
-    return None
+    return _unbuildable(entry)
+
+
+BUILDS = ("builds a CUDA extension (load_inline with cuda_sources)", "compiles .cu sources")
+
+
+def _unbuildable(entry: SuiteEntry) -> str | None:
+    """A side whose file builds CUDA sources failed to import (or build) on a machine without CUDA, in words of
+    its own (torch's build of another pair's same extension failing beside it: "cannot open shared object
+    file"): it cannot be judged here, whatever the build said."""
+    m = re.search(r"\b(reference|candidate) failed \((import|build)\)", entry.error or "")
+    if m is None or machine_has("CUDA"):
+        return None
+    path = entry.cand if m.group(1) == "candidate" else entry.ref
+    shown = [how for thing, how in needs_cuda(path) if thing == "CUDA" and how in BUILDS]
+    if not shown:
+        return None
+    return (f"needs CUDA, which this machine lacks (the {m.group(1)} {'; '.join(shown)}): its {m.group(2)} failed "
+            f"here: {(entry.error or '')[:300]}")
 
 
 def _skip(entry: SuiteEntry, reason: str) -> SuiteEntry:
@@ -705,10 +724,11 @@ class Runner:
             with self._lock:
                 if self.stop.is_set():
                     return entry
-                # its own process group: stopping it stops what it started (the per-side children, ninja …)
-                proc = subprocess.Popen([*python_command(), *self.command(entry)], stdout=log,
-                                        stderr=subprocess.STDOUT, env=env,
-                                        stdin=subprocess.DEVNULL, start_new_session=True)
+                # its own process group: stopping it stops what it started (the per-side children, ninja …);
+                # forked from a process that imported torch and diffkit once (diffkit.warm), else a fresh interpreter
+                proc = warm.start(self.command(entry), env, os.getcwd(), log_path) or \
+                    subprocess.Popen([*python_command(), *self.command(entry)], stdout=log, stderr=subprocess.STDOUT,
+                                     env=env, stdin=subprocess.DEVNULL, start_new_session=True)
                 self._procs.add(proc)
                 self.running.add(entry.name)
             try:

@@ -34,7 +34,7 @@ LAYERS = [
     ("locating, explaining, writing reports", "report locate rootcause diagnose modelstate"),
     ("the pipeline", "pipeline runner sources traces health rerun"),
     ("KernelBench's trials", "trials"),
-    ("entry points and child processes", "processes roles outputs flags sanitize compare harden suite suite_ray "
+    ("entry points and child processes", "processes roles outputs flags sanitize compare harden warm suite suite_ray "
                                          "testing pytest_plugin"),
     ("the command line and the package", "cli diffkit"),
 ]

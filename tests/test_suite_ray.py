@@ -205,35 +205,49 @@ def test_a_pair_whose_worker_dies_is_run_once_more(cluster, tmp_path):
     assert proc.returncode == 2
 
 
-def _processes_naming(text):
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as fh:
-                if text.encode() in fh.read():
-                    found.append(int(pid))
-        except OSError:
-            pass
-    return found
+# hangs in its forward, having written its process id beside itself (a pair's process is forked warm: its
+# command line does not name the pair)
+NOTED_HANG = '''import os
+import time
+import torch.nn as nn
+
+
+class ModelNew(nn.Module):
+    def forward(self, x):
+        with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "pid"), "w") as fh:
+            fh.write(str(os.getpid()))
+        while True:
+            time.sleep(0.5)
+'''
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def test_an_interrupted_ray_suite_stops_its_children_and_keeps_its_summaries(cluster, tmp_path):
     src, out = str(tmp_path / "in"), str(tmp_path / "out")
     _pair(src, "a_fast", NUMPY.replace("SCALE * ", ""))
-    _pair(src, "b_hangs", HANG)  # no --timeout: only the interruption ends it
+    _pair(src, "b_hangs", NOTED_HANG)  # no --timeout: only the interruption ends it
     proc = subprocess.Popen([*PY, "suite", src, "--report-dir", out, "--trials", "1", "--no-isolate", "--ray",
                              cluster.address], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    hang = os.path.join(src, "b_hangs")
+    noted = os.path.join(src, "b_hangs", "pid")
     deadline = time.time() + 120
     while time.time() < deadline and not (os.path.exists(os.path.join(out, "a_fast", "suite.json"))
-                                          and _processes_naming(hang)):
+                                          and os.path.exists(noted) and open(noted).read()):
         time.sleep(0.2)
-    assert _processes_naming(hang), "the hanging pair's child never started"
+    assert os.path.exists(noted) and open(noted).read(), "the hanging pair's forward never started"
+    hanging = int(open(noted).read())
+    assert _alive(hanging)
     proc.send_signal(signal.SIGINT)
     output = proc.communicate(timeout=60)[0]
     assert proc.returncode == 128 + signal.SIGINT, output
     time.sleep(1)
-    assert not _processes_naming(hang), "the cancelled task left its child running"
+    assert not _alive(hanging), "the cancelled task left its child running"
     rows = json.loads(_read(os.path.join(out, "summary.json")))
     assert [(r["name"], r["verdict"]) for r in rows] == [("a_fast", "match")]
     assert "interrupted by SIGINT" in _read(os.path.join(out, "index.html"))

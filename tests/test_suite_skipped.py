@@ -185,6 +185,29 @@ def test_a_machine_with_cuda_does_not_skip(monkeypatch, tmp_path):
     assert suite_mod.unavailable_reason(dataclasses.replace(e, error="RuntimeError: shape mismatch"), "") is None
 
 
+def test_a_cuda_build_that_fails_in_its_own_words_is_skipped_where_cuda_is_missing(monkeypatch, tmp_path):
+    """A candidate that builds CUDA sources and fails to import on a CPU machine with an error that names no missing
+    CUDA (seen when two pairs build the same extension at once: the second finds no .so) cannot be judged here."""
+    cand = tmp_path / "cand.py"
+    cand.write_text("from torch.utils.cpp_extension import load_inline\n"
+                    "ops = load_inline(name='x', cpp_sources=[''], cuda_sources=['__global__ void k() {}'])\n")
+    e = SuiteEntry("p", str(tmp_path / "ref.py"), str(cand), verdict="error",
+                   error="candidate failed (import) at cand.py:2: ImportError: /root/.cache/torch_extensions/x/x.so: "
+                         "cannot open shared object file: No such file or directory")
+    monkeypatch.setattr(suite_mod, "machine_has", lambda thing: False)
+    why = suite_mod.unavailable_reason(e, "")
+    assert why.startswith("needs CUDA, which this machine lacks (the candidate builds a CUDA extension")
+    assert "cannot open shared object file" in why
+    # the same failure in its forward, or a file that builds no CUDA, stays an error; and where CUDA is, too
+    assert suite_mod.unavailable_reason(dataclasses.replace(e, error=e.error.replace("(import)", "(forward)")), "") \
+        is None
+    plain = tmp_path / "plain.py"
+    plain.write_text("import torch\n")
+    assert suite_mod.unavailable_reason(dataclasses.replace(e, cand=str(plain)), "") is None
+    monkeypatch.setattr(suite_mod, "machine_has", lambda thing: True)
+    assert suite_mod.unavailable_reason(e, "") is None
+
+
 def test_the_writers_and_the_exit_code_count_skipped_apart():
     skipped = SuiteEntry("s", "r.py", "c.py", verdict="skipped", skip_reason="needs CUDA", headline="diffkit: SKIPPED")
     diverged = SuiteEntry("d", "r.py", "c.py", verdict="diverged", first_divergence="stage 1 fc")
