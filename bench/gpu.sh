@@ -28,15 +28,20 @@
 #             BEFORE=FILE (a record of another tree, carried), compared with it
 #   ab        OLD=TREE: bench/ab_stream.py TREE . -- the streaming diff with another tree's diffkit and this one's,
 #             in turns (ROUNDS, default 3)
+#   wall      bench/gpu_wall.py: `diffkit diff` (five trials, one trial, children forked) against a KernelBench-style
+#             baseline (bench/kb_baseline.py), wall time and the card's peak memory, for the `mid` transformer and
+#             KernelBench level 2 problem 19 at full size (bench/models/). MODELS (default mid,l2_19). $OUT/wall.json
+#   memory    problem 19 at full size: three diffs side by side on the card, then capped with --device-memory 24G
+#             against uncapped (the same answer in each)
 #   all       tests speed stream mid metrics host axial (more than one call's worth: run parts one call at a time)
 #
-# Knobs: OUT, T (tests' limit per process), REPEAT (speed/stream/mid repeats), SPEED_ONLY (speed.py --only for
+# Knobs: OUT, MODELS (wall), T (tests' limit per process), REPEAT (speed/stream/mid repeats), SPEED_ONLY (speed.py --only for
 # `speed`), PROFILE, BEFORE, OLD, ROUNDS.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp}
 mkdir -p "$OUT"
-[ $# -gt 0 ] || { sed -n 2,34p "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n 2,39p "$0"; exit 2; }
 parts=("$@")
 [ "${parts[*]}" = all ] && parts=(tests speed stream mid metrics host axial)
 for p in "${parts[@]}"; do
@@ -102,6 +107,16 @@ part_metrics() {
   timeout 120 python bench/metrics_kernel_tune.py 2>&1 | grep -v Warning | tail -16
   timeout 90 python bench/direct_vs_table.py 2>&1 | grep -v Warning | tail -8
   TAIL=4 speed 120 --preset h200 --repeat 5 --only h200:metrics
+}
+
+part_wall() {
+  timeout 560 python bench/gpu_wall.py --models "${MODELS:-mid,l2_19}" --repeat "${REPEAT:-2}" --json "$OUT/wall.json" \
+    2>&1 | grep -v Warning
+}
+
+part_memory() {
+  timeout 280 python bench/gpu_wall.py --models l2_19 --side-by-side 3 2>&1 | grep -v Warning
+  timeout 280 python bench/gpu_wall.py --models l2_19 --device-memory 24G 2>&1 | grep -v Warning
 }
 
 part_host() { timeout 120 python bench/host_overhead.py --repeat 5 2>&1 | grep -v Warning; }

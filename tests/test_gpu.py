@@ -40,12 +40,28 @@ def test_cuda_candidate(name, ref, cand, exp, tmp_path):
         assert exp["kind"] in kinds, kinds
 
 
-def _diff(ref, cand, tmp_path, *extra):
+def _diff(ref, cand, tmp_path, *extra, env=None):
     out = subprocess.run([sys.executable, os.path.join(ROOT, "cli.py"), "diff", os.path.join(ROOT, ref),
                           os.path.join(ROOT, cand), "--device", "cuda", "--json", str(tmp_path / "r.json"), "--no-report",
-                          "--timeout", "500", *extra], capture_output=True, text=True, cwd=ROOT, timeout=600)
+                          "--timeout", "500", *extra], capture_output=True, text=True, cwd=ROOT, timeout=600,
+                         env=env)
     print(out.stdout[-4000:], out.stderr[-2000:])
     return out, json.loads((tmp_path / "r.json").read_text())
+
+
+@pytest.mark.cuda
+def test_children_forked_on_a_gpu_give_the_answer_of_fresh_ones(tmp_path):
+    """DIFFKIT_FORK_GPU=1: an isolated diff's children forked from a parent that never started CUDA, each starting
+    its own: the same verdict, first divergence, diagnosis and numbers as children in fresh interpreters."""
+    keys = []
+    for fork in ("0", "1"):
+        out, d = _diff("references/axial_attention.py", "kernels/axial_attention_cuda_tail.py", tmp_path,
+                       env={**os.environ, "DIFFKIT_FORK_GPU": fork})
+        fd = d["first_divergence"]
+        keys.append((out.returncode, d["verdict"], fd["ref_name"], fd["stats"]["max_abs"],
+                     [f["kind"] for f in fd["diagnosis"]], d["meta"]["processes"]))
+    assert keys[0] == keys[1]
+    assert keys[0][1] == "diverged"
 
 
 @pytest.mark.cuda
