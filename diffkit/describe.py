@@ -18,6 +18,15 @@ MISSING = "-"
 
 
 # ----------------------------------------------------------------------------- small pieces
+def clip(text, width: int) -> str:
+    """`text` cut to `width` characters for a terminal, ending in "…" when anything was dropped (so the reader
+    knows it was); unchanged when it fits."""
+    text = "" if text is None else str(text)
+    if width < 1:
+        return ""
+    return text if len(text) <= width else text[:width - 1] + "…"
+
+
 def fmt(x, spec: str = ".3g", missing: str = MISSING) -> str:
     """`x` formatted with `spec`; `missing` for None; NaN and Inf as Python writes them."""
     if x is None:
@@ -118,11 +127,20 @@ def worst_summary(worst) -> str:
     return f"{list(worst.index)}: reference {fmt(worst.ref, '.6g')}, candidate {fmt(worst.cand, '.6g')}"
 
 
+def introduces(stage) -> bool | None:
+    """Whether a stage introduces error of its own: re-run alone on the reference's inputs (`stage.local`,
+    rootcause.py) it is still out of tolerance (True), or there it is within tolerance and only inherits the
+    error of its inputs (False); None when it was not re-run.  The words every surface uses ("this stage
+    introduces the error" / "only inherits")."""
+    local = getattr(stage, "local", None)
+    return None if local is None else not local.ok
+
+
 def rerun_summary(stage) -> str:
     """What re-running the stage alone on the reference's inputs showed ("" when it was not re-run)."""
     if stage.local is None:
         return stage.replay_note or ""
-    verb = "introduces" if not stage.local.ok else "only inherits"
+    verb = "introduces" if introduces(stage) else "only inherits"
     return (f"re-run alone on the reference's inputs: max_abs {fmt(stage.local.max_abs, '.4g')} — this stage {verb} "
             f"the error (its inputs carried max_abs {fmt(stage.inherited_max_abs or 0, '.3g')})")
 
@@ -313,6 +331,21 @@ def nonfinite_words(s) -> str:
     return f" (over finite elements; {', '.join(parts) or 'non-finite values'}: |difference| there is inf or NaN)"
 
 
+def explaining_what_if(result) -> dict | None:
+    """The best what-if run (diffkit.whatif) when it reproduces the candidate within tolerance (`explains`) and says
+    what it planted, else None: a run of the reference with that mistake gives the candidate's values, which the
+    headline and the suite's diagnosis column put before a pattern's diagnosis."""
+    best = next((w for w in (getattr(result, "what_if", None) or []) if isinstance(w, dict)), None)
+    return best if best is not None and best.get("explains") and best.get("detail") else None
+
+
+def what_if_diagnosis(best: dict) -> tuple[str, str]:
+    """An explaining what-if as a diagnosis: (kind, sentence), e.g. ("what-if: drop_bias", "the reference gives the
+    candidate's values with `fc1` computed without its bias (what-if)")."""
+    return (f"what-if: {best.get('kind') or '?'}",
+            f"the reference gives the candidate's values with {best['detail']} (what-if)")
+
+
 def _diverged_headline(result, fd) -> str:
     s = fd.stats
     if s is not None:
@@ -323,8 +356,8 @@ def _diverged_headline(result, fd) -> str:
     else:
         numbers = f"{not_compared_reason(fd)};"
     kind = f"; looks like {KIND_WORDS.get(fd.diagnosis[0].kind, fd.diagnosis[0].kind)}" if fd.diagnosis else ""
-    best = next((w for w in (getattr(result, "what_if", None) or []) if isinstance(w, dict)), None)
-    if best is not None and best.get("explains") and best.get("detail"):
+    best = explaining_what_if(result)
+    if best is not None:
         # a run of the reference with that mistake planted gives the candidate's values: stronger than a pattern
         kind = f"; the reference gives the candidate's values with {best['detail']} (what-if)"
     rc = result.root_cause
@@ -343,6 +376,23 @@ def _diverged_headline(result, fd) -> str:
 # ----------------------------------------------------------------------------- the detail block
 def _finding_line(f) -> str:
     return f"  diagnosis [{f.kind}, confidence {fmt(f.confidence, '.2f')}]: {f.detail}"
+
+
+def _finding_lines(stage, said: set) -> list[str]:
+    """The stage's diagnosis lines, less any finding already said (`said`: their (kind, detail), updated)."""
+    return [_finding_line(f) for f in unsaid(stage.diagnosis, said)]
+
+
+def unsaid(findings, said: set) -> list:
+    """`findings` less those whose (kind, detail) is in `said`, and less repeats among themselves; `said` takes the
+    rest (one diagnosis line per finding, however many stages or surfaces carry it)."""
+    out = []
+    for f in findings or ():
+        key = (getattr(f, "kind", ""), getattr(f, "detail", ""))
+        if key not in said:
+            said.add(key)
+            out.append(f)
+    return out
 
 
 def run_findings(result) -> list[str]:
@@ -442,7 +492,9 @@ def divergence_lines(result) -> list[str]:
         rerun = rerun_summary(fd)
         if rerun:
             out.append(f"  {rerun}")
-        out += [_finding_line(f) for f in fd.diagnosis]
+    said: set = set()  # each finding once, whichever stage carries it
+    if fd is not None:
+        out += _finding_lines(fd, said)
     out += what_if_lines(result)
     rc = result.root_cause
     if rc is not None and rc is not fd:
@@ -451,7 +503,7 @@ def divergence_lines(result) -> list[str]:
             line += (f": re-run on the reference's inputs it is off by max_abs {fmt(rc.local.max_abs, '.4g')}"
                      + (" (within tolerance there, out of it once propagated)" if rc.local.ok else ""))
         out += ["", line]
-        out += [_finding_line(f) for f in rc.diagnosis]
+        out += _finding_lines(rc, said)
     e = result.error
     if e is not None:
         out += ["", f"error: {e.side} {e.phase}: {e.message}"]
@@ -488,6 +540,7 @@ def assertion_message(result) -> str:
     the headline, the first diverging stage, mismatched elements, greatest absolute and relative
     difference against the allowed tolerance, the worst element, diagnosis, root cause, error."""
     lines = [headline(result)]
+    said: set = set()
     fd = result.first_divergence
     if fd is not None:
         lines.append(f"First diverging stage {fd.index}: reference {fd.ref_name!r} ({where(fd.ref)}), "
@@ -496,7 +549,7 @@ def assertion_message(result) -> str:
             lines += _closeness_lines(fd.stats)
         else:
             lines.append(f"Not compared: {not_compared_reason(fd)}")
-        lines += [f"Diagnosis ({f.kind}): {f.detail}" for f in fd.diagnosis]
+        lines += [f"Diagnosis ({f.kind}): {f.detail}" for f in unsaid(fd.diagnosis, said)]
         lines += [x.strip() for x in what_if_lines(result) if x.strip()]
     elif result.verdict == "diverged" and result.output is not None:
         lines.append("Output:")
@@ -504,7 +557,7 @@ def assertion_message(result) -> str:
     rc = result.root_cause
     if rc is not None and rc is not fd:
         lines.append(f"Root cause: {root_cause_summary(rc)}")
-        lines += [f"Diagnosis ({f.kind}): {f.detail}" for f in rc.diagnosis]
+        lines += [f"Diagnosis ({f.kind}): {f.detail}" for f in unsaid(rc.diagnosis, said)]
     e = result.error
     if e is not None:
         lines.append(f"The {e.side} raised: {e.message}" + (f" at {e.stage}" if e.stage else ""))

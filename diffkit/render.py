@@ -48,6 +48,9 @@ def fold_rows(result, around: int = 6, head: int = 4, tail: int = 3, limit: int 
     return rows
 
 
+NAME_WIDTH, SHAPE_WIDTH, BY_WIDTH = 56, 16, 8  # the terminal stage table's text columns
+
+
 def format_table(result, color: bool = False, full: bool = False) -> str:
     """The stage table for a terminal (folded around the first divergence unless `full`)."""
     def style(text, **kw):
@@ -57,24 +60,26 @@ def format_table(result, color: bool = False, full: bool = False) -> str:
 
         return click.style(text, **kw)
 
-    lines = [f"{'#':>4}  {'stage (reference | candidate)':<56} {'shape':<16} {'by':<6} {'max_abs':>9} "
-             f"{'mean_abs':>9}  status"]
+    lines = [f"{'#':>4}  {'stage (reference | candidate)':<{NAME_WIDTH}} {'shape':<{SHAPE_WIDTH}} "
+             f"{'by':<{BY_WIDTH}} {'max_abs':>9} {'mean_abs':>9}  status"]
     rows = list(range(len(result.stages))) if full else fold_rows(result)
     fd = result.first_divergence
     label = describe.divergence_label(result, short=True)
     for i in rows:
         if i is None:
-            lines.append(style(f"{'…':>4}  {'(rows folded; --full shows all)':<56}", dim=True))
+            lines.append(style(f"{'…':>4}  (rows folded; --full shows all)", dim=True))
             continue
         s = result.stages[i]
         if s.ref_name and s.cand_name and s.ref_name != s.cand_name:
             name = f"{s.ref_name} | {s.cand_name}"
         else:
             name = s.ref_name or f"- | {s.cand_name}"
-        name = name if len(name) <= 56 else name[:55] + "…"
-        shape = shape_text(s.ref_shape if s.ref_shape is not None else s.cand_shape)
+        # (cut to its column with "…" where it is longer, so the columns stay aligned and the cut shows)
+        name = describe.clip(name, NAME_WIDTH)
+        shape = describe.clip(shape_text(s.ref_shape if s.ref_shape is not None else s.cand_shape), SHAPE_WIDTH)
         st = s.stats
-        line = (f"{s.index:>4}  {name:<56} {shape:<16} {s.paired_by or '-':<6} "
+        by = describe.clip(s.paired_by or "-", BY_WIDTH)
+        line = (f"{s.index:>4}  {name:<{NAME_WIDTH}} {shape:<{SHAPE_WIDTH}} {by:<{BY_WIDTH}} "
                 f"{fmt(st.max_abs if st else None):>9} {fmt(st.mean_abs if st else None):>9}  {s.status}")
         if fd is not None and s is fd:
             line = style(line + f"   <-- {label}", fg="red", bold=True)
@@ -151,8 +156,12 @@ def banner(result) -> dict:
     if fd is None and result.error is None and result.verdict == "match":
         all_within = (f"{len(result.compared)} stages compared, all within "
                       f"{describe.tolerance_text(tol['atol'], tol['rtol'], tol.get('stat'))}")
+    rc = rc if rc is not None and rc is not fd else None
+    said: set = set()
+    fd_finding = next(iter(describe.unsaid(fd.diagnosis[:1], said)), None) if fd is not None else None
+    rc_finding = next(iter(describe.unsaid(rc.diagnosis[:1], said)), None) if rc is not None else None
     return {"verdict": result.verdict, "colour": VERDICT_COLOUR.get(result.verdict, "#555"), "fd": fd,
-            "rc": rc if rc is not None and rc is not fd else None, "error": result.error,
+            "rc": rc, "error": result.error, "fd_finding": fd_finding, "rc_finding": rc_finding,
             "all_within": all_within, "headline": describe.headline(result),
             "fd_label": describe.divergence_label(result)}
 
@@ -341,9 +350,11 @@ def summary_markdown(result, limit: int = 15) -> str:
     if result.ref_path or result.cand_path:
         lines += [f"- reference: {md_code(result.ref_path)}", f"- candidate: {md_code(result.cand_path)}", ""]
 
+    said: set = set()  # each finding once, whichever stage carries it
+
     def findings(stage):
         return [f"- **{md_escape(f.kind)}** ({fmt(f.confidence, '.2f')}): {md_escape(f.detail)}"
-                for f in stage.diagnosis]
+                for f in describe.unsaid(stage.diagnosis, said)]
 
     fd = result.first_divergence
     if fd is not None:

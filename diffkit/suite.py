@@ -50,7 +50,7 @@ from typing import Any, Iterator, Sequence
 import click
 
 from .errors import EXIT, INTERNAL
-from .describe import failure_summary, headline, stage_names
+from .describe import clip, explaining_what_if, failure_summary, headline, stage_names, what_if_diagnosis
 from .render import (VERDICT_COLOUR, _element as el, csv_safe, harden_cell, harden_setting_line, md_code, md_escape,
                      template)
 from .result import Result, json_safe
@@ -336,6 +336,9 @@ def entry_from_result(entry: SuiteEntry, result) -> SuiteEntry:
         or (list(result.findings) if result.verdict != "match" else [])
     entry.diagnosis = findings[0].kind if findings else None
     entry.diagnosis_detail = findings[0].detail if findings else None
+    best = explaining_what_if(result) if result.verdict != "match" else None
+    if best is not None:  # a run of the reference with that mistake gives the candidate's values: as the headline says
+        entry.diagnosis, entry.diagnosis_detail = what_if_diagnosis(best)
     entry.error = failure_summary(result.error) if result.error is not None else (
         entry.headline if result.verdict == "error" else None)
     h = getattr(result, "harden", None)
@@ -847,7 +850,16 @@ class _Progress:
             from rich.markup import escape
 
             text = ", ".join(sorted(names, key=_natural))
-            self._bar.update(self._task, description=escape(text if len(text) <= 60 else text[:59] + "…"))
+            self._bar.update(self._task, description=escape(clip(text, self.room())))
+
+    # what the bar's other columns take: the spinner, "diffkit suite", the bar, N/M, the time, the gaps between
+    FIXED = 1 + 13 + 40 + 8 + 7 + 5
+
+    def room(self) -> int:
+        """How many characters of the terminal are left beside the bar for the pairs in flight (at most 60, at least
+        12): rich would otherwise crop the line itself, or squeeze the bar, without showing what it dropped."""
+        width = self._bar.console.width if self._bar is not None else 80
+        return max(12, min(60, width - self.FIXED - 2 * len(str(self.total))))
 
 
 def plan(entries: list[SuiteEntry], out_dir: str, diff_args: list[str], resume: bool,
