@@ -3,7 +3,10 @@
 `pipeline.run`; nothing here runs a stage of the diff itself."""
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -162,6 +165,19 @@ def capture_reference(ref_path: str, out_dir: str, options: Options | None = Non
     return trace
 
 
+def _scratch() -> str:
+    """A folder of this process's own for a capture made during a diff (removed when the process exits: the
+    result's values may be read from it until the report is written)."""
+    path = tempfile.mkdtemp(prefix="diffkit-scratch-")
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
+def trial_entries(path: str) -> list:
+    """The trials a capture directory lists (its info's `trials`, validated when it is opened)."""
+    return list(CaptureFile.open(path).info.get("trials") or [])
+
+
 def _resolved(device: str | torch.device) -> torch.device:
     """A device with its index filled in (the current CUDA device for a bare "cuda")."""
     d = torch.device(device)
@@ -179,18 +195,24 @@ def diff_files(ref_path: str, cand_path: str, *, options: Options | None = None,
     opts = options or Options.build(atol=atol, rtol=rtol, **settings)
     cap_process(opts.device or "cuda", opts.device_memory)
     ref_cap, cand_cap = is_capture(ref_path), is_capture(cand_path)
-    if cand_cap and not ref_cap:
-        raise DiffkitError("", "read", "a captured candidate needs a captured reference: give the reference as a "
-                           "capture directory too (diffkit capture REF.py -o ref.dkt)", cand_path)
+    if cand_cap and not ref_cap:  # the reference file captured as `diffkit capture` would, then two captures diffed
+        ref_dkt = os.path.join(_scratch(), "ref.dkt")
+        capture_reference(ref_path, ref_dkt, opts.replace(trials=len(trial_entries(cand_path)) or opts.trials))
+        result = diff_files(ref_dkt, cand_path, options=opts, evidence=evidence)
+        result.ref_path = ref_path
+        result.warnings.append(f"the reference file was captured for this diff (its trials run here, as "
+                               f"`diffkit capture {ref_path} -o DIR` would), then the two captures compared")
+        return result
     reinit: list[str] = []
     modules = None  # (the two files as run here: --harden reuses them)
     if ref_cap:
         # an isolated diff's own handoff (its reference child wrote it, nothing else will): mapped, not read
         ref_src = CaptureSource(ref_path, device=opts.device or "cpu",
-                                mapped=opts.trusted_capture and not opts.is_streaming)
+                                mapped=opts.trusted_capture and not opts.is_streaming, trusted=opts.trusted_capture)
         if cand_cap:  # nothing is re-run: the two captures' trials are compared
             cand_src = CaptureSource(cand_path, device=opts.device or "cpu")
-            reference = CapturedTrials(ref_path, ref_src.file.info, device=ref_src.device)
+            reference = CapturedTrials(ref_path, ref_src.file.info, device=ref_src.device,
+                                       trusted_capture=opts.trusted_capture)
             candidate = CapturedTrials(cand_path, cand_src.file.info, device=ref_src.device)
             result = run_trials(reference, candidate, [], opts, evidence=evidence)
             weights = None
@@ -208,7 +230,8 @@ def diff_files(ref_path: str, cand_path: str, *, options: Options | None = None,
             if ref_src.file.handed is not None:  # its values are on the reference's GPU: compared where they are
                 ref_src.device = side.device()
             same = _resolved(ref_src.device) == _resolved(side.device())  # ("cuda" is "cuda:0" on device 0)
-            reference = CapturedTrials(ref_path, ref_src.file.info, device=side.device(), first=ref_src if same else None)
+            reference = CapturedTrials(ref_path, ref_src.file.info, device=side.device(), first=ref_src if same else None,
+                                       trusted_capture=opts.trusted_capture)
             result = run_trials(reference, LiveCandidate(side.model, opts), side.inputs, opts, evidence=evidence)
             if ref_src.file.handed is not None:  # (how the reference's values came: see diffkit.handoff)
                 result.meta["reference_values"] = "handed over on the device"

@@ -21,7 +21,7 @@ import torch.utils._pytree as pytree
 from .tensorargs import path_key
 
 __all__ = ["copy_inputs", "layout", "as_made", "rebuild", "input_name", "input_names", "input_values", "changed_inputs",
-           "same_bits"]
+           "same_bits", "read_spec", "build_from_spec"]
 
 
 def _plain(t: torch.Tensor) -> bool:
@@ -137,6 +137,8 @@ def rebuild(captured: Any, want: list | None) -> Any:
             v0 = vals[members[0]]
             need = max(want[j][1] + 1 + sum((n - 1) * s for n, s in zip(vals[j].shape, want[j][0]))
                        if vals[j].numel() else 0 for j in members)
+            if need > max(16 * sum(vals[j].numel() for j in members), 1 << 24):
+                return captured  # (a layout, read from a capture, asking for far more memory than its values fill)
             flat = torch.zeros(max(need, 0), dtype=v0.dtype, device=v0.device)
             for j in members:
                 if vals[j].dtype != v0.dtype:
@@ -219,3 +221,99 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
         ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
         a, b = a.contiguous().view(ints), b.contiguous().view(ints)
     return bool(torch.equal(a, b))
+
+
+# ----------------------------------------------------------------------------- a structure stored as data
+
+# the containers a stored structure (torch's `treespec_dumps` JSON, as `load.encode_values` writes it) may hold; read
+# here, never by torch's `treespec_loads`, which imports any module a stored enum or defaultdict names
+SPEC_TYPES = ("builtins.list", "builtins.tuple", "builtins.dict", "collections.OrderedDict", "torch.Size")
+MAX_SPEC_DEPTH = 64
+MAX_SPEC_NODES = 1 << 20
+
+
+def read_spec(text: Any) -> tuple[Any, int]:
+    """A stored structure (``[1, {"type", "context", "children_spec"}]``) read as data: its tree of nodes
+    ``(type, keys, children)`` (type None: a leaf) and its number of leaves.  Only `SPEC_TYPES` are taken; a
+    dict's keys must be JSON scalars.  Raises ValueError saying what is wrong."""
+    import json
+
+    if not isinstance(text, str):
+        raise ValueError(f"the spec must be a string, not {type(text).__name__}")
+    try:
+        top = json.loads(text)
+    except RecursionError:
+        raise ValueError("the spec nests too deep") from None
+    except ValueError as e:
+        raise ValueError(f"the spec is not valid JSON ({str(e)[:100]})") from None
+    if not (isinstance(top, list) and len(top) == 2 and top[0] == 1 and not isinstance(top[0], bool)):
+        raise ValueError("the spec must be [1, {type, context, children_spec}] (pytree protocol 1)")
+    root: list = [None, None, []]
+    stack, leaves, nodes = [(top[1], root, 1)], 0, 0
+    while stack:
+        schema, node, depth = stack.pop()
+        nodes += 1
+        if depth > MAX_SPEC_DEPTH or nodes > MAX_SPEC_NODES:
+            raise ValueError(f"the spec nests deeper than {MAX_SPEC_DEPTH} or holds more than {MAX_SPEC_NODES} nodes")
+        if not isinstance(schema, dict) or set(schema) != {"type", "context", "children_spec"}:
+            raise ValueError("a spec node must be an object of type, context and children_spec")
+        typ, ctx, children = schema["type"], schema["context"], schema["children_spec"]
+        if not isinstance(children, list):
+            raise ValueError("a spec node's children_spec must be a list")
+        if typ is None:
+            if ctx is not None or children:
+                raise ValueError("a leaf of the spec has a context or children")
+            leaves += 1
+            continue
+        if typ not in SPEC_TYPES:
+            raise ValueError(f"the spec holds a {str(typ)[:60]!r}; a stored structure holds only "
+                             f"{', '.join(SPEC_TYPES)}")
+        keys = _spec_keys(typ, ctx, len(children))
+        node[0], node[1] = typ, keys
+        for child in children:
+            sub: list = [None, None, []]
+            node[2].append(sub)
+            stack.append((child, sub, depth + 1))
+    return root, leaves
+
+
+def _spec_keys(typ: str, ctx: Any, n: int) -> list | None:
+    """A spec node's context: a dict's keys (JSON scalars, one per child), else "null"."""
+    import json
+
+    try:
+        keys = json.loads(ctx) if isinstance(ctx, str) else ...
+    except (ValueError, RecursionError):
+        keys = ...
+    if typ in ("builtins.dict", "collections.OrderedDict"):
+        if not isinstance(keys, list) or len(keys) != n or \
+                not all(k is None or isinstance(k, (str, int, float, bool)) for k in keys):
+            raise ValueError(f"a {typ} node's context must list its {n} keys (strings or numbers)")
+        return keys
+    if keys is not None:
+        raise ValueError(f"a {typ} node's context must be null")
+    return None
+
+
+def build_from_spec(node: Any, leaves: list) -> Any:
+    """The structure `read_spec` read, with `leaves` in its leaf places (in order)."""
+    it = iter(leaves)
+
+    def one(n: list, depth: int) -> Any:
+        typ, keys, children = n
+        if typ is None:
+            return next(it)
+        items = [one(c, depth + 1) for c in children]
+        if typ == "builtins.list":
+            return items
+        if typ == "builtins.tuple":
+            return tuple(items)
+        if typ == "torch.Size":
+            return torch.Size(items)
+        if typ == "collections.OrderedDict":
+            import collections
+
+            return collections.OrderedDict(zip(keys, items))
+        return dict(zip(keys, items))
+
+    return one(node, 0)

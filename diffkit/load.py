@@ -30,7 +30,7 @@ from .align_graph import folded_in, in_ref_layout
 from .capture import (_install_extension_import_hook, input_names, materialized, path_key, rng_state,
                       set_rng_state)
 from .errors import DiffkitError
-from .inputs import as_made, copy_inputs, layout, rebuild
+from .inputs import as_made, build_from_spec, copy_inputs, layout, read_spec, rebuild
 
 KERNELBENCH_SEED = 42
 
@@ -512,17 +512,30 @@ def encode_values(values: list[Any], tensors: bool = False) -> dict | None:
 
 
 def decode_values(enc: dict, tensors: dict[str, torch.Tensor] | None = None) -> list[Any]:
-    """The inverse of `encode_values`; `tensors` maps input record names to their values."""
+    """The inverse of `encode_values`; `tensors` maps input record names to their values.  Read as data (the
+    structure by `inputs.read_spec`, never torch's `treespec_loads`, which imports modules a spec names);
+    raises ValueError/KeyError saying what does not fit."""
+    if isinstance(enc, list):  # (arguments stored as plain JSON values: taken as they are)
+        import copy
+
+        return copy.deepcopy(enc)
+    if not isinstance(enc, dict) or not isinstance(enc.get("leaves"), list):
+        raise ValueError("the stored values must be an object with a spec and a list of leaves")
+    node, count = read_spec(enc.get("spec"))
+    if count != len(enc["leaves"]):
+        raise ValueError(f"the spec has {count} leaves, the list of leaves {len(enc['leaves'])}")
     leaves = []
     for leaf in enc["leaves"]:
+        if not isinstance(leaf, dict):
+            raise ValueError("a stored leaf must be an object")
         if "tensor" in leaf:
-            t = (tensors or {}).get(leaf["tensor"])
+            t = (tensors or {}).get(leaf["tensor"]) if isinstance(leaf["tensor"], str) else None
             if t is None:
-                raise KeyError(f"the capture holds no value for {leaf['tensor']}")
+                raise KeyError(f"the capture holds no value for {str(leaf['tensor'])[:80]}")
             leaves.append(t)
         else:
-            leaves.append(leaf["value"])
-    return pytree.tree_unflatten(leaves, pytree.treespec_loads(enc["spec"]))
+            leaves.append(leaf.get("value"))
+    return build_from_spec(node, leaves)
 
 
 def _unpacked(value: Any, what: str, call: str, side: str, phase: str, path: str) -> list[Any]:
@@ -682,16 +695,21 @@ def load_candidate_for_capture(cand_path: str, capture: Any, *, seed: int = KERN
     forward inputs are the capture's; its parameters are compared by name with the reference's
     (copied into it only with `sync`)."""
     info = getattr(capture, "info", None) or {}
+    where = os.path.join(getattr(capture, "path", ""), "index.json")
     module = _candidate_module(cand_path)
     cls = _candidate_class(module, cand_path)
-    if info.get("init_inputs") is not None:
+    if info.get("init_inputs") is None:  # (never from running a file the capture names: a capture is data)
+        raise DiffkitError("reference", "read", f"{where}: field 'info.init_inputs' is missing or null, so the capture "
+                           f"does not say what the model was constructed from (get_init_inputs() gave arguments "
+                           f"that cannot be stored, or another tool wrote it): capture the reference again with "
+                           f"this diffkit, or diff the reference's .py file", where)
+    try:
         init = decode_values(info["init_inputs"])
-    elif info.get("inputs_source") and os.path.exists(info["inputs_source"]):
-        init = _init_inputs(exec_file(info["inputs_source"], "reference"), info["inputs_source"], "reference")
-    else:
-        raise DiffkitError("reference", "read", "the capture does not say how the model was constructed (no init "
-                           "inputs, and its source file is not here): capture it again with this diffkit",
-                           getattr(capture, "path", ""))
+    except (KeyError, ValueError, TypeError) as e:
+        raise DiffkitError("reference", "read", f"{where}: field 'info.init_inputs' cannot be read: {e}",
+                           where) from None
+    dev = device or info.get("device") or "cpu"
+    _usable_device(dev, device, where)
     model = _built_ahead(cand_path, info)
     if isinstance(model, BaseException):
         raise model
@@ -702,8 +720,7 @@ def load_candidate_for_capture(cand_path: str, capture: Any, *, seed: int = KERN
     except (KeyError, ValueError, IndexError) as e:
         raise DiffkitError("reference", "read", f"the capture's inputs cannot be rebuilt: {e}",
                            getattr(capture, "path", "")) from e
-    inputs = inputs_as_made(inputs, info, info.get("input_seed"))
-    dev = device or info.get("device") or "cpu"
+    inputs = inputs_as_made(inputs, info, info.get("input_seed"), trusted=bool(getattr(capture, "trusted", False)))
     if dev != "cpu" or device:
         model = model.to(dev)
         inputs = _move(inputs, dev)
@@ -711,24 +728,44 @@ def load_candidate_for_capture(cand_path: str, capture: Any, *, seed: int = KERN
     weights = (sync_weights(params, model) if sync else compare_weights(params, model)) if params else WeightReport()
     if eval_mode:
         model.eval()
-    return ModelSide(model, copy_inputs(inputs), init, cand_path, "ModelNew", seed, module,
-                     info.get("inputs_source", ""), eval_mode=eval_mode), weights
+    return ModelSide(model, copy_inputs(inputs), init, cand_path, "ModelNew", seed, module, eval_mode=eval_mode), weights
+
+
+def _usable_device(dev: str, asked: str | None, where: str) -> None:
+    """The device a captured reference ran on (`info.device`, unless --device says otherwise), when it is not
+    here: a sentence saying so, not torch's error from moving the model there."""
+    try:
+        d = torch.device(dev)
+    except (RuntimeError, TypeError, ValueError):
+        d = None
+    field_words = f"--device {dev!r}" if asked else f"field 'info.device' is {dev!r}"
+    if d is None or d.type not in ("cpu", "cuda"):
+        raise DiffkitError("reference", "read", f"{where}: {field_words}, a device diffkit does not run on "
+                           f"(cpu or cuda): diff with --device cpu", where)
+    if d.type == "cuda" and (not torch.cuda.is_available() or (d.index or 0) >= torch.cuda.device_count()):
+        have = f"{torch.cuda.device_count()} CUDA device(s)" if torch.cuda.is_available() else "no CUDA device"
+        raise DiffkitError("reference", "read", f"{where}: {field_words}: the reference was captured there, and this "
+                           f"machine has {have}; diff on a machine that has it, or on the CPU with --device cpu",
+                           where)
 
 
 _MADE_BY: dict[tuple, types.ModuleType] = {}  # reference files run to make inputs again, by path and file state
 
 
-def inputs_as_made(captured: list[Any], info: dict, seed: Any) -> list[Any]:
+def inputs_as_made(captured: list[Any], info: dict, seed: Any, trusted: bool = False) -> list[Any]:
     """A captured reference's inputs (their stored values) for the candidate's forward.  Where the reference's
     inputs were objects their values alone do not rebuild (one tensor at two places, tensors sharing memory, a
-    transposed or expanded one: the capture's `inputs_layout`), its get_inputs() is run again under the trial's
-    `seed` and what it makes is used when it holds exactly the stored values, laid out as they were; otherwise the
-    stored values are laid out again as the capture says (`inputs.rebuild`)."""
-    source = info.get("inputs_source")
+    transposed or expanded one: the capture's `inputs_layout`), the stored values are laid out again as the capture
+    says (`inputs.rebuild`).  Only for a capture this very diff wrote (`trusted`: an isolated diff's own hand-off)
+    is the reference file it names run again, its get_inputs() under the trial's `seed`, and what it makes used when
+    it holds exactly the stored values, laid out as they were: a capture from anywhere else is data, and nothing
+    it names is run."""
     want = info.get("inputs_layout") if isinstance(info.get("inputs_layout"), list) else None
-    if not info.get("inputs_layout"):
+    if not want:
         return captured
-    if not isinstance(seed, int) or not source or not os.path.exists(source):
+    source = info.get("inputs_source")
+    if not trusted or not isinstance(seed, int) or not isinstance(source, str) or not source.endswith(".py") \
+            or not os.path.isfile(source):
         return rebuild(captured, want)
     state = rng_state()
     try:
@@ -763,6 +800,8 @@ def load_reference_for_capture(capture: Any, *, device: str | None = None) -> Mo
     it computes exactly what was captured; None when the capture does not say enough or its source
     file is gone (what-if runs of the reference need it live)."""
     info = getattr(capture, "info", None) or {}
+    if getattr(capture, "mapped", False) and not getattr(capture, "trusted", False):
+        return None  # (flagged as this diff's own hand-off, but not one: a capture given by the user, run as data)
     source, cls_name = info.get("source"), info.get("class") or "Model"
     if not source or not os.path.exists(source) or info.get("init_inputs") is None:
         return None

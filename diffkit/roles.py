@@ -304,7 +304,9 @@ def diff(job: Job, out: Outputs, link: Link | None = None) -> None:
     """Diff the pair, write the answer and exit with its code (the one child for both sides answers only a clean
     diff or a file that did not load: else `_again`)."""
     both = job.role == "both"
-    options = job.options.replace(trusted_capture=True) if job.ref_capture else job.options
+    # only the capture this diff's own reference process wrote is trusted; a capture the user gave is data
+    own = bool(job.ref_capture) and os.path.abspath(job.ref_capture) != os.path.abspath(job.ref_path)
+    options = job.options.replace(trusted_capture=True) if own else job.options
     torch_before = _torch_globals() if both else None
     processes = PROCESSES.get(job.role, PROCESSES["here"])
     try:

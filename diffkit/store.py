@@ -32,7 +32,9 @@ from __future__ import annotations
 
 import collections
 import json
+import math
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Any, Iterator
@@ -40,6 +42,7 @@ from typing import Callable, Any, Iterator
 import torch
 
 from .errors import DiffkitError
+from .inputs import build_from_spec, input_names, read_spec
 from .records import CaptureError, Record, Ref, Trace
 from .store_io import (MAX_DIM, MAX_DIMS, _DTYPES, _ST_CODES, _Root, _is_int, _parse_json, _plain_name, _read_limited,
                        _show, _st_header, _st_tensor, _st_write)
@@ -447,14 +450,235 @@ def _check_error(err: Any) -> dict | None:
     return out
 
 
+# what a capture's ``info`` may say, checked once here (`_check_info`); nothing read from it is ever run
+SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.manual_seed takes
+MAX_TRIALS = 100_000
+MAX_VALUE_INT = (1 << 63) - 1  # a stored argument (init inputs, non-tensor inputs): an int64 at most
+_DEVICE = re.compile(r"(cpu|cuda|mps|xpu)(:[0-9]{1,4})?")
+_CLASS = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,254}")
+_PATH_FIELDS = ("source", "inputs_source")  # file names, kept as words: never run because a capture names them
+
+
 def _check_info(info: Any) -> dict:
+    """A capture's ``info``, every field diffkit reads checked for type and range (a `_Bad` naming it as
+    ``info.FIELD``); fields it does not know are kept as they are and never read."""
     if info is None:
         return {}
     if not isinstance(info, dict):
         raise _Bad("info", f"must be an object, not {_show(info)}")
     if not _depth_ok(info):
         raise _Bad("info", f"nests deeper than {MAX_DEPTH} levels")
+    try:
+        _check_info_fields(info)
+    except _Bad as e:
+        raise _Bad(f"info.{e.field}", e.why) from None
     return info
+
+
+def _check_info_fields(info: dict) -> None:
+    for k in _PATH_FIELDS:
+        _str_field(info, k, required=False)
+    cls = info.get("class")
+    if cls is not None and (not isinstance(cls, str) or not _CLASS.fullmatch(cls)):
+        raise _Bad("class", f"must be the name of a Python class (e.g. 'Model'), not {_show(cls)}")
+    for k in ("seed", "input_seed", "kernelbench_seed"):
+        if info.get(k) is not None:
+            _int_field(info, k, *SEED_RANGE)
+    if info.get("trial") is not None:
+        _int_field(info, "trial", 1, MAX_TRIALS)
+    for k in ("training", "eval", "outputs_only"):
+        v = info.get(k)
+        if v is not None and not isinstance(v, bool):
+            raise _Bad(k, f"must be true or false, not {_show(v)}")
+    dev = info.get("device")
+    if dev is not None and (not isinstance(dev, str) or not _DEVICE.fullmatch(dev)):
+        raise _Bad("device", f"must be a device such as 'cpu', 'cuda' or 'cuda:0', not {_show(dev)}")
+    if isinstance(info.get("init_inputs"), list):  # (the arguments themselves, as plain JSON values)
+        _check_plain_values(info["init_inputs"], "init_inputs")
+    elif info.get("init_inputs") is not None:
+        _check_encoded(info["init_inputs"], "init_inputs", tensors=False)
+    tensors = _check_encoded(info["inputs"], "inputs", tensors=True) if info.get("inputs") is not None else None
+    _check_layout(info.get("inputs_layout"), tensors)
+    for k in ("reinit_zero", "health"):
+        _str_list_field(info, k, "strings")
+    if info.get("trials") is not None:
+        _check_trials(info["trials"])
+    if info.get("rerun_differs") is not None:
+        _check_rerun_differs(info["rerun_differs"])
+
+
+def _check_value(v: Any, f: str) -> None:
+    """A stored argument that is not a tensor: a JSON scalar (a finite number, an int64 at most)."""
+    if v is None or isinstance(v, bool):
+        return
+    if isinstance(v, str):
+        if len(v) > MAX_STR:
+            raise _Bad(f, f"is a string of {len(v)} characters, more than {MAX_STR}")
+        return
+    if isinstance(v, int):
+        if not -MAX_VALUE_INT - 1 <= v <= MAX_VALUE_INT:
+            raise _Bad(f, f"is {_show(v)}, outside the 64-bit integers an argument can be")
+        return
+    if isinstance(v, float):
+        if not math.isfinite(v):
+            raise _Bad(f, f"is {_show(v)}, not a finite number")
+        return
+    raise _Bad(f, f"must be a number, a string, true/false or null, not {_show(v)}")
+
+
+def _check_plain_values(values: list, k: str) -> None:
+    """Arguments stored as plain JSON (lists, objects and `_check_value` scalars), not `encode_values`'s form."""
+    stack = [(v, f"{k}[{i}]") for i, v in enumerate(values)]
+    while stack:
+        v, f = stack.pop()
+        if isinstance(v, list):
+            stack.extend((x, f"{f}[{i}]") for i, x in enumerate(v))
+        elif isinstance(v, dict):
+            stack.extend((x, f"{f}[{_show(key)}]") for key, x in v.items())
+        else:
+            _check_value(v, f)
+
+
+def _check_encoded(enc: Any, k: str, tensors: bool) -> int:
+    """Stored call arguments (`load.encode_values`: a structure and its leaves), read as data; the number of
+    tensor leaves."""
+    if not isinstance(enc, dict):
+        raise _Bad(k, f"must be an object with 'spec' and 'leaves', not {_show(enc)}")
+    for part in ("spec", "leaves"):
+        if part not in enc:
+            raise _Bad(f"{k}.{part}", "is missing")
+    spec, leaves = enc["spec"], enc["leaves"]
+    if not isinstance(spec, str) or len(spec) > MAX_TEXT:
+        raise _Bad(f"{k}.spec", f"must be the structure as a JSON string (at most {MAX_TEXT} characters), not "
+                   f"{_show(spec)}")
+    try:
+        node, count = read_spec(spec)
+    except ValueError as e:
+        raise _Bad(f"{k}.spec", f"is not a structure diffkit reads: {e}") from None
+    if not isinstance(leaves, list) or len(leaves) != count:
+        raise _Bad(f"{k}.leaves", f"must be a list of the {count} leaves its spec has, not {_show(leaves)}")
+    n, values = 0, []
+    for i, leaf in enumerate(leaves):
+        f = f"{k}.leaves[{i}]"
+        if not isinstance(leaf, dict) or len(leaf) != 1 or not ({"tensor", "value"} & set(leaf)):
+            shapes = "{'value': …} or {'tensor': 'input[…]'}" if tensors else "{'value': …}"
+            raise _Bad(f, f"must be {shapes}, not {_show(leaf)}")
+        if "tensor" in leaf:
+            name = leaf["tensor"]
+            if not tensors:
+                raise _Bad(f, "names a tensor; these arguments are stored as values only")
+            if not isinstance(name, str) or not name.startswith("input[") or len(name) > MAX_STR:
+                raise _Bad(f, f"must name an input record ('input[0]' …), not {_show(name)}")
+            n += 1
+            values.append(None)
+        else:
+            _check_value(leaf["value"], f)
+            values.append(leaf["value"])
+    try:
+        build_from_spec(node, values)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise _Bad(f"{k}.spec", f"does not fit its leaves ({str(e)[:100]})") from None
+    return n
+
+
+def _check_layout(want: Any, tensors: int | None) -> None:
+    """``inputs_layout`` (`inputs.layout`): per tensor input, [strides, storage offset, the first input sharing
+    its memory, the first that is the same object]."""
+    if want is None:
+        return
+    if not isinstance(want, list) or (tensors is not None and len(want) != tensors):
+        raise _Bad("inputs_layout", f"must be a list of one entry per tensor input ({tensors}), not {_show(want)}")
+    for j, e in enumerate(want):
+        f = f"inputs_layout[{j}]"
+        if not isinstance(e, list) or len(e) != 4:
+            raise _Bad(f, f"must be [strides, offset, shared, same], not {_show(e)}")
+        stride, offset, shared, same = e
+        if stride is not None and (not isinstance(stride, list) or len(stride) > MAX_DIMS
+                                   or not all(_is_int(x) and 0 <= x <= MAX_DIM for x in stride)):
+            raise _Bad(f, f"has strides {_show(stride)}; strides are a list of integers from 0 to {MAX_DIM}")
+        if not _is_int(offset) or not 0 <= offset <= MAX_DIM:
+            raise _Bad(f, f"has storage offset {_show(offset)}, not an integer from 0 to {MAX_DIM}")
+        for what, v in (("shared", shared), ("same", same)):
+            if not _is_int(v) or not 0 <= v <= j:
+                raise _Bad(f, f"has {what} {_show(v)}, not the index of this or an earlier input (0…{j})")
+
+
+def _check_trials(trials: Any) -> None:
+    """``trials``: one entry per KernelBench trial, in order; trial K > 1 stored in ``trial-K.dkt`` inside the
+    capture (never a path: the capture names nothing outside itself)."""
+    if not isinstance(trials, list) or not 1 <= len(trials) <= MAX_TRIALS:
+        raise _Bad("trials", f"must be a list of 1 to {MAX_TRIALS} trial entries, not {_show(trials)}")
+    for i, e in enumerate(trials):
+        k, f = i + 1, f"trials[{i}]"
+        if not isinstance(e, dict):
+            raise _Bad(f, f"must be an object (trial, seed, capture), not {_show(e)}")
+        try:
+            if _int_field(e, "trial", 1, MAX_TRIALS) != k:
+                raise _Bad("trial", f"is {e['trial']}; entry {i} must be trial {k} (trials are listed in order)")
+            _int_field(e, "seed", *SEED_RANGE)
+            _check_trial_dir(e, k)
+            if e.get("outputs_only") is not None and not isinstance(e["outputs_only"], bool):
+                raise _Bad("outputs_only", f"must be true or false, not {_show(e['outputs_only'])}")
+            _str_field(e, "error", required=False, limit=MAX_TEXT)
+        except _Bad as b:
+            raise _Bad(f"{f}.{b.field}", b.why) from None
+
+
+def _check_trial_dir(e: dict, k: int) -> None:
+    name = e.get("capture")
+    if name is None:
+        if k > 1:
+            raise _Bad("capture", f"is missing: trial {k} is stored in 'trial-{k}.dkt' inside the capture")
+        return
+    if not isinstance(name, str):
+        raise _Bad("capture", f"must be the name 'trial-{k}.dkt', not {_show(name)}")
+    if not _plain_name(name) or os.path.isabs(name) or ".." in name.split("/"):
+        raise _Bad("capture", f"points outside the capture: {_show(name)} is not a directory name inside it "
+                   f"(expected 'trial-{k}.dkt')")
+    if name != f"trial-{k}.dkt":
+        raise _Bad("capture", f"must be 'trial-{k}.dkt' (the directory of trial {k} inside the capture), not "
+                   f"{_show(name)}")
+
+
+def _check_rerun_differs(d: Any) -> None:
+    """``rerun_differs`` (a captured candidate's records that changed between two runs: `trials.bitwise_difference`
+    by record name)."""
+    if not isinstance(d, dict) or len(d) > MAX_RECORDS:
+        raise _Bad("rerun_differs", f"must be an object of record name to difference, not {_show(d)}")
+    ints = lambda v: isinstance(v, list) and len(v) <= MAX_LIST and all(_is_int(x) for x in v)  # noqa: E731
+    for name, e in d.items():
+        f = f"rerun_differs[{_show(name)}]"
+        if not isinstance(e, dict):
+            raise _Bad(f, f"must be an object, not {_show(e)}")
+        for k in ("elements", "numel"):
+            if not _is_int(e.get(k)) or e[k] < 0:
+                raise _Bad(f"{f}.{k}", f"must be a count (an integer >= 0), not {_show(e.get(k))}")
+        m = e.get("max_abs")
+        if isinstance(m, bool) or not isinstance(m, (int, float)) or m != m:
+            raise _Bad(f"{f}.max_abs", f"must be a number, not {_show(m)}")
+        at = e.get("at", [])
+        if not isinstance(at, list) or len(at) > MAX_LIST or not all(ints(x) for x in at):
+            raise _Bad(f"{f}.at", f"must be a list of element indices, not {_show(at)}")
+        span, rows, shape = e.get("span"), e.get("row_span"), e.get("shape")
+        if span is not None and (not isinstance(span, list) or not all(ints(x) and len(x) == 2 for x in span)):
+            raise _Bad(f"{f}.span", f"must be a list of [first, last] pairs, not {_show(span)}")
+        if rows is not None and not (ints(rows) and len(rows) == 2):
+            raise _Bad(f"{f}.row_span", f"must be [first, last], not {_show(rows)}")
+        if shape is not None and not (isinstance(shape, list) and len(shape) == 2 and all(ints(x) for x in shape)):
+            raise _Bad(f"{f}.shape", f"must be two shapes, not {_show(shape)}")
+
+
+def _check_inputs_named(info: dict, records: list[dict], idx_path: str) -> None:
+    """Each tensor ``info.inputs`` names is an input record of the capture (whose value is the input)."""
+    enc = info.get("inputs")
+    if not isinstance(enc, dict):
+        return
+    have = {n for m in records for n in input_names(m["kind"], m["name"], m["aliases"])}
+    for i, leaf in enumerate(enc["leaves"]):
+        if "tensor" in leaf and leaf["tensor"] not in have:
+            raise DiffkitError("", "read", f"{idx_path}: field 'info.inputs.leaves[{i}]' names the input "
+                               f"{_show(leaf['tensor'])}, but no record of the capture is that input (its records "
+                               f"name {', '.join(sorted(have)[:4]) or 'no input'})", idx_path)
 
 
 def _recover_journal(path: str, records: list, root: _Root | None = None) -> tuple[list, dict[int, int]]:
@@ -524,6 +748,9 @@ class CaptureFile:
     # the values an isolated diff's reference process handed over on its GPU (handoff.Handed): its records
     # then hold names and shapes only, and values come from here
     handed: Any = field(default=None, init=False, repr=False, compare=False)
+    # written by this very diff (`sources.CaptureSource.trusted`): only then may a reader run the reference file it
+    # names (a capture is data: nothing in it, and nothing it names, is run because it says so)
+    trusted: bool = field(default=False, init=False, compare=False)
 
     @classmethod
     def open(cls, path: str) -> "CaptureFile":
@@ -595,6 +822,8 @@ class CaptureFile:
                 what = f"field {e.field!r} " if e.field else ""
                 raise DiffkitError("", "read", f"{head}: {what}{e.why}", where) from None
         clean["records"] = checked
+        if clean["complete"]:
+            _check_inputs_named(clean["info"], checked, idx_path)
         return cls(path, clean)
 
     @property
@@ -666,7 +895,7 @@ class CaptureFile:
         rec = f"record {meta.get('index')} ({_show(name)})"
         if not _plain_name(shard):
             raise DiffkitError("", "read", f"{rec} points outside the capture: {_show(shard)}", self.path)
-        label = f"shard {shard} listed for {rec}"
+        label = f"shard {shard} (field 'shard' of {rec} in index.json)"
         with _Root(self.path) as root:
             fd = root.open_read(shard, label)
             try:
@@ -692,22 +921,23 @@ class CaptureFile:
         return dict(self._params)
 
     def _read_parameters(self) -> dict[str, torch.Tensor]:
-        return self._read_named(self.index.get("parameters"), "parameter")
+        return self._read_named(self.index.get("parameters"), "parameter", "parameters")
 
     def inputs_left(self) -> dict[str, torch.Tensor]:
         """The input tensors the forward changed in place, by input record name, as it left them (empty
         when it changed none, or the capture predates this)."""
-        return self._read_named(self.index.get("inputs_left"), "input")
+        return self._read_named(self.index.get("inputs_left"), "input", "inputs_left")
 
     def rng_after(self) -> dict[str, torch.Tensor]:
         """The random generators' states the forward left, by name (empty when the capture predates this)."""
-        return self._read_named(self.index.get("rng_after"), "generator")
+        return self._read_named(self.index.get("rng_after"), "generator", "rng_after")
 
-    def _read_named(self, name: str | None, what: str) -> dict[str, torch.Tensor]:
-        """The tensors of one of the capture's named-tensor files (parameters, inputs left), by name."""
+    def _read_named(self, name: str | None, what: str, fld: str) -> dict[str, torch.Tensor]:
+        """The tensors of one of the capture's named-tensor files (parameters, inputs left), by name (`fld`: the
+        index's field that names the file)."""
         if not name:
             return {}
-        label = f"{what} file {name}"
+        label = f"{what} file {name} (field {fld!r} in index.json)"
         out: dict[str, torch.Tensor] = {}
         with _Root(self.path) as root:
             fd = root.open_read(name, label)

@@ -43,6 +43,7 @@ from .modelstate import (ParameterGuard, Trial, all_parameters, attribute_state,
 from .options import Options, Tolerance
 from .pipeline import CaptureSource, ModelSource, diff, settle
 from .result import ErrorInfo, Finding
+from .sources import written_by_this_diff
 from .runner import clone_inputs, run_captured
 from .store import CaptureFile, CaptureWriter, write_after_forward
 
@@ -326,14 +327,23 @@ class LiveCandidate:
 def _trial_dir(capture_path: str, name: Any) -> str | None:
     """The directory of a stored trial, if `name` is a plain trial directory name inside the
     capture and really is a directory there (not a link): a capture may come from a stranger."""
+    return _trial_dir_or_why(capture_path, name)[0]
+
+
+def _trial_dir_or_why(capture_path: str, name: Any) -> tuple[str | None, str]:
+    """(the directory of a stored trial, "") as `_trial_dir` takes it, else (None, why not, in words)."""
     if not isinstance(name, str) or not TRIAL_DIR.fullmatch(name):
-        return None
+        return None, f"{name!r:.80} is not a trial directory name inside the capture (trial-K.dkt)"
     path = os.path.join(capture_path, name)
     try:
         st = os.lstat(path)
     except OSError:
-        return None
-    return path if stat.S_ISDIR(st.st_mode) else None
+        return None, f"{path} is missing (its process stopped before it?)"
+    if stat.S_ISLNK(st.st_mode):
+        return None, f"{path} is a symbolic link; a capture's trials must be directories inside it, so it is not followed"
+    if not stat.S_ISDIR(st.st_mode):
+        return None, f"{path} is not a directory"
+    return path, ""
 
 
 @dataclass
@@ -350,7 +360,17 @@ class CapturedTrials:
     # its values mapped when it is this diff's own handoff)
     first: Any = None
     notes: list = field(default_factory=list)  # what the result should say about how trials were read
+    # written by this very diff (Options.trusted_capture; else as trial 1's CaptureSource says): only then is the
+    # reference file it names run again (its get_inputs(), an outputs-only trial rebuilt); any other capture is data
+    trusted_capture: bool = False
     _opened: Any = field(default=None, repr=False)  # (trial, its CaptureFile): the trial being run, opened once
+
+    def __post_init__(self):
+        # every trial the capture lists is there, a directory inside it, and its index reads (each field checked by
+        # CaptureFile.open): a capture that cannot give its trials is an error before anything runs, not a trial
+        # skipped later
+        for k in range(2, len(self.entries) + 1):
+            CaptureFile.open(self._where(k))
 
     @property
     def entries(self) -> list[dict]:
@@ -367,10 +387,11 @@ class CapturedTrials:
     def _where(self, k: int) -> str:
         if k == 1:
             return self.path
-        where = _trial_dir(self.path, self.entries[k - 1].get("capture"))
+        where, why = _trial_dir_or_why(self.path, self.entries[k - 1].get("capture"))
         if where is None:
-            raise DiffkitError("reference", "read", f"the capture lists trial {k} but holds no trial-{k}.dkt "
-                               f"directory for it (its process stopped before it?)", self.path)
+            idx = os.path.join(self.path, "index.json")
+            raise DiffkitError("reference", "read", f"{idx}: field 'info.trials[{k - 1}].capture' lists trial {k}, "
+                               f"but {why}", self.path)
         return where
 
     def _capture(self, k: int):
@@ -409,7 +430,15 @@ class CapturedTrials:
     def inputs(self, k: int) -> list:
         """Trial `k`'s inputs, laid out as the reference's were (`load.inputs_as_made`)."""
         seeds = self.seeds
-        return inputs_as_made(self._load(k)[0], self.info, seeds[k - 1] if 0 < k <= len(seeds) else None)
+        return inputs_as_made(self._load(k)[0], self.info, seeds[k - 1] if 0 < k <= len(seeds) else None,
+                              trusted=self.trusted)
+
+    @property
+    def trusted(self) -> bool:
+        """Written by this very diff (`CaptureFile.trusted`): only then is the reference file it names run again."""
+        if self.first is not None:
+            return bool(getattr(self.first.file, "trusted", False))
+        return self.trusted_capture and written_by_this_diff(self.path)
 
     def candidate_inputs(self, k: int, inputs: list) -> list:
         """Trial `k`'s inputs as the candidate gets them: as the reference's forward left them (stored with
@@ -453,6 +482,8 @@ class CapturedTrials:
         (its source, init inputs and trial 1's parameters), its buffers as they were before trial `k`, run
         on trial `k`'s inputs; None when it cannot be rebuilt, or when it does not give the output trial
         `k` stored (then only that output is compared)."""
+        if not self.trusted:  # (a capture from elsewhere is data: the file it names is not run)
+            return None
         try:
             root = self.first.file if self.first is not None else CaptureFile.open(self.path)
             side = load_reference_for_capture(root, device=self.device)
