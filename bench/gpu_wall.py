@@ -10,7 +10,8 @@ is measured from here; peak device memory is what `nvidia-smi` reports in use on
 above what it reported before the run, for both, so CUDA contexts count alike.  The baseline is
 bench/kb_baseline.py (load, seed, construct, five trials of two forwards + torch.allclose).
 Modes: `diff` (the default five trials), `diff_trials1` (--trials 1), `diff_forked` (five trials, the children
-forked from the parent with DIFFKIT_FORK_GPU=1 instead of fresh interpreters).
+forked from the parent with DIFFKIT_FORK_GPU=1 instead of fresh interpreters), `diff_stream` (five trials, streaming with
+--max-memory set to the baseline's own peak: the captured values held on the device to what the forwards take).
 Targets (issue 46): the default `diffkit diff` ≤ 2× the baseline's wall time and ≤ 2× its peak device memory;
 side by side and capped, every diff completes with the same answer as alone and uncapped."""
 import argparse
@@ -120,13 +121,16 @@ def compare_with_baseline(model: str, repeat: int) -> dict:
     warm = baseline(model)  # builds the candidate's extension into ninja's cache
     print(f"[{model}] warm-up baseline: rc {warm['rc']}, {warm['wall']:.2f} s "
           f"{warm['stderr'].strip().splitlines()[-1:] if warm['rc'] not in (0, 1) else ''}", flush=True)
-    rows = {"baseline": [], "diff": [], "diff_trials1": [], "diff_forked": []}
+    rows = {"baseline": [], "diff": [], "diff_trials1": [], "diff_forked": [], "diff_stream": []}
+    budget = (warm.get("own") or {}).get("peak_device_bytes") or (1 << 30)
     for _ in range(repeat):  # in turns, so a drift of the box hits both alike
         rows["baseline"].append(baseline(model))
         rows["diff"].append(diffkit(model))
         rows["diff_trials1"].append(diffkit(model, "--trials", "1"))
         # the children forked from the parent (torch imported once), CUDA started in each child
         rows["diff_forked"].append(diffkit(model, env={"DIFFKIT_FORK_GPU": "1"}))
+        # streaming, the captured values on the device held to what the baseline's forwards took at their peak
+        rows["diff_stream"].append(diffkit(model, "--max-memory", str(budget)))
     out = {}
     for name, rs in rows.items():
         out[name] = {"wall": statistics.median(r["wall"] for r in rs), "peak": max(r["peak"] for r in rs),
@@ -141,7 +145,7 @@ def compare_with_baseline(model: str, repeat: int) -> dict:
               + ", ".join(f"{k} {v:.2f}" for k, v in own.get("phases", {}).items())
               + f"; torch's peak {gb(own.get('peak_device_bytes') or 0)}", flush=True)
     b = out["baseline"]
-    for name in ("diff", "diff_trials1", "diff_forked"):
+    for name in ("diff", "diff_trials1", "diff_forked", "diff_stream"):
         print(f"[{model}] {name}: wall {out[name]['wall'] / b['wall']:.2f}x the baseline (target <= 2x), "
               f"device peak {out[name]['peak'] / max(b['peak'], 1):.2f}x (target <= 2x)", flush=True)
     return out

@@ -154,8 +154,10 @@ class Ladder:
             where=ran_out.where)
 
     def meta(self, options) -> dict | None:
-        """What the result's meta says about the device's memory (None when nothing had to change)."""
-        out = {"at_start": self.at_start.to_dict()}
+        """What the result's meta says about the device's memory: the card at the start, the most this process's
+        allocator held (`peak_bytes`), and the steps taken when it ran out."""
+        out = {"at_start": self.at_start.to_dict(),
+               "peak_bytes": torch.cuda.max_memory_allocated(self.device) if torch.cuda.is_initialized() else None}
         if self.steps:
             out["adapted"] = self.steps
             out["ran_as"] = (f"streaming, {gb(options.max_memory)} of captured values on the device"

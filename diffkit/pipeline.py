@@ -92,7 +92,7 @@ def _diff(reference: Source, candidate: Source, options: Options, known: dict | 
         try:
             result = _diff_once(reference, candidate, options, known, error, evidence, sides, ladder is not None)
         except OutOfDeviceMemory as e:
-            ran_out = e
+            ran_out = OutOfDeviceMemory(e.where)  # (not `e`: its traceback and context hold the attempt's tensors)
         else:
             if ladder is not None:
                 result.meta["device_memory"] = ladder.meta(options)

@@ -159,16 +159,19 @@ def _answer(path):
 
 @pytest.mark.cuda
 def test_a_capped_card_gives_the_uncapped_answer(tmp_path):
-    # 8 x 64 x 258 x 258 float32: 136 MB an activation; a full capture of both sides needs about 1 GB
-    env = {**os.environ, "DIFFKIT_L2_BATCH": "8"}
+    """Capped below what the uncapped diff's process took at its peak, the diff adapts (streams) and gives the
+    same answer."""
+    env = {**os.environ, "DIFFKIT_L2_BATCH": "8"}  # 8 x 64 x 258 x 258 float32: 136 MB an activation
     free, capped = tmp_path / "free.json", tmp_path / "capped.json"
     a = run_cli("diff", L2_REF, L2_CAND, "--device", "cuda", "--no-report", "--trials", "2", "--json", str(free),
                 env=env)
-    b = run_cli("diff", L2_REF, L2_CAND, "--device", "cuda", "--no-report", "--trials", "2", "--json", str(capped),
-                "--device-memory", "900M", env=env)
-    assert a.returncode in (0, 1) and b.returncode in (0, 1), (a.stdout + a.stderr)[-2000:] + (b.stdout + b.stderr)[-2000:]
+    assert a.returncode in (0, 1), (a.stdout + a.stderr)[-3000:]
     got_a, mem_a = _answer(free)
+    assert not mem_a.get("adapted"), mem_a
+    cap = int(mem_a["peak_bytes"] * 0.75)
+    b = run_cli("diff", L2_REF, L2_CAND, "--device", "cuda", "--no-report", "--trials", "2", "--json", str(capped),
+                "--device-memory", str(cap), env=env)
+    assert b.returncode in (0, 1), (b.stdout + b.stderr)[-3000:]
     got_b, mem_b = _answer(capped)
     assert got_a == got_b
-    assert mem_b.get("adapted"), mem_b  # the capped one had to stream
-    assert not mem_a.get("adapted"), mem_a
+    assert mem_b.get("adapted") and mem_b["peak_bytes"] <= cap, mem_b  # it had to stream, and kept to the cap
