@@ -23,7 +23,7 @@ import warnings
 
 from .processes import CLI_ENTRY, CLI_PROG_NAME
 
-__all__ = ["start", "WarmRun"]
+__all__ = ["start", "WarmRun", "run_as_interpreter"]
 
 PRELOAD = ["torch", "diffkit.cli"]
 # multiprocessing runs the parent's main module again in each forked child (as __mp_main__); for
@@ -72,8 +72,16 @@ def _run(argv: list[str], env: dict, cwd: str, log_path: str) -> None:
     os.environ.update(env)
     tempfile.tempdir = None  # (re-read from this run's TMPDIR)
     sys.argv = [CLI_PROG_NAME, *argv]
+    sys.exit(run_as_interpreter(lambda: exec(CLI_ENTRY, {"__name__": "__diffkit_pair__"})))
+
+
+def run_as_interpreter(entry) -> int:
+    """Run `entry()` as a fresh interpreter would run its program, in a process forked for it: the exit code it
+    would end with (SystemExit's, 1 with the traceback printed for an uncaught exception), after joining
+    non-daemon threads, running exit functions and flushing the standard streams, as an interpreter does when it
+    exits.  (Also how the test suite's CLI zygote runs each `python cli.py` it forks.)"""
     try:
-        exec(CLI_ENTRY, {"__name__": "__diffkit_pair__"})  # (the entry a fresh interpreter runs: diffkit.cli's main)
+        entry()
         code = 0
     except SystemExit as e:
         code = _exit_code(e)
@@ -89,7 +97,7 @@ def _run(argv: list[str], env: dict, cwd: str, log_path: str) -> None:
                 stream.flush()
             except (OSError, ValueError):
                 pass
-    sys.exit(code)
+    return code
 
 
 class WarmRun:

@@ -5,14 +5,11 @@ thread pool, no CUDA context, no capture state), in the directory and environmen
 
 Protocol, one JSON line per request on stdin: {"args", "cwd", "env", "out", "err"}; the answer, on the file
 descriptor given as argv[1]: "pid <n>" when the run starts, then "status <wait status>" when it ends."""
-import atexit
 import json
 import os
 import runpy
 import sys
 import tempfile
-import threading
-import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLI = os.path.join(ROOT, "cli.py")
@@ -20,15 +17,7 @@ sys.path[0] = ROOT  # as for `python cli.py` (the script's folder first)
 
 import torch  # noqa: E402,F401  (what each run would import: imported once, here)
 import diffkit.cli  # noqa: E402,F401
-
-
-def _exit_code(e: SystemExit) -> int:
-    if e.code is None:
-        return 0
-    if isinstance(e.code, int):
-        return e.code & 0xFF
-    print(e.code, file=sys.stderr)  # (what the interpreter does with a non-integer exit code)
-    return 1
+from diffkit.warm import run_as_interpreter  # noqa: E402
 
 
 def _run(req: dict, reply_fd: int) -> int:
@@ -45,24 +34,7 @@ def _run(req: dict, reply_fd: int) -> int:
     os.environ.update(req["env"])
     tempfile.tempdir = None  # (re-read from the request's TMPDIR)
     sys.argv = [CLI, *req["args"]]
-    try:
-        runpy.run_path(CLI, run_name="__main__")
-        code = 0
-    except SystemExit as e:
-        code = _exit_code(e)
-    except BaseException:  # noqa: BLE001 - an uncaught exception ends an interpreter with 1 and its traceback
-        traceback.print_exc()
-        code = 1
-    try:
-        threading._shutdown()  # non-daemon threads are waited for, as at an interpreter's exit
-        atexit._run_exitfuncs()
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
-    return code
+    return run_as_interpreter(lambda: runpy.run_path(CLI, run_name="__main__"))
 
 
 def main() -> None:
