@@ -5,6 +5,7 @@ CLI.)
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import faulthandler
 import math
@@ -440,8 +441,37 @@ def _sanitizer_evidence(sanitizer: tuple | None):
 def run_here(job: Job, out: Outputs, timeout: float) -> None:
     """A diff in this process (--no-isolate, a captured candidate): --timeout bounds the whole diff; exits with
     the diff's code."""
-    with deadline(timeout, job.ref_path, job.cand_path, job.options, out), exit_guard(out):
-        diff(job, out)
+    before = set(threading.enumerate())
+    try:
+        with deadline(timeout, job.ref_path, job.cand_path, job.options, out), exit_guard(out):
+            diff(job, out)
+    except SystemExit as e:
+        _leave_models_threads(before, e)
+        raise
+
+
+def _leave_models_threads(before: set, e: SystemExit) -> None:
+    """The answer is written: threads a model started and left running (not daemons) would keep this process from
+    ever exiting (the interpreter waits for them).  Said on stderr, then the process ends with the diff's code
+    without waiting for them, after its own exit functions have run."""
+    left = [t for t in threading.enumerate() if t not in before and t.is_alive() and not t.daemon]
+    if not left:
+        return
+    names = ", ".join(repr(t.name) for t in left[:3]) + (" …" if len(left) > 3 else "")
+    code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    try:
+        sys.stderr.write(f"diffkit: warning: a model left {len(left)} thread(s) running ({names}); exiting without "
+                         f"waiting for them\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code & 0xFF)
 
 
 # a --no-isolate diff past its --timeout whose Python cannot run (code holding the interpreter's lock) is ended by

@@ -114,3 +114,18 @@ def test_a_model_that_ends_the_process_never_reads_as_success(tmp_path, how, whe
     # (a capture that stopped mid-forward prints what it captured and what the forward raised)
     said = "diffkit: ERROR" in proc.stdout or (command == "capture" and "raised SystemExit" in proc.stdout)
     assert "Traceback" not in proc.stderr and said, proc.stdout[-1500:]
+
+
+def test_a_thread_the_model_leaves_running_does_not_keep_no_isolate_from_exiting(tmp_path):
+    """A forward that starts a thread (not a daemon) and leaves it running: in diffkit's own process the answer is
+    written and the process ends with the diff's code (said on stderr), instead of waiting for the thread forever."""
+    ref = tmp_path / "ref.py"
+    ref.write_text(GELU)
+    cand = tmp_path / "cand.py"
+    cand.write_text("import threading\nimport time\n" + _model(
+        "        threading.Thread(target=time.sleep, args=(3600,), name='prefetcher').start()\n"
+        "        return torch.nn.functional.gelu(x)\n"))
+    proc = run_cli("diff", ref, cand, "--no-report", "--trials", "1", "--no-isolate", cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0, (proc.stdout[-1500:], proc.stderr[-1500:])
+    assert "diffkit: MATCH" in proc.stdout
+    assert "left 2 thread(s) running ('prefetcher'" in proc.stderr  # (the forward runs twice: the rerun check)
