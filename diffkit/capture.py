@@ -534,6 +534,8 @@ def tap(name: str, tensor: torch.Tensor) -> torch.Tensor:
             try:
                 f = naming.user_frame(sys._getframe(1))
                 site = naming.site_of(f) if f is not None else naming.UNKNOWN_SITE
+                # (any str: one UTF-8 cannot hold, a lone surrogate, is kept as its escape, printable everywhere)
+                name = str(name).encode("utf-8", "backslashreplace").decode("utf-8")
                 st.add(name=f"tap:{name}", kind="tap", label=name, function=site.function, file=site.file,
                        line=site.line, op="tap", tensor=tensor)
             finally:

@@ -45,8 +45,14 @@ def write_bytes(path: str, data: bytes) -> str:
 
 
 def write_text(path: str, text: str) -> str:
-    """`write_bytes` of `text` in UTF-8, newlines as given."""
-    return write_bytes(path, text.encode("utf-8", errors="surrogateescape"))
+    """`write_bytes` of `text` in UTF-8, newlines as given.  Surrogates UTF-8 cannot hold (a name a model gave,
+    e.g. a `diffkit.tap` name with a lone surrogate) are written as their escape (\\ud800), never an error; the
+    bytes of an undecodable file name (surrogateescape) as they were."""
+    try:
+        data = text.encode("utf-8", errors="surrogateescape")
+    except UnicodeEncodeError:
+        data = text.encode("utf-8", errors="backslashreplace")
+    return write_bytes(path, data)
 
 
 def open_fresh(path: str) -> IO[str]:

@@ -1,5 +1,6 @@
 """A battery of broken and hostile candidate files (issue 45): each ends with exit 2 and a sentence that says what
 and where (or with the right verdict), never a traceback or diffkit's own exit 3, and never a hang."""
+import json
 import os
 
 import pytest
@@ -129,3 +130,24 @@ def test_a_thread_the_model_leaves_running_does_not_keep_no_isolate_from_exiting
     assert proc.returncode == 0, (proc.stdout[-1500:], proc.stderr[-1500:])
     assert "diffkit: MATCH" in proc.stdout
     assert "left 2 thread(s) running ('prefetcher'" in proc.stderr  # (the forward runs twice: the rerun check)
+
+
+def test_a_tap_name_utf8_cannot_hold_is_kept_as_its_escape(tmp_path):
+    """diffkit.tap with a lone surrogate in its name: the diff answers and writes every file, the name kept as its
+    escape (\\ud800), no internal error."""
+    ref = tmp_path / "ref.py"
+    ref.write_text(GELU)
+    cand = tmp_path / "cand.py"
+    cand.write_text("import diffkit\n" + _model(
+        "        y = torch.nn.functional.gelu(x)\n        diffkit.tap('bad\\ud800name', y)\n        return y * 1.5\n"))
+    out = tmp_path / "rep"
+    proc = run_cli("diff", ref, cand, "--trials", "1", "--report-dir", out, "--json", tmp_path / "r.json",
+                   cwd=tmp_path, timeout=120)
+    assert proc.returncode == 1, (proc.stdout[-1500:], proc.stderr[-1500:])
+    assert "tap:bad\\ud800name" in proc.stdout and "INTERNAL" not in proc.stderr
+    for name in ("index.html", "stages.csv"):
+        assert "bad\\ud800name" in (out / name).read_text(encoding="utf-8"), name
+    for name in ("summary.md", "junit.xml"):  # (written, and readable as UTF-8)
+        (out / name).read_text(encoding="utf-8")
+    stages = json.loads((out / "result.json").read_text(encoding="utf-8"))["stages"]
+    assert any(s.get("cand_name") == "tap:bad\\ud800name" for s in stages)
