@@ -16,7 +16,7 @@ from .errors import INTERNAL, DiffkitError
 from .flags import DIFF_OPTIONS
 from .load import load_reference
 from .options import Options, Tolerance
-from .outputs import Outputs, Terminated, exit_guard, install_signal_handlers, print_internal_error
+from .outputs import Outputs, Terminated, exit_guard, install_signal_handlers, print_internal_error, standard_streams_present
 from .modelstate import seed_all
 from .runner import clone_inputs, run_captured
 from .processes import isolated
@@ -52,6 +52,7 @@ def _options(atol, rtol, tolerance, **rest) -> Options:
 @click.version_option(package_name="diffkit")
 def main() -> None:
     """diffkit: find the first stage where a hand-written kernel stops matching its PyTorch reference."""
+    standard_streams_present()
 
 
 @main.command(params=list(DIFF_OPTIONS))  # (a copy: click.argument appends to it, and a fork server runs

@@ -166,8 +166,15 @@ class Outputs:
                        color=True if self.color else None)
         except BrokenPipeError:  # the reader has gone: nothing more goes to it (the exit code still tells)
             stdout_gone()
+        except OSError:  # closed (a model's code closed file descriptor 1): the files and the exit code still tell
+            stdout_gone()
+            notes.append("diffkit: warning: standard output was closed (by the models' code?): the answer was not "
+                         "printed; the exit code and any files written still give it")
         for note in notes:
-            click.echo(note, err=True)
+            try:
+                click.echo(note, err=True)
+            except OSError:
+                _to_null(2, "stderr")
         return written
 
 
@@ -178,11 +185,32 @@ def _nothing_ran(result: Result) -> bool:
 
 
 def stdout_gone() -> None:
-    """Standard output's reader has closed it: point it at the null device, so that no later write or flush
-    (this process's own at exit included) fails again."""
+    """Standard output's reader has closed it, or it was closed (by the caller, or by a model's code closing file
+    descriptor 1): point it at the null device, so that no later write or flush (this process's own at exit
+    included) fails again."""
+    _to_null(1, "stdout")
+
+
+def _to_null(fd: int, name: str) -> None:
     try:
         devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
+        if devnull != fd:  # (a closed descriptor is the lowest free one: the null device may have taken it)
+            os.dup2(devnull, fd)
+            os.close(devnull)
+        if getattr(sys, name) is None:  # (the interpreter started with the descriptor closed)
+            setattr(sys, name, open(fd, "w", encoding="utf-8", errors="backslashreplace", closefd=False))
     except (OSError, ValueError, AttributeError):
         pass
+
+
+def standard_streams_present() -> None:
+    """A caller that started diffkit with standard output or error closed (`diffkit diff … >&-`) still gets the
+    files it asked for and the exit code: what would have been printed goes to the null device."""
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        try:
+            os.fstat(fd)
+            closed = getattr(sys, name) is None
+        except OSError:
+            closed = True
+        if closed:
+            _to_null(fd, name)

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from conftest import REFS, run_cli
+from conftest import REFS, ROOT, run_cli
 
 GELU = open(os.path.join(REFS, "gelu.py"), encoding="utf-8").read()
 HEAD = "import torch, torch.nn as nn\n"
@@ -151,3 +151,37 @@ def test_a_tap_name_utf8_cannot_hold_is_kept_as_its_escape(tmp_path):
         (out / name).read_text(encoding="utf-8")
     stages = json.loads((out / "result.json").read_text(encoding="utf-8"))["stages"]
     assert any(s.get("cand_name") == "tap:bad\\ud800name" for s in stages)
+
+
+def _gelu_pair(tmp_path, forward_head: str = ""):
+    ref = tmp_path / "ref.py"
+    ref.write_text(GELU)
+    cand = tmp_path / "cand.py"
+    cand.write_text("import os\n" + _model(forward_head + "        return torch.nn.functional.gelu(x)\n"))
+    return ref, cand
+
+
+@pytest.mark.parametrize("closed", [">&-", ">&- 2>&-"])
+def test_a_caller_with_standard_output_closed_still_gets_its_files_and_exit_code(tmp_path, closed):
+    import subprocess
+    import sys
+
+    ref, cand = _gelu_pair(tmp_path)
+    out = tmp_path / "r.json"
+    cmd = f"{sys.executable} {os.path.join(ROOT, 'cli.py')} diff {ref} {cand} --no-report --trials 1 --json {out}"
+    proc = subprocess.run(["bash", "-c", f"{cmd} {closed}"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and json.loads(out.read_text())["verdict"] == "match", proc.stderr[-1500:]
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("isolate", [[], ["--no-isolate"]])
+def test_a_model_that_closes_standard_output_is_still_answered(tmp_path, isolate):
+    """The candidate's forward closes file descriptor 1: the answer cannot be printed, but the diff ends with its own
+    exit code, writes its files and says why nothing was printed; no internal error."""
+    ref, cand = _gelu_pair(tmp_path, "        try:\n            os.close(1)\n        except OSError:\n            pass\n")
+    out = tmp_path / "r.json"
+    proc = run_cli("diff", ref, cand, "--no-report", "--trials", "1", "--json", out, *isolate, cwd=tmp_path,
+                   timeout=120)
+    assert proc.returncode == 0, (proc.stdout[-1500:], proc.stderr[-1500:])
+    assert json.loads(out.read_text())["verdict"] == "match"
+    assert "standard output was closed" in proc.stderr and "INTERNAL" not in proc.stderr
