@@ -827,6 +827,13 @@ def load_reference_for_capture(capture: Any, *, device: str | None = None) -> Mo
                      eval_mode=bool(info.get("eval")))
 
 
+def _same_folder(folder: str) -> bool:
+    try:
+        return os.getcwd() == folder
+    except OSError:  # (the current folder was removed)
+        return False
+
+
 def load_pair(ref_path: str, cand_path: str, *, seed: int = KERNELBENCH_SEED, device: str | None = None,
               eval_mode: bool = False, sync: bool = False, cand_class: str = "ModelNew") -> LoadedPair:
     """Build both models the way KernelBench does and give each side its own copy of the inputs.
@@ -836,8 +843,10 @@ def load_pair(ref_path: str, cand_path: str, *, seed: int = KERNELBENCH_SEED, de
     copied between them unless `sync` (the weight report says what differs either way).  `device`
     moves models and inputs ("cpu", "cuda").
     """
+    here, cand_file = os.getcwd(), os.path.abspath(cand_path)  # (before the reference runs: it may change folder)
     ref_mod = exec_file(ref_path, "reference")
-    cand_mod = exec_file(cand_path, "candidate")
+    # a reference that changed the current folder at import: the candidate is still the file the user named
+    cand_mod = exec_file(cand_path if _same_folder(here) else cand_file, "candidate")
     Model = _need(ref_mod, "Model", "reference", ref_path)
     _need(ref_mod, "get_inputs", "reference", ref_path)
     ModelNew = _candidate_class(cand_mod, cand_path, cand_class)

@@ -185,3 +185,13 @@ def test_a_model_that_closes_standard_output_is_still_answered(tmp_path, isolate
     assert proc.returncode == 0, (proc.stdout[-1500:], proc.stderr[-1500:])
     assert json.loads(out.read_text())["verdict"] == "match"
     assert "standard output was closed" in proc.stderr and "INTERNAL" not in proc.stderr
+
+
+@pytest.mark.parametrize("isolate", [[], ["--no-isolate"]])
+def test_a_reference_that_changes_folder_at_import_does_not_lose_the_candidate(tmp_path, isolate):
+    """Relative paths on the command line name the files the user meant, even when the reference's file changes
+    the current folder as it is run (KernelBench reads both sources before running either)."""
+    (tmp_path / "ref.py").write_text("import os\nos.chdir('/')\n" + GELU)
+    (tmp_path / "cand.py").write_text(_model("        return torch.nn.functional.gelu(x)\n"))
+    proc = run_cli("diff", "ref.py", "cand.py", "--no-report", "--trials", "1", *isolate, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0 and "diffkit: MATCH" in proc.stdout, (proc.stdout[-1500:], proc.stderr[-1500:])
