@@ -11,12 +11,14 @@ import sys
 
 import click
 
+from . import progress
 from .compare import capture_reference, is_capture
 from .errors import INTERNAL, DiffkitError
 from .flags import DIFF_OPTIONS
 from .load import load_reference
 from .options import Options, Tolerance
-from .outputs import Outputs, Terminated, exit_guard, install_signal_handlers, print_internal_error, standard_streams_present
+from .outputs import (Outputs, Terminated, exit_guard, install_signal_handlers, print_internal_error,
+                      standard_streams_present)
 from .modelstate import seed_all
 from .runner import clone_inputs, run_captured
 from .processes import isolated
@@ -66,6 +68,7 @@ def diff(ref_path, cand_path, json_path, csv_path, report_dir, no_report, html_p
     Either side may instead be a capture directory written by `diffkit capture -o`: a candidate file
     against a captured reference runs on the capture's inputs and weights."""
     install_signal_handlers()
+    progress.show_here()  # (a person at a terminal sees what the diff is doing while it runs)
     try:
         options = _options(atol, rtol, tolerance, eval=eval_mode, **flags)
         out = Outputs(json_path, csv_path, report_dir, no_report, html_path, md_path, junit_path, sys.stdout.isatty(),
@@ -79,6 +82,8 @@ def diff(ref_path, cand_path, json_path, csv_path, report_dir, no_report, html_p
         run_here(Job("here", ref_path, cand_path, options, out.settings), out, timeout)
     except Terminated as t:
         sys.exit(128 + t.signum)
+    finally:
+        progress.stop()
 
 
 def _check(ref_path: str, options: Options, no_isolate: bool, sanitize: str | None) -> None:

@@ -25,6 +25,7 @@ from typing import Any, Callable
 import torch
 import torch.utils._pytree as pytree
 
+from . import progress
 from .align import layout_of_equal, map_params_by_use, param_map
 from .align_graph import folded_in, in_ref_layout
 from .capture import (_install_extension_import_hook, input_names, materialized, path_key, rng_state,
@@ -844,13 +845,16 @@ def load_pair(ref_path: str, cand_path: str, *, seed: int = KERNELBENCH_SEED, de
     moves models and inputs ("cpu", "cuda").
     """
     here, cand_file = os.getcwd(), os.path.abspath(cand_path)  # (before the reference runs: it may change folder)
+    progress.say("running the reference's file")
     ref_mod = exec_file(ref_path, "reference")
+    progress.say("running the candidate's file (building its extensions)")
     # a reference that changed the current folder at import: the candidate is still the file the user named
     cand_mod = exec_file(cand_path if _same_folder(here) else cand_file, "candidate")
     Model = _need(ref_mod, "Model", "reference", ref_path)
     _need(ref_mod, "get_inputs", "reference", ref_path)
     ModelNew = _candidate_class(cand_mod, cand_path, cand_class)
     init = _init_inputs(ref_mod, ref_path, "reference")
+    progress.say("building both models (seeded as KernelBench does)")
     ref = _construct(Model, init, "reference", ref_path, "Model")
     cand = _construct(ModelNew, init, "candidate", cand_path, "ModelNew")
     inputs = _inputs(ref_mod, ref_path, seed, "reference")

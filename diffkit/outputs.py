@@ -12,6 +12,7 @@ import traceback
 
 import click
 
+from . import progress
 from . import report
 from .errors import DiffkitError
 from .render import text_report
@@ -147,6 +148,7 @@ class Outputs:
             if self.csv_path:
                 result.to_csv(self.csv_path)
             if not self.no_report and not _nothing_ran(result):
+                progress.say("writing the report")
                 paths = report.write_report(result, self.report_dir or os.path.join(
                     self.cwd, report.default_report_dir(result)))
                 notes.append(f"report: {paths['html']}")
@@ -159,6 +161,7 @@ class Outputs:
         except OSError as e:
             notes.append(f"diffkit: ERROR: could not write {e.filename or 'the report'}: {e.strerror or e}")
             written = False
+        progress.before_answer()
         try:
             # (color: kept when this process prints into a file for a parent whose output is a terminal)
             click.echo(f"diffkit: ERROR: {error}" if error is not None else text_report(result, color=self.color,

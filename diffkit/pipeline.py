@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 import torch.utils._pytree as pytree
 
-from . import whatif
+from . import progress, whatif
 from .align import to_ref_layout
 from .capture import FOLD_AFTER, Trace, materialized
 from .device_memory import Ladder, OutOfDeviceMemory, is_out_of_memory, trace_ran_out
@@ -426,6 +426,10 @@ class WhatIf:
     found: list[dict] = field(default_factory=list)
 
 
+def _what_if_steps(done: int, total: int) -> None:
+    progress.say(f"what-if runs of the reference: {done} of {total}")
+
+
 def what_if(result: Result, traces: Traces, reference: Source, options: Options,
             progress: Callable[[int, int], None] | None = None) -> WhatIf | None:
     """Explain the divergence of `result` (assembled, its evidence attached) by what-if runs of the reference
@@ -486,7 +490,7 @@ def what_if(result: Result, traces: Traces, reference: Source, options: Options,
     search = whatif.Search(model=src.model, inputs=list(src.inputs), run=run_once, target=fd.ref.index,
                            cand_value=target, atol=fd.stats.atol, rtol=fd.stats.rtol, window=win,
                            budget=options.explain_budget, seconds_budget=options.explain_seconds or math.inf,
-                           progress=progress)
+                           progress=progress or _what_if_steps)
     params = {n: p.detach().clone() for n, p in materialized(src.model.named_parameters())}
     try:
         found = whatif.search(search, whatif.model_constants(src.model), records)

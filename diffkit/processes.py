@@ -51,7 +51,7 @@ from multiprocessing.connection import Connection, Pipe, wait
 import click
 import torch
 
-from . import host_kernel, report, store, whatif  # noqa: F401  (imported once here: a forked child inherits them)
+from . import host_kernel, progress, report, store, whatif  # noqa: F401  (imported once here: a forked child inherits them)
 from .capture import Trace, _install_extension_import_hook
 from .compare import is_capture
 from .errors import INTERNAL
@@ -61,8 +61,8 @@ from .outputs import STOP_SIGNALS, Outputs, stdout_gone
 from .modelstate import Trial
 from .pipeline import run
 from .result import ErrorInfo
-from .roles import (PROCESSES, Again, Answered, Dump, Dumped, DumpAsk, Go, Held, InitInputs, Internal, Job, RefDone,
-                    Release, child_main)
+from .roles import (PROCESSES, Again, Answered, Dump, Dumped, DumpAsk, Go, Held, InitInputs, Internal, Job, Phase,
+                    RefDone, Release, child_main)
 from .sanitize import attach, candidate_kernels, failure_words, internal_failure, parse, wrap_command
 from .stream import read_journal
 from .sources import CaptureSource, TraceSource
@@ -412,6 +412,8 @@ class _Isolated:
         if role == "candidate" and self.insure:
             options = options.replace(insured=False)
         more.setdefault("breadcrumb", self.breadcrumb)
+        # (the steps come from the process that runs the candidate: one line, not two processes' taking turns)
+        more.setdefault("progress", progress.showing() and role in ("both", "candidate"))
         return Job(role, self.ref_path, self.cand_path, options, self.out.settings,
                    ref_capture=self.ref_dkt if role == "candidate" else None, **more)
 
@@ -463,6 +465,8 @@ class _Isolated:
                 child.send(Dumped(None))
         elif isinstance(message, Dumped) and self.cand is not None:
             self.cand.send(message)
+        elif isinstance(message, Phase):
+            progress.say(message.text)
 
     def finish(self, child: Child, limit, enough=None, stop_it=True, answered=None):
         """Wait for a child to end (or `limit` seconds, or until `enough()` says it has done what it was run for,
@@ -721,6 +725,7 @@ def _read(path: str, missing: str | None = "") -> str | None:
 def _pass_on(printed: str) -> None:
     """What the one child for both sides printed (its answer), onto this process's standard output as written
     (in the encoding the child printed in)."""
+    progress.before_answer()
     with open(printed, "rb") as fh:
         try:
             sys.stdout.flush()

@@ -22,7 +22,7 @@ import click
 import torch
 import torch.nn.functional as F
 
-from . import handoff
+from . import handoff, progress
 from .capture import set_breadcrumb
 from .compare import capture_reference, diff_files, error_result
 from .describe import harden_summary
@@ -65,6 +65,7 @@ class Job:
     handover: bool = False  # the reference on a GPU: hold the values, hand them over (diffkit.handoff)
     earlier: dict | None = None  # what the one child for both sides hit (see processes.what_failed)
     breadcrumb: str = ""  # the file a kernel call notes itself in (diffkit.capture)
+    progress: bool = False  # the parent shows a person at a terminal what the diff is doing: send it each step
     sanitizer: tuple | None = None  # (its log, its tool, the candidate's file): run under compute-sanitizer
 
 
@@ -112,6 +113,12 @@ class Again:
 class Internal:
     """a child hit a bug of diffkit's (its traceback is in its standard error)."""
     text: str
+
+
+@dataclass
+class Phase:
+    """child -> parent: the step the diff is at (diffkit.progress; None: about to print its answer)."""
+    text: str | None
 
 
 @dataclass
@@ -188,6 +195,8 @@ def child_main(job: Job | None = None, conn: Connection | None = None) -> None:
         set_breadcrumb(job.breadcrumb)
     install_signal_handlers()
     link = Link(conn)
+    if job.progress:
+        progress.send_to(lambda text: link.say(Phase(text)))
     try:
         if job.role == "reference":
             _reference(job, link)
@@ -248,6 +257,7 @@ def _wait_for_go(job: Job, link: Link) -> None:
     process says what it builds its own from (the parent passes that on only with no GPU in play: on a GPU its
     constructor could take device memory the reference's process needs)."""
     built = False
+    progress.say("capturing the reference in its own process")
     while True:
         got = link.receive(0.01)
         if got is GONE:  # the diff that started this process is gone

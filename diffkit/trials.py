@@ -31,6 +31,7 @@ from typing import Any, Callable
 import torch
 import torch.utils._pytree as pytree
 
+from . import progress
 from .capture import (CaptureError, Record, _tensors, changed_inputs, input_name, input_names, input_values,
                       materialized, rng_state, set_rng_state)
 from .errors import DiffkitError
@@ -640,6 +641,7 @@ def run_trials(reference, candidate, first_inputs: list, options: Options, evide
         n = 1  # captured with other seeds or trials: only the first one pairs up
     journal = _TrialJournal(options.stream_dir)
     journal.running(1, seeds[0])
+    progress.say(f"trial 1 of {n}: capturing and comparing every stage")
     reported = diff(reference.source(1, first_inputs), candidate.source(1, first_inputs, seeds[0]), options)
     if isinstance(candidate, LiveCandidate):
         candidate.learn(reported)
@@ -657,6 +659,7 @@ def run_trials(reference, candidate, first_inputs: list, options: Options, evide
             break
         trial = Trial(k, seeds[k - 1])
         journal.running(k, trial.seed)
+        progress.say(f"trial {k} of {n}: outputs compared")
         try:
             inputs = reference.inputs(k)
             ref_out, ref_err = reference.output(k, inputs)
@@ -681,6 +684,7 @@ def run_trials(reference, candidate, first_inputs: list, options: Options, evide
             # (no crash insurance of its own: the isolated child's capture file stays trial 1's, which a
             # second run after a failure recaptures first)
             said = candidate.notes(k) if isinstance(candidate, LiveCandidate) else []  # (before `source` takes the state)
+            progress.say(f"trial {k} of {n} fails: comparing every stage")
             full = diff(reference.source(k, inputs), candidate.source(k, inputs, trial.seed),
                        options.replace(stream_dir=None))
             full.warnings += getattr(reference, "notes", []) + said

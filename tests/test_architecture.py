@@ -21,8 +21,8 @@ MAX_FUNCTION_LINES = 100
 
 # The package's map, lowest layer first: what each layer holds, and its modules.
 LAYERS = [
-    ("words, exit codes, the metric kernels, safe file writes, the GPU's memory",
-     "errors describe naming host_kernel metrics_kernel metric_slots metrics_triton safefiles device_memory"),
+    ("words, exit codes, the metric kernels, safe file writes, the GPU's memory, progress",
+     "errors describe naming host_kernel metrics_kernel metric_slots metrics_triton safefiles device_memory progress"),
     ("measuring a pair", "measure"),
     ("options", "options"),
     ("capture", "inputs capture records tensorargs capture_values capture_flow capture_fold capture_kernels"),
