@@ -56,6 +56,7 @@ import weakref
 from typing import Any, Callable
 
 import torch
+import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
 from . import naming
@@ -477,6 +478,7 @@ def _post_hook(module, args, *rest):
         is_root = module is st.model
         if is_root:
             st.trace.output_form = "tensor" if isinstance(output, torch.Tensor) else type(output).__name__
+            st.trace.output_others = other_leaves(output)
             odd = next((t.layout for _, t in _tensors(output) if t.layout != torch.strided), None)
             if odd is not None:  # a sparse (or other non-dense) output: nothing KernelBench's allclose can compare
                 st.trace.output_form = f"tensor of layout {odd}"
@@ -523,6 +525,29 @@ def _post_hook(module, args, *rest):
     finally:
         st.busy = False
     return None
+
+
+OTHER_LEAVES = 32  # the most non-tensor output leaves kept (their text at most 80 characters each)
+
+
+def other_leaves(output: Any) -> dict[str, str]:
+    """The leaves of a returned structure that are not tensors, by path ("[1]", "['count']"), as short text: what
+    two outputs must also agree on (``return y, 3`` against ``return y, 4``)."""
+    if isinstance(output, torch.Tensor):
+        return {}
+    try:
+        leaves, _ = pytree.tree_flatten_with_path(output)
+    except Exception:  # (a structure pytree cannot walk: nothing said about it)
+        return {}
+    out: dict[str, str] = {}
+    for path, leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            continue
+        text = repr(leaf) if isinstance(leaf, (bool, int, float, str, type(None))) else f"<{type(leaf).__name__}>"
+        out[pytree.keystr(path)] = text[:80]
+        if len(out) >= OTHER_LEAVES:
+            break
+    return out
 
 
 def tap(name: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -692,6 +717,7 @@ class capture:
             self.state.sink.set_error(self.state.trace.error)
             if hasattr(self.state.sink, "output_form"):  # (a capture file keeps it)
                 self.state.sink.output_form = self.state.trace.output_form
+                self.state.sink.output_others = self.state.trace.output_others
             self.state.sink.close()
         return False
 

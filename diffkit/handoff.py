@@ -162,6 +162,7 @@ class Holder:
             write_after_forward(writer, self.trace.inputs_left, self.trace.rng_after)
             writer.set_error(self.trace.error)
             writer.output_form = self.trace.output_form
+            writer.output_others = self.trace.output_others
             writer.close()
             os.rename(where, old)
             os.rename(new, where)

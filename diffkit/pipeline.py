@@ -535,6 +535,35 @@ def _describe_leaves(leaves: dict[str, Any]) -> str:
         + (" …" if len(leaves) > 6 else "")
 
 
+def _other_leaves_differ(ro: dict | None, co: dict | None, form: str) -> tuple[str, str] | None:
+    """The outputs' leaves that are not tensors (``return y, 3`` against ``return y, 4``), in words, when both are
+    known and they differ; else None."""
+    if ro is None or co is None or ro == co:
+        return None
+    paths = sorted(set(ro) | set(co))
+    diff = [p for p in paths if not _same_leaf(ro.get(p), co.get(p))]
+    if not diff:
+        return None
+
+    def words(side: dict) -> str:
+        shown = ", ".join(f"{side.get(p, 'no such leaf')} at output{p}" for p in diff[:4]) + (" …" if len(diff) > 4
+                                                                                               else "")
+        return f"a {form or 'structure'} holding {shown}"
+    return words(ro), words(co)
+
+
+def _same_leaf(r: str | None, c: str | None) -> bool:
+    """Two non-tensor output leaves as kept (their text): equal, or two floats within KernelBench's float32
+    tolerance (a Python float computed in another order)."""
+    if r == c:
+        return True
+    try:
+        a, b = float(r), float(c)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return False
+    return math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-4) or (a != a and b != b)
+
+
 def bare_against_held(ref: Trace, cand: Trace) -> bool:
     """One side returned a bare tensor, the other its tensor(s) inside a container (known for both)."""
     rf, cf = ref.output_form, cand.output_form
@@ -552,7 +581,7 @@ def output_structure(ref: Trace, cand: Trace) -> tuple[str, str] | None:
     rf, cf = ref.output_form, cand.output_form
     bare_vs_held = bare_against_held(ref, cand)
     if set(r) == set(c) and not bare_vs_held:
-        return None
+        return _other_leaves_differ(ref.output_others, cand.output_others, rf)
 
     def words(leaves: dict, form: str) -> str:
         text = _describe_leaves(leaves)

@@ -98,6 +98,9 @@ class Trace:
     # what the forward returned at the top: "tensor", or its container's type ("tuple", "list", "dict" …);
     # "" when not known (a forward that raised, a capture written before this was kept)
     output_form: str = ""
+    # the returned structure's leaves that are not tensors (a count, a flag, a string), by path ("[1]", "['n']"), as
+    # short text; None when not known (a capture written before this was kept)
+    output_others: dict | None = None
     # the input tensors the forward changed in place, by input record name, as it left them (KernelBench
     # hands the candidate the reference's inputs as the reference's forward left them)
     inputs_left: dict = field(default_factory=dict)

@@ -148,6 +148,7 @@ class CaptureWriter:
         self.shards = 0
         self.error: dict | None = None
         self.output_form = ""  # what the forward returned at the top (Trace.output_form)
+        self.output_others: dict | None = None  # its leaves that are not tensors (Trace.output_others)
         self.info: dict = {}
         self.params_file: str | None = None
         self.inputs_left_file: str | None = None
@@ -279,7 +280,8 @@ class CaptureWriter:
     def _write_index(self) -> None:
         self._last_index = time.monotonic()
         data = {"format": FORMAT, "version": VERSION, "side": self.side, "source": self.source,
-                "complete": self.complete, "error": self.error, "output_form": self.output_form, "info": self.info,
+                "complete": self.complete, "error": self.error, "output_form": self.output_form,
+                "output_others": self.output_others, "info": self.info,
                 "parameters": self.params_file, "inputs_left": self.inputs_left_file,
                 "rng_after": self.rng_after_file,
                 "records": self.entries}
@@ -302,6 +304,7 @@ def save_trace(trace: Trace, path: str, side: str = "", source: str = "", shard_
     write_after_forward(w, trace.inputs_left, trace.rng_after)
     w.set_error(trace.error)
     w.output_form = trace.output_form
+    w.output_others = trace.output_others
     w.close()
     return path
 
@@ -315,6 +318,16 @@ class _Bad(Exception):
     def __init__(self, fld: str, why: str):
         super().__init__(fld, why)
         self.field, self.why = fld, why
+
+
+def _check_output_others(v) -> dict | None:
+    """Trace.output_others as stored: absent (a capture written before it was kept), or short texts by path."""
+    if v is None:
+        return None
+    if not isinstance(v, dict) or len(v) > 64 or not all(
+            isinstance(k, str) and isinstance(x, str) and len(k) <= 200 and len(x) <= 200 for k, x in v.items()):
+        raise _Bad("output_others", f"must map at most 64 output paths to short texts, not {_show(v)}")
+    return dict(v)
 
 
 def _str_field(m: dict, k: str, required: bool = True, nullable: bool = True, limit: int = MAX_STR) -> str:
@@ -794,6 +807,7 @@ class CaptureFile:
                 clean["complete"] = complete
                 clean["error"] = _check_error(index.get("error"))
                 clean["output_form"] = _str_field(index, "output_form", required=False, limit=64)
+                clean["output_others"] = _check_output_others(index.get("output_others"))
                 clean["info"] = _check_info(index.get("info"))
                 for key in ("parameters", "inputs_left", "rng_after"):
                     lf = index.get(key)
@@ -993,6 +1007,7 @@ class CaptureFile:
         if err:
             trace.error = CaptureError(**err)
         trace.output_form = self.index.get("output_form") or ""
+        trace.output_others = self.index.get("output_others")
         trace.inputs_left = self.inputs_left()
         trace.rng_after = self.rng_after()
         return trace

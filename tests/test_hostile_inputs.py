@@ -195,3 +195,48 @@ def test_a_reference_that_changes_folder_at_import_does_not_lose_the_candidate(t
     (tmp_path / "cand.py").write_text(_model("        return torch.nn.functional.gelu(x)\n"))
     proc = run_cli("diff", "ref.py", "cand.py", "--no-report", "--trials", "1", *isolate, cwd=tmp_path, timeout=120)
     assert proc.returncode == 0 and "diffkit: MATCH" in proc.stdout, (proc.stdout[-1500:], proc.stderr[-1500:])
+
+
+TUPLE_REF = '''import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def forward(self, x):
+        return torch.tanh(x), {LEAF}
+
+
+def get_inputs():
+    return [torch.randn(4, 8)]
+
+
+def get_init_inputs():
+    return []
+'''
+TUPLE_CAND = '''import torch
+import torch.nn as nn
+
+
+class ModelNew(nn.Module):
+    def forward(self, inp):
+        return torch.tanh(inp), {LEAF}
+'''
+
+
+@pytest.mark.parametrize("ref_leaf,cand_leaf,verdict", [("3", "4", "diverged"), ("3", "3", "match"),
+                                                        ("'mean'", "'sum'", "diverged"), ("0.1 + 0.2", "0.3", "match"),
+                                                        ("None", "0", "diverged")])
+@pytest.mark.parametrize("how", [[], ["--no-isolate"], ["TWO"]])
+def test_an_outputs_leaves_that_are_not_tensors_are_compared_too(tmp_path, ref_leaf, cand_leaf, verdict, how):
+    """`return y, 3` against `return y, 4` is no match (it read as one before); floats within tolerance are."""
+    (tmp_path / "ref.py").write_text(TUPLE_REF.replace("{LEAF}", ref_leaf))
+    (tmp_path / "cand.py").write_text(TUPLE_CAND.replace("{LEAF}", cand_leaf))
+    env = {"DIFFKIT_TWO_PROCESSES": "1"} if how == ["TWO"] else None
+    flags = [] if how == ["TWO"] else how
+    out = tmp_path / "r.json"
+    proc = run_cli("diff", "ref.py", "cand.py", "--no-report", "--trials", "1", "--json", out, *flags, cwd=tmp_path,
+                   env=env, timeout=120)
+    got = json.loads(out.read_text())
+    assert got["verdict"] == verdict, (proc.stdout[-1500:], proc.stderr[-800:])
+    if verdict == "diverged":
+        assert "at output[1]" in proc.stdout
