@@ -364,8 +364,8 @@ def _reason(log_text: str) -> str:
     for pattern in (r"^diffkit: INTERNAL ERROR", r"^diffkit: ERROR", r"^[\w.]*(Error|Exception)\b.*:"):
         hit = next((ln for ln in reversed(lines) if re.match(pattern, ln)), None)
         if hit:
-            return hit[:500]
-    return lines[-1][:500] if lines else "no output"
+            return clip(hit, 500)
+    return clip(lines[-1], 500) if lines else "no output"
 
 
 # ----------------------------------------------------------------------------- skipped: CUDA or Triton missing
@@ -430,7 +430,7 @@ def unavailable_reason(entry: SuiteEntry, log_text: str) -> str | None:
                  for t, how in needs_cuda(path) if t == thing or thing == "CUDA"]
         line = next((ln.strip() for ln in said.splitlines() if hit.group(0) in ln), hit.group(0))
         return (f"needs {thing}, which this machine lacks" + (f" ({'; '.join(shown)})" if shown else "")
-                + f": {line[:300]}")
+                + f": {clip(line, 300)}")
     return _unbuildable(entry)
 
 
@@ -449,7 +449,7 @@ def _unbuildable(entry: SuiteEntry) -> str | None:
     if not shown:
         return None
     return (f"needs CUDA, which this machine lacks (the {m.group(1)} {'; '.join(shown)}): its {m.group(2)} failed "
-            f"here: {(entry.error or '')[:300]}")
+            f"here: {clip(entry.error or '', 300)}")
 
 
 def _skip(entry: SuiteEntry, reason: str) -> SuiteEntry:
