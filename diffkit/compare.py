@@ -66,8 +66,19 @@ def compare(ref_model: torch.nn.Module, cand_model: torch.nn.Module, inputs: Seq
     weights = sync_weights(ref_model, cand_model) if opts.sync_weights else None
     ref_in = clone_inputs(inputs)
     cand_in = clone_inputs(list(cand_inputs if cand_inputs is not None else inputs))
-    result = run(ModelSource(ref_model, ref_in), ModelSource(cand_model, cand_in, follows_inputs=cand_inputs is None),
-                 opts)
+    # eval=True: both models in eval() for the diff (dropout off, norms on running statistics), as the files'
+    # surfaces put the models they build; the caller's models are left in the mode they were given in
+    modes = [(m, m.training) for model in (ref_model, cand_model) for m in model.modules()] if opts.eval else []
+    for m, _ in modes:
+        m.train(False)
+    try:
+        result = run(ModelSource(ref_model, ref_in),
+                     ModelSource(cand_model, cand_in, follows_inputs=cand_inputs is None), opts)
+    finally:
+        for m, training in modes:
+            m.training = training
+    if opts.eval:
+        result.meta["protocol"] = {**result.meta.get("protocol", {}), "eval": True}
     if weights is not None:
         result.weights = weights
         result.meta["protocol"] = {**result.meta.get("protocol", {}), "sync_weights": True}
