@@ -37,8 +37,12 @@ def is_out_of_memory(e: BaseException | None) -> bool:
         return False
     if isinstance(e, torch.cuda.OutOfMemoryError):
         return True
-    text = f"{type(e).__name__}: {e}".lower()
-    return isinstance(e, (RuntimeError, MemoryError)) and any(w in text for w in OOM_WORDS)
+    return isinstance(e, (RuntimeError, MemoryError)) and _says_out_of_memory(f"{type(e).__name__}: {e}")
+
+
+def _says_out_of_memory(text: str) -> bool:
+    text = text.lower()
+    return any(w in text for w in OOM_WORDS)
 
 
 def trace_ran_out(trace) -> bool:
@@ -46,8 +50,7 @@ def trace_ran_out(trace) -> bool:
     err = getattr(trace, "error", None)
     if err is None:
         return False
-    text = f"{err.type}: {err.message}".lower()
-    return err.type == "OutOfMemoryError" or any(w in text for w in OOM_WORDS)
+    return err.type == "OutOfMemoryError" or _says_out_of_memory(f"{err.type}: {err.message}")
 
 
 class OutOfDeviceMemory(Exception):

@@ -187,6 +187,26 @@ def _nothing_ran(result: Result) -> bool:
     return e is not None and e.phase == "read" and bool(e.stage) and not os.path.exists(e.stage)  # (stage: the path)
 
 
+def exit_code_of(e: SystemExit) -> int:
+    """The status a process ends with for `e`, as the interpreter makes it (a code that is no number: printed,
+    and 1)."""
+    if e.code is None:
+        return 0
+    if isinstance(e.code, int):
+        return e.code & 0xFF
+    print(e.code, file=sys.stderr)
+    return 1
+
+
+def flush_standard_streams() -> None:
+    """Standard output and error flushed, whatever state they are in (closed, gone), before a process ends."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
+
+
 def stdout_gone() -> None:
     """Standard output's reader has closed it, or it was closed (by the caller, or by a model's code closing file
     descriptor 1): point it at the null device, so that no later write or flush (this process's own at exit

@@ -31,7 +31,7 @@ from .diagnose import diagnose
 from .health import may_be_random, reference_health, reinit_zero_parameters, stochastic_reason
 from .load import load_reference_for_capture
 from .locate import build_stages, locate, output_failed, output_stages, undone_stages
-from .measure import Stats, kernelbench_note
+from .measure import FLOAT32_TOLERANCE, Stats, kernelbench_note
 from .modelstate import SideState, Sides, Trial, all_parameters, restore_state, seed_all, snapshot_state, to_where_it_left
 from .options import Options
 from .rerun import SecondRun, check_nondeterminism, drop_statistical, nondeterministic, rerun_differences
@@ -40,7 +40,7 @@ from .rootcause import find_root_cause
 from .runner import capture_writer, clone_inputs, collector_quiet, named_tensors, run_captured
 from .sources import CaptureSource, ModelSource, Source, TraceSource
 from .stream import name_filter
-from .traces import Traces, full_traces, streaming_traces
+from .traces import Traces, full_traces, restore_sides, streaming_traces
 
 __all__ = ["ModelSource", "CaptureSource", "TraceSource", "run", "diff", "settle", "judge", "verdict_of",
            "run_captured", "clone_inputs", "capture_writer", "collector_quiet", "named_tensors", "reference_health",
@@ -97,10 +97,7 @@ def _diff(reference: Source, candidate: Source, options: Options, known: dict | 
             if ladder is not None:
                 result.meta["device_memory"] = ladder.meta(options)
             return result
-        for side, src in (("ref", reference), ("cand", candidate)):  # each model as it was before this attempt
-            state = getattr(sides, side)
-            if state is not None and isinstance(src, ModelSource):
-                restore_state(src.model, state.before)
+        restore_sides(sides, reference, candidate, "before")  # each model as it was before this attempt
         del sides
         gc.collect()
         torch.cuda.empty_cache()
@@ -135,10 +132,7 @@ def _diff_once(reference: Source, candidate: Source, options: Options, known: di
     finally:
         if traces is not None:
             # extra runs (health, the second run, replays) leave each model as its captured forward did
-            for side, src in (("ref", reference), ("cand", candidate)):
-                state = getattr(traces.sides, side)
-                if state is not None and isinstance(src, ModelSource):
-                    restore_state(src.model, state.after)
+            restore_sides(traces.sides, reference, candidate, "after")
             for fn in traces.cleanup:
                 fn()
 
@@ -561,7 +555,7 @@ def _same_leaf(r: str | None, c: str | None) -> bool:
         a, b = float(r), float(c)  # type: ignore[arg-type]
     except (TypeError, ValueError):
         return False
-    return math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-4) or (a != a and b != b)
+    return math.isclose(a, b, rel_tol=FLOAT32_TOLERANCE, abs_tol=FLOAT32_TOLERANCE) or (a != a and b != b)
 
 
 def bare_against_held(ref: Trace, cand: Trace) -> bool:

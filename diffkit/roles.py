@@ -31,8 +31,8 @@ from .errors import EXIT, INTERNAL, DiffkitError
 from .handoff import Holder
 from .load import build_candidate_ahead, encode_values, prepare_candidate
 from .options import Options
-from .outputs import Outputs, Terminated, exit_guard, install_signal_handlers, is_users_fault, print_internal_error, \
-    stdout_gone
+from .outputs import (Outputs, Terminated, exit_code_of, exit_guard, flush_standard_streams, install_signal_handlers,
+                      is_users_fault, print_internal_error, stdout_gone)
 from .pipeline import settle
 from .result import ErrorInfo, Result
 from .sanitize import attach, built_sources, candidate_sources, failure_words, internal_failure, parse
@@ -468,7 +468,7 @@ def _leave_models_threads(before: set, e: SystemExit) -> None:
     if not left:
         return
     names = ", ".join(repr(t.name) for t in left[:3]) + (" …" if len(left) > 3 else "")
-    code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    code = exit_code_of(e)
     try:
         sys.stderr.write(f"diffkit: warning: a model left {len(left)} thread(s) running ({names}); exiting without "
                          f"waiting for them\n")
@@ -476,12 +476,8 @@ def _leave_models_threads(before: set, e: SystemExit) -> None:
     except (OSError, ValueError):
         pass
     atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(code & 0xFF)
+    flush_standard_streams()
+    os._exit(code)
 
 
 # a --no-isolate diff past its --timeout whose Python cannot run (code holding the interpreter's lock) is ended by

@@ -31,7 +31,7 @@ from .store import CaptureWriter
 from .stream import (Budget, FileStore, Lockstep, Pick, StreamComparer, TieredStore, default_budget,
                      default_host_budget, name_filter)
 
-__all__ = ["Traces", "full_traces", "streaming_traces", "STREAM_WINDOW", "LOCKSTEP_LOW_WATER",
+__all__ = ["Traces", "full_traces", "streaming_traces", "restore_sides", "STREAM_WINDOW", "LOCKSTEP_LOW_WATER",
            "LOCKSTEP_RECOVERIES"]
 
 STREAM_WINDOW = 8  # stages before the first divergence whose values a streaming diff keeps
@@ -80,6 +80,13 @@ def _run_side(src: ModelSource, options: Options, sides: Sides, side: str, **cap
         stateful={"parameters": written, "attributes": [c.split(" (")[0] for c in changed]}
         if changed or written else None))
     return trace
+
+
+def restore_sides(sides: Sides, reference: Source, candidate: Source, when: str) -> None:
+    """Each live model put back as it was `when` ("before" or "after") its captured forward, as `sides` recorded."""
+    for state, src in ((sides.ref, reference), (sides.cand, candidate)):
+        if state is not None and isinstance(src, ModelSource):
+            restore_state(src.model, getattr(state, when))
 
 
 def full_traces(reference: Source, candidate: Source, options: Options, known: dict | None,
@@ -270,9 +277,7 @@ def streaming_traces(reference: Source, candidate: ModelSource, options: Options
         # neither order can run side by side; the diff is made again, the reference first
         for clean in st.cleanup():
             clean()
-        for side, src in (("ref", reference), ("cand", candidate)):
-            if getattr(st.sides, side) is not None:
-                restore_state(src.model, getattr(st.sides, side).before)
+        restore_sides(st.sides, reference, candidate, "before")
         return streaming_traces(reference, candidate, options.replace(lockstep=False), st.sides)
     if comparer.lockstep is not None:
         comparer.settle()

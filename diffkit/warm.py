@@ -21,6 +21,7 @@ import threading
 import traceback
 import warnings
 
+from .outputs import exit_code_of, flush_standard_streams
 from .processes import CLI_ENTRY, CLI_PROG_NAME
 
 __all__ = ["start", "WarmRun", "run_as_interpreter"]
@@ -45,15 +46,6 @@ def _server():
                 ctx.set_forkserver_preload(PRELOAD)
                 _context = ctx
         return _context or None
-
-
-def _exit_code(e: SystemExit) -> int:
-    if e.code is None:
-        return 0
-    if isinstance(e.code, int):
-        return e.code & 0xFF
-    print(e.code, file=sys.stderr)  # (what an interpreter does with an exit code that is not a number)
-    return 1
 
 
 def _run(argv: list[str], env: dict, cwd: str, log_path: str) -> None:
@@ -84,7 +76,7 @@ def run_as_interpreter(entry) -> int:
         entry()
         code = 0
     except SystemExit as e:
-        code = _exit_code(e)
+        code = exit_code_of(e)
     except BaseException:  # noqa: BLE001 - an uncaught exception ends an interpreter with 1 and its traceback
         traceback.print_exc()
         code = 1
@@ -92,11 +84,7 @@ def run_as_interpreter(entry) -> int:
         threading._shutdown()
         atexit._run_exitfuncs()
     finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
+        flush_standard_streams()
     return code
 
 

@@ -17,27 +17,14 @@ from conftest import ROOT
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 
+from test_suite import TINY_REF  # noqa: E402
+
 PY = [sys.executable, "-m", "diffkit.cli"]
 # (the --timeout bounds a pair's whole diff, torch's import included: 3 s was too little on a loaded CI machine,
 # where the crashing pair's diff ran past it and read as a hang)
 OPTS = ["--trials", "1", "--timeout", "15"]
 
-REF = '''import torch
-import torch.nn as nn
-
-
-class Model(nn.Module):
-    def forward(self, x):
-        return torch.softmax(x, dim=1)
-
-
-def get_inputs():
-    return [torch.randn(4, 16)]
-
-
-def get_init_inputs():
-    return []
-'''
+REF = TINY_REF  # (the suite's own test reference: a softmax over 4 x 16)
 # a numpy softmax (invisible to capture), scaled by SCALE
 NUMPY = '''import numpy as np
 import torch
