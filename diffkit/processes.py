@@ -1,8 +1,9 @@
 """diffkit's child processes: the isolated diff (`isolated`), and how a child is started and stopped.
 
 An isolated diff runs its models in child processes, so that a kernel that crashes or hangs cannot take the answer
-with it.  With no GPU in play one child first runs the whole diff (role "both"); it answers only when that diff ran
-clean.  Otherwise (and at once on a GPU, or with DIFFKIT_TWO_PROCESSES=1) a child per side: the reference's process
+with it.  One child first runs the whole diff (role "both"; on a GPU streaming, its captured values on the device held
+to what the models themselves take); it answers only when that diff ran clean.  Otherwise (and at once under a
+sanitizer, or with DIFFKIT_TWO_PROCESSES=1) a child per side: the reference's process
 captures into a folder of the diff's own, the candidate's process diffs against that capture; if a child crashes
 or hangs, this process diffs what both captured before (the candidate run again, keeping its values, when its
 capture kept names and shapes only).
@@ -394,6 +395,13 @@ class _Isolated:
         # stopped, and its end (hundreds of MB given back, the reference's capture unmapped: removing that
         # capture here is then cheap, its pages go back with that process's) goes on while this one returns
         self.detach = self.host_only and not sanitize
+        # on a GPU the one child for both sides streams, the reference's forward in lockstep with the candidate's
+        # and the captured values on the device held to what the models themselves take (tiers.models_budget):
+        # the diff needs about twice its models' memory, not every value of both forwards (issue 46).  A child per
+        # side (the reference's values handed over whole) when that child does not run clean, under a sanitizer,
+        # or with DIFFKIT_TWO_PROCESSES=1
+        self.gpu_one = (not self.host_only and not sanitize and not self.given and options.streaming is not False
+                        and os.environ.get("DIFFKIT_GPU_PER_SIDE", "0") == "0")
         self.detached: list = []
         self.children: list[Child] = []
         self.ref = self.cand = self.holder = None
@@ -409,6 +417,8 @@ class _Isolated:
     def job(self, role: str, **more) -> Job:
         side = role != "both"
         options = self.options.replace(stream_dir=self.tmp) if side else self.options
+        if role == "both" and self.gpu_one and options.streaming is None:
+            options = options.replace(streaming=True)
         if role == "candidate" and self.insure:
             options = options.replace(insured=False)
         more.setdefault("breadcrumb", self.breadcrumb)
@@ -520,8 +530,8 @@ class _Isolated:
             self.cand_env.update(NVCC_APPEND_FLAGS=flags)
         if self.fork:
             _preload()  # loaded once here, not once in each child
-        if self.detach and not (self.given or self.options.is_streaming
-                                or os.environ.get("DIFFKIT_TWO_PROCESSES", "0") != "0"):
+        if os.environ.get("DIFFKIT_TWO_PROCESSES", "0") == "0" and (
+                self.gpu_one or (self.detach and not (self.given or self.options.is_streaming))):
             code = self.one_child_first()
             if code is not None:
                 return code
@@ -537,15 +547,16 @@ class _Isolated:
         return self.crash_report(code, why, err_text)
 
     def one_child_first(self) -> int | None:
-        """With no GPU in play, one child runs both sides first, as --no-isolate does in this process: no hand-over
-        of the reference's values, one fork.  It answers only when that diff ran clean (a match or a divergence, no
+        """One child runs both sides first, as --no-isolate does in this process: no hand-over of the reference's
+        values, one fork (or, on a GPU unless DIFFKIT_FORK_GPU=1, one fresh interpreter).  It answers only when that diff ran clean (a match or a divergence, no
         side failing, torch itself unchanged) or a file did not load (a model not built, no inputs: nothing ran
         yet); else (a forward's error, a crash, a hang, a diffkit bug) the diff runs again, a child per side, which
         says which side failed and diffs what each captured before -- and if that one runs clean, its answer still
         names the failure (roles.failed_before).  DIFFKIT_TWO_PROCESSES=1: straight to a child per side.  (On a
-        GPU the children are fresh interpreters, and a child per side starts the candidate's beside the
-        reference's: one child for both was no faster there, and a CUDA crash cost it 4x.)  Returns its exit code
-        when it answered; else None."""
+        GPU that child streams in lockstep: both models in one process is what bounds the diff's device memory to
+        about twice the models' own without sending values through host memory; a CUDA crash costs the run
+        per side after it.  DIFFKIT_GPU_PER_SIDE=1: a child per side at once, every value on the device, as
+        before issue 46.)  Returns its exit code when it answered; else None."""
         both = os.path.join(self.tmp, "both")
         os.mkdir(both)
         # (what it prints, the candidate's own output included, is kept until it is known to be the answer)

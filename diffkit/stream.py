@@ -40,15 +40,16 @@ from .align import NAME_MATCH_REL_ERR, RESHAPE, Dataflow, Layout, _stage_params,
     same_layout, to_ref_layout
 from .measure import PendingStats, Stats, Worst, apply_stat, measure_async, tolerances
 from .records import Record, StopCapture, Trace
-from .tiers import Budget, FileStore, TieredStore, _nbytes, default_budget, default_host_budget, parse_size
+from .tiers import Budget, FileStore, TieredStore, _nbytes, default_budget, default_host_budget, models_budget, parse_size
 
 # A lockstep candidate that has gone this many records without freeing room for the parked reference
 # evicts values align or the report will ask for too (recovered afterwards by one re-run), rather than
 # leave the reference parked until the candidate ends and its remaining values go to host memory.
 STALL_RECORDS = 32
 
-# (Budget, FileStore, TieredStore, default_budget, default_host_budget, parse_size: defined in diffkit.tiers)
-__all__ = ["Budget", "FileStore", "Lockstep", "Pick", "TieredStore", "StreamComparer", "default_budget",
+# (Budget, FileStore, TieredStore, default_budget, default_host_budget, models_budget, parse_size: defined in
+# diffkit.tiers)
+__all__ = ["Budget", "FileStore", "Lockstep", "Pick", "TieredStore", "StreamComparer", "default_budget", "models_budget",
            "default_host_budget", "name_filter", "parse_size"]
 
 

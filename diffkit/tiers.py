@@ -22,7 +22,12 @@ import torch
 
 from .records import Record
 
-__all__ = ["Budget", "TieredStore", "FileStore", "default_budget", "default_host_budget", "parse_size"]
+__all__ = ["Budget", "TieredStore", "FileStore", "default_budget", "default_host_budget", "models_budget",
+           "own_bytes", "parse_size", "MODELS_BUDGET_FLOOR"]
+
+# a GPU streaming diff with no --max-memory keeps at least this much of captured values on the device (see
+# models_budget): below it, the reference's thread would wait on the candidate at every record of a small model
+MODELS_BUDGET_FLOOR = 1 << 30
 
 
 def parse_size(text: str | int | None) -> int | None:
@@ -59,6 +64,38 @@ def default_budget(device: str) -> int:
         free, _ = torch.cuda.mem_get_info(torch.device(device))
         return free // 4
     return _available_host() // 4
+
+
+def models_budget(device: str, tensors, cap: int | None = None) -> int:
+    """A GPU streaming diff's budget when none is given: what the models themselves hold on the device (their
+    parameters, buffers and inputs: `tensors`, each storage counted once), at least MODELS_BUDGET_FLOOR and at
+    most a quarter of what is free (`default_budget`; with `cap`, --device-memory, of what the cap leaves this
+    process).  The diff then takes about twice what the models' own forwards take (issue 46: a user's evaluator
+    fits the card, so the diff does), whatever the card's size, and diffs side by side on one card share it.
+    Off a GPU: `default_budget`."""
+    card = default_budget(device)
+    if not device.startswith("cuda"):
+        return card
+    if cap:
+        card = min(card, max(0, cap - torch.cuda.memory_reserved(torch.device(device))) // 4)
+    return min(card, max(own_bytes(tensors, "cuda"), MODELS_BUDGET_FLOOR))
+
+
+def own_bytes(tensors, device_type: str) -> int:
+    """Bytes of the storages behind `tensors` that live on devices of `device_type`, each storage counted once
+    (a parameter tied to another, views of one buffer)."""
+    seen, own = set(), 0
+    for t in tensors:
+        if not isinstance(t, torch.Tensor) or t.device.type != device_type:
+            continue
+        try:
+            key, size = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
+        except (RuntimeError, NotImplementedError):  # (a tensor without storage: a subclass, a fake)
+            key, size = id(t), _nbytes(t)
+        if key not in seen:
+            seen.add(key)
+            own += size
+    return own
 
 
 def default_host_budget() -> int:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+import torch.utils._pytree as pytree
 
 from .align import Alignment, align, map_params_by_use, param_map, record_numel, to_ref_layout
 from .capture import StopCapture, Trace, input_values, set_rng_state, written_in_place
@@ -28,8 +29,8 @@ from .result import Stage
 from .runner import clone_inputs, run_captured
 from .sources import CaptureSource, ModelSource, Source
 from .store import CaptureWriter
-from .stream import (Budget, FileStore, Lockstep, Pick, StreamComparer, TieredStore, default_budget,
-                     default_host_budget, name_filter)
+from .stream import (Budget, FileStore, Lockstep, Pick, StreamComparer, TieredStore, default_host_budget,
+                     models_budget, name_filter)
 
 __all__ = ["Traces", "full_traces", "streaming_traces", "restore_sides", "STREAM_WINDOW", "LOCKSTEP_LOW_WATER",
            "LOCKSTEP_RECOVERIES"]
@@ -208,11 +209,20 @@ class _Stream:
         return [self.ref_store.clear, self.keep.clear] + ([self.journal.close] if self.journal is not None else [])
 
 
+def _own_tensors(*sources: Source):
+    """The tensors the live models hold (parameters, buffers) and are given (inputs)."""
+    for src in sources:
+        if isinstance(src, ModelSource):
+            yield from src.params().values()
+            yield from (t for t in pytree.tree_leaves(list(src.inputs)) if isinstance(t, torch.Tensor))
+
+
 def _stream_setup(reference: Source, candidate: ModelSource, options: Options, sides: Sides | None = None) -> _Stream:
     """The budgets of a streaming diff (a quarter of each for the candidate values the report keeps) and,
     with a stream directory, the capture files of names and shapes and the journal of measured pairs."""
     dev = candidate.device()
-    budget = options.max_memory if options.max_memory is not None else default_budget(dev)
+    budget = options.max_memory if options.max_memory is not None else models_budget(
+        dev, _own_tensors(reference, candidate), options.device_memory)
     host = options.host_memory if options.host_memory is not None else (
         default_host_budget() if dev.startswith("cuda") else 0)
     ref_dev, keep_dev = Budget(budget - budget // 4), Budget(budget // 4)

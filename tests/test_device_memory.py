@@ -159,8 +159,8 @@ def _answer(path):
 
 @pytest.mark.cuda
 def test_a_capped_card_gives_the_uncapped_answer(tmp_path):
-    """Capped below what the uncapped diff's process took at its peak, the diff adapts (streams) and gives the
-    same answer."""
+    """Capped below what the uncapped diff's process took at its peak, the diff keeps within the cap (its budget
+    for captured values taken from what the cap leaves, or adapting when it runs out) and gives the same answer."""
     env = {**os.environ, "DIFFKIT_L2_BATCH": "8"}  # 8 x 64 x 258 x 258 float32: 136 MB an activation
     free, capped = tmp_path / "free.json", tmp_path / "capped.json"
     a = run_cli("diff", L2_REF, L2_CAND, "--device", "cuda", "--no-report", "--trials", "2", "--json", str(free),
@@ -174,4 +174,45 @@ def test_a_capped_card_gives_the_uncapped_answer(tmp_path):
     assert b.returncode in (0, 1), (b.stdout + b.stderr)[-3000:]
     got_b, mem_b = _answer(capped)
     assert got_a == got_b
-    assert mem_b.get("adapted") and mem_b["peak_bytes"] <= cap, mem_b  # it had to stream, and kept to the cap
+    assert mem_b["peak_bytes"] <= cap, mem_b
+
+
+# ------------------------------------------------------------------ the budget the models' own size gives
+def test_own_bytes_counts_each_storage_once():
+    from diffkit.tiers import own_bytes
+
+    w = torch.zeros(1000)
+    tied = nn.Linear(10, 10)
+    tied2 = nn.Linear(10, 10)
+    tied2.weight = tied.weight  # one storage for both
+    tensors = [w, w[:10], w.view(10, 100), *tied.parameters(), *tied2.parameters(), "not a tensor", 3]
+    assert own_bytes(tensors, "cpu") == 4000 + 4 * (100 + 10 + 10)
+    assert own_bytes(tensors, "cuda") == 0  # (only what lives on that kind of device)
+
+
+def test_the_models_budget_is_their_own_size_between_a_floor_and_a_quarter_of_what_is_free(monkeypatch):
+    from diffkit import tiers
+
+    monkeypatch.setattr(tiers, "default_budget", lambda device: 20 * GB)  # a quarter of 80 GB free
+    monkeypatch.setattr(tiers, "own_bytes", lambda tensors, device_type: 3 * GB)
+    assert tiers.models_budget("cuda:0", []) == 3 * GB
+    monkeypatch.setattr(tiers, "own_bytes", lambda tensors, device_type: 1000)  # small models: the floor
+    assert tiers.models_budget("cuda:0", []) == tiers.MODELS_BUDGET_FLOOR
+    monkeypatch.setattr(tiers, "own_bytes", lambda tensors, device_type: 50 * GB)  # more than the card can spare
+    assert tiers.models_budget("cuda:0", []) == 20 * GB
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 2 * GB)
+    # capped at 10 GB with 2 GB held already: a quarter of the 8 GB the cap leaves
+    assert tiers.models_budget("cuda:0", [], cap=10 * GB) == 2 * GB
+    assert tiers.models_budget("cpu", []) == 20 * GB  # off a GPU: the host's default, as before
+
+
+def test_the_ladder_goes_from_the_models_budget_to_the_host(monkeypatch):
+    """A diff that streams by default (no --max-memory: the models' own size) and still runs out keeps every
+    captured value on the host next; then says what was free."""
+    _fake_card(monkeypatch, free=20 * GB, total=80 * GB)
+    ladder = Ladder.start("cuda", None)
+    step1 = ladder.next(Options(streaming=True), OutOfDeviceMemory("in the candidate's forward at conv"))
+    assert step1.is_streaming and step1.max_memory == 0 and not step1.lockstep
+    with pytest.raises(DiffkitError) as got:
+        ladder.next(step1, OutOfDeviceMemory("in the reference's forward at gn"))
+    assert "streaming with the models' own size of captured values on the device: ran out" in str(got.value)

@@ -50,6 +50,27 @@ def _diff(ref, cand, tmp_path, *extra, env=None):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("cand", ["kernels/axial_attention_cuda_tail.py", "kernels/axial_attention_cuda.py"])
+def test_the_default_gpu_diff_streams_in_one_child_and_answers_as_a_child_per_side_does(tmp_path, cand):
+    """Issue 46: on a GPU the default diff runs both sides in one child, streaming with the captured values on the
+    device held to the models' own size; its answer is the one a child per side with every value on the device
+    (DIFFKIT_GPU_PER_SIDE=1, the default before) gives."""
+    got = []
+    for per_side in ("0", "1"):
+        out, d = _diff("references/axial_attention.py", cand, tmp_path,
+                       env={**os.environ, "DIFFKIT_GPU_PER_SIDE": per_side})
+        fd = d["first_divergence"] or {}
+        got.append((out.returncode, d["verdict"], fd.get("ref_name"), fd.get("max_abs"),
+                    [f["kind"] for f in fd.get("diagnosis", [])], [t.get("allclose") for t in d["trials"]]))
+        if per_side == "0":
+            assert d["meta"]["processes"] == "one child process, both sides"
+            assert d["meta"]["mode"] == "streaming" and d["meta"]["max_memory"] >= 1 << 30, d["meta"]
+        else:
+            assert d["meta"]["processes"] == "a child process per side"
+    assert got[0] == got[1]
+
+
+@pytest.mark.cuda
 def test_children_forked_on_a_gpu_give_the_answer_of_fresh_ones(tmp_path):
     """DIFFKIT_FORK_GPU=1: an isolated diff's children forked from a parent that never started CUDA, each starting
     its own: the same verdict, first divergence, diagnosis and numbers as children in fresh interpreters."""

@@ -212,3 +212,33 @@ def test_a_crash_of_the_one_child_is_put_on_the_side_whose_file_it_was_in(tmp_pa
     assert _what_failed(str(tmp_path), 3, None, "", "/m/ref.py", "/m/cand.py", 600) is None  # diffkit's own fault
     hung = _what_failed(str(tmp_path), -9, "did not finish within 5 s and was stopped", "", "/m/ref.py", "/m/cand.py", 5)
     assert hung["warning"] and "5 s" in hung["message"]
+
+
+def _as_if_on_a_gpu(tmp_path, bug, env_extra=None):
+    """The isolated diff's parent as it runs with a GPU in play (`_host_only` says no), its child on this CPU."""
+    ref, cand = tmp_path / "ref.py", tmp_path / f"cand_{bug}.py"
+    ref.write_text(REF)
+    cand.write_text(CAND.format(bug=bug, flag=str(tmp_path / f"flag_gpu_{bug}")))
+    out = tmp_path / f"gpu_{bug}.json"
+    script = ("import diffkit.processes as P\nP._host_only = lambda device: False\nfrom diffkit.cli import main\n"
+              f"main.main(args=['diff', {str(ref)!r}, {str(cand)!r}, '--no-report', '--json', {str(out)!r}])\n")
+    env = dict(os.environ, **(env_extra or {}))
+    env.pop("DIFFKIT_TWO_PROCESSES", None)
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=str(tmp_path), env=env,
+                       timeout=600)
+    return p, json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("bug", ["none", "no_bias"])
+def test_with_a_gpu_in_play_the_one_child_streams_and_answers_as_a_child_per_side_does(tmp_path, bug):
+    """Issue 46: with a GPU in play the one child for both sides streams (on the card, its captured values held to
+    the models' own size); DIFFKIT_GPU_PER_SIDE=1 runs a child per side at once, every value captured whole.  The
+    answers agree, and agree with the CPU's own diff."""
+    one, d1 = _as_if_on_a_gpu(tmp_path, bug)
+    two, d2 = _as_if_on_a_gpu(tmp_path, bug, {"DIFFKIT_GPU_PER_SIDE": "1"})
+    cpu, d3 = _diff(tmp_path, bug)
+    assert one.returncode == two.returncode == cpu.returncode == (0 if bug == "none" else 1), one.stdout + one.stderr
+    assert d1["meta"]["processes"] == "one child process, both sides" and d1["meta"]["mode"] == "streaming"
+    assert d2["meta"]["processes"] == "a child process per side" and d2["meta"].get("mode") != "streaming"
+    assert d3["meta"].get("mode") != "streaming"
+    assert _answer(d1) == _answer(d2) == _answer(d3)
