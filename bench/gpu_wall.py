@@ -1,6 +1,6 @@
 """Issue 46's GPU targets: `diffkit diff` against a KernelBench-style baseline, as a user runs both.
 
-    python bench/gpu_wall.py [--models mid,l2_19] [--repeat 2] [--json FILE]
+    python bench/gpu_wall.py [--models mid,l2_19] [--repeat 2] [--modes diff,diff_per_side] [--json FILE]
     python bench/gpu_wall.py --models l2_19 --side-by-side 3      # three diffs at once on the one card
     python bench/gpu_wall.py --models l2_19 --device-memory 24G   # the diff capped to 24 GB, against uncapped
 
@@ -9,9 +9,9 @@ evaluation pays them); the candidate's extension is built once beforehand, so bu
 is measured from here; peak device memory is what `nvidia-smi` reports in use on the card (sampled every 20 ms)
 above what it reported before the run, for both, so CUDA contexts count alike.  The baseline is
 bench/kb_baseline.py (load, seed, construct, five trials of two forwards + torch.allclose).
-Modes: `diff` (the default five trials: on a GPU one child for both sides, streaming with the captured values on
-the device held to what the models themselves take), `diff_trials1` (--trials 1), `diff_forked` (the default, its
-child forked from the parent with DIFFKIT_FORK_GPU=1 instead of a fresh interpreter), `diff_per_side`
+Modes (`--modes`): `diff` (the default five trials: on a GPU one child for both sides, forked from the parent,
+streaming with the captured values on the device held to what the models themselves take), `diff_trials1`
+(--trials 1), `diff_fresh` (the default, its child a fresh interpreter: DIFFKIT_FORK_GPU=0), `diff_per_side`
 (DIFFKIT_GPU_PER_SIDE=1: a child per side, every captured value on the device, the reference's handed over: the
 default before issue 46's memory work).
 Targets (issue 46): the default `diffkit diff` ≤ 2× the baseline's wall time and ≤ 2× its peak device memory;
@@ -119,18 +119,21 @@ def gb(n: int) -> str:
     return f"{n / 1e9:.2f} GB"
 
 
-def compare_with_baseline(model: str, repeat: int) -> dict:
+def compare_with_baseline(model: str, repeat: int, modes=("diff", "diff_trials1", "diff_fresh", "diff_per_side")
+                          ) -> dict:
     warm = baseline(model)  # builds the candidate's extension into ninja's cache
     print(f"[{model}] warm-up baseline: rc {warm['rc']}, {warm['wall']:.2f} s "
           f"{warm['stderr'].strip().splitlines()[-1:] if warm['rc'] not in (0, 1) else ''}", flush=True)
-    rows = {"baseline": [], "diff": [], "diff_trials1": [], "diff_forked": [], "diff_per_side": []}
+    runs = {"diff": lambda: diffkit(model), "diff_trials1": lambda: diffkit(model, "--trials", "1"),
+            # the child a fresh interpreter (torch imported again in it), not forked from the parent
+            "diff_fresh": lambda: diffkit(model, env={"DIFFKIT_FORK_GPU": "0"}),
+            "diff_per_side": lambda: diffkit(model, env={"DIFFKIT_GPU_PER_SIDE": "1"})}
+    modes = [m for m in modes if m in runs]
+    rows = {"baseline": [], **{m: [] for m in modes}}
     for _ in range(repeat):  # in turns, so a drift of the box hits both alike
         rows["baseline"].append(baseline(model))
-        rows["diff"].append(diffkit(model))
-        rows["diff_trials1"].append(diffkit(model, "--trials", "1"))
-        # the child forked from the parent (torch imported once), CUDA started in the child
-        rows["diff_forked"].append(diffkit(model, env={"DIFFKIT_FORK_GPU": "1"}))
-        rows["diff_per_side"].append(diffkit(model, env={"DIFFKIT_GPU_PER_SIDE": "1"}))
+        for m in modes:
+            rows[m].append(runs[m]())
     out = {}
     for name, rs in rows.items():
         out[name] = {"wall": statistics.median(r["wall"] for r in rs), "peak": max(r["peak"] for r in rs),
@@ -145,7 +148,7 @@ def compare_with_baseline(model: str, repeat: int) -> dict:
               + ", ".join(f"{k} {v:.2f}" for k, v in own.get("phases", {}).items())
               + f"; torch's peak {gb(own.get('peak_device_bytes') or 0)}", flush=True)
     b = out["baseline"]
-    for name in ("diff", "diff_trials1", "diff_forked", "diff_per_side"):
+    for name in modes:
         print(f"[{model}] {name}: wall {out[name]['wall'] / b['wall']:.2f}x the baseline (target <= 2x), "
               f"device peak {out[name]['peak'] / max(b['peak'], 1):.2f}x (target <= 2x)", flush=True)
     return out
@@ -206,6 +209,8 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--side-by-side", type=int, default=0, metavar="N")
     ap.add_argument("--device-memory", default=None, metavar="SIZE")
+    ap.add_argument("--modes", default="diff,diff_trials1,diff_fresh,diff_per_side",
+                    help="which diffs to time against the baseline (see the docstring)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     out = {}
@@ -215,7 +220,7 @@ def main() -> int:
         elif args.device_memory:
             out[model] = capped(model, args.device_memory)
         else:
-            out[model] = compare_with_baseline(model, args.repeat)
+            out[model] = compare_with_baseline(model, args.repeat, args.modes.split(","))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(out, fh, indent=1, default=str)

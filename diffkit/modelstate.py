@@ -77,16 +77,18 @@ class Trial:
 
 def bitwise_difference(a: torch.Tensor, b: torch.Tensor) -> dict | None:
     """None when `a` and `b` hold the same bits; else how many elements differ, where the first few
-    are, and the largest difference."""
+    are, and the largest difference.  Beyond the flags of which elements differ (a byte an element), its
+    memory is bounded by BITWISE_CHUNK elements whatever the size (a run-to-run difference in every element
+    of a 2 GB output is no reason to run out of device memory)."""
     if tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype:
         return {"elements": max(a.numel(), b.numel()), "numel": max(a.numel(), b.numel()), "max_abs": float("inf"),
                 "at": [], "shape": [list(a.shape), list(b.shape)]}
-    a, b = a.detach(), b.detach().to(a.device)
+    a, b = a.detach().contiguous(), b.detach().to(a.device).contiguous()
     if a.is_complex():
         a, b = torch.view_as_real(a), torch.view_as_real(b)
     if a.is_floating_point():
         ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-        mask = a.contiguous().view(ints) != b.contiguous().view(ints)
+        mask = a.view(ints) != b.view(ints)
     else:
         mask = a != b
     if a.dim() and mask.dim() > a.dim():  # complex viewed as real: one flag per element
@@ -94,11 +96,34 @@ def bitwise_difference(a: torch.Tensor, b: torch.Tensor) -> dict | None:
     n = int(mask.sum())
     if n == 0:
         return None
-    at = [list(map(int, ix)) for ix in mask.nonzero()[:MAX_SHOWN].tolist()] if mask.dim() else [[]]
-    diff = torch.nan_to_num((a.double() - b.double()).abs(), nan=float("inf")) if a.is_floating_point() else \
-        (a.double() - b.double()).abs()
-    return {"elements": n, "numel": mask.numel(), "max_abs": float(diff.max()) if diff.numel() else 0.0, "at": at,
-            **_spans(mask)}
+    at = _first_set(mask, MAX_SHOWN) if mask.dim() else [[]]
+    fa, fb, most = a.reshape(-1), b.reshape(-1), 0.0
+    for i in range(0, fa.numel(), BITWISE_CHUNK):
+        d = (fa[i:i + BITWISE_CHUNK].double() - fb[i:i + BITWISE_CHUNK].double()).abs()
+        if a.is_floating_point():
+            d = torch.nan_to_num(d, nan=float("inf"))
+        most = max(most, float(d.max()))
+    return {"elements": n, "numel": mask.numel(), "max_abs": most, "at": at, **_spans(mask)}
+
+
+BITWISE_CHUNK = 1 << 24  # elements a bitwise comparison works on at once (float64 differences: 128 MB)
+
+
+def _first_set(mask: torch.Tensor, k: int) -> list[list[int]]:
+    """The indices of the first `k` set elements of a contiguous boolean `mask`, in row-major order."""
+    flat, found = mask.reshape(-1), []
+    for i in range(0, flat.numel(), BITWISE_CHUNK):
+        found += (flat[i:i + BITWISE_CHUNK].nonzero().flatten()[:k - len(found)] + i).tolist()
+        if len(found) >= k:
+            break
+    out = []
+    for f in found:
+        idx = []
+        for size in reversed(mask.shape):
+            idx.append(f % size)
+            f //= size
+        out.append(idx[::-1])
+    return out
 
 
 def _spans(mask: torch.Tensor) -> dict:
@@ -107,10 +132,12 @@ def _spans(mask: torch.Tensor) -> dict:
     block of the output: memory a kernel never wrote)."""
     if mask.dim() == 0:
         return {}
-    idx = mask.nonzero()
+    span = []
+    for d in range(mask.dim()):
+        along = mask.movedim(d, 0).reshape(mask.shape[d], -1).any(dim=1).nonzero().flatten()
+        span.append([int(along.min()), int(along.max())])
     rows = mask.reshape(-1, mask.shape[-1]).any(dim=1).nonzero().flatten()
-    return {"span": [[int(idx[:, d].min()), int(idx[:, d].max())] for d in range(mask.dim())],
-            "row_span": [int(rows.min()), int(rows.max())]}
+    return {"span": span, "row_span": [int(rows.min()), int(rows.max())]}
 
 
 def difference_words(d: dict) -> str:

@@ -311,17 +311,17 @@ def _preload() -> None:
 
 
 def _can_fork(device: str | None = None) -> bool:
-    """Children are forked from this process (saving an interpreter start and torch's import each)
-    on POSIX with a CPU-only torch, or with `--device cpu`; on a CUDA build too with DIFFKIT_FORK_GPU=1, as long
-    as this process has not started CUDA (a child then starts its own).  DIFFKIT_NO_FORK=1 asks for fresh
-    interpreters."""
+    """Children are forked from this process (saving an interpreter start and torch's import each, ~3 s on a GPU
+    host) on POSIX: with a CPU-only torch or `--device cpu`, and on a CUDA build as long as this process has not
+    started CUDA (a child then starts its own; DIFFKIT_FORK_GPU=0 gives a CUDA build's children fresh
+    interpreters).  DIFFKIT_NO_FORK=1 asks for fresh interpreters everywhere."""
     if not hasattr(os, "fork") or os.environ.get("DIFFKIT_NO_FORK"):
         return False
     if _host_only(device):
         return True
-    # a CUDA build: a process that has started CUDA (even asking whether a GPU is there can) cannot hand it to a
-    # forked child, so by default the children get fresh interpreters
-    return os.environ.get("DIFFKIT_FORK_GPU", "0") != "0" and not torch.cuda.is_initialized()
+    # a CUDA build: a process that has started CUDA cannot hand it to a forked child (this one never does: the
+    # models run in the children)
+    return os.environ.get("DIFFKIT_FORK_GPU", "1") != "0" and not torch.cuda.is_initialized()
 
 
 def _host_only(device: str | None) -> bool:
@@ -548,7 +548,7 @@ class _Isolated:
 
     def one_child_first(self) -> int | None:
         """One child runs both sides first, as --no-isolate does in this process: no hand-over of the reference's
-        values, one fork (or, on a GPU unless DIFFKIT_FORK_GPU=1, one fresh interpreter).  It answers only when that diff ran clean (a match or a divergence, no
+        values, one fork.  It answers only when that diff ran clean (a match or a divergence, no
         side failing, torch itself unchanged) or a file did not load (a model not built, no inputs: nothing ran
         yet); else (a forward's error, a crash, a hang, a diffkit bug) the diff runs again, a child per side, which
         says which side failed and diffs what each captured before -- and if that one runs clean, its answer still

@@ -72,7 +72,7 @@ def test_the_default_gpu_diff_streams_in_one_child_and_answers_as_a_child_per_si
 
 @pytest.mark.cuda
 def test_children_forked_on_a_gpu_give_the_answer_of_fresh_ones(tmp_path):
-    """DIFFKIT_FORK_GPU=1: an isolated diff's children forked from a parent that never started CUDA, each starting
+    """An isolated diff's children forked from a parent that never started CUDA (the default), each starting
     its own: the same verdict, first divergence, diagnosis and numbers as children in fresh interpreters."""
     keys = []
     for fork in ("0", "1"):
