@@ -96,6 +96,9 @@ class Options:
     lockstep:      streaming with a live reference: run its forward on a thread of its own, ahead of
                    the candidate's by what the budget holds, evicting values once measured (False:
                    the reference first, whole, what does not fit going to host memory and disk).
+    gpu_streaming: stream when the candidate runs on a GPU and no mode was asked (`streaming` None): what an
+                   isolated diff's one child does (diffkit.processes), its captured values on the device held to
+                   what the models themselves take there (tiers.models_budget).
     stream_dir:    where an isolated child writes its crash insurance (capture journals, stats).
     insured:       with stream_dir, the live candidate's capture there keeps every record's value and
                    the model's parameters (False: names and shapes only; an isolated diff runs the
@@ -134,6 +137,7 @@ class Options:
     only: str | None = None
     stop_at_first: bool = False
     lockstep: bool = True
+    gpu_streaming: bool = False
     stream_dir: str | None = None
     insured: bool = True
     explain: bool | None = None

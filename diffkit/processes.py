@@ -417,8 +417,8 @@ class _Isolated:
     def job(self, role: str, **more) -> Job:
         side = role != "both"
         options = self.options.replace(stream_dir=self.tmp) if side else self.options
-        if role == "both" and self.gpu_one and options.streaming is None:
-            options = options.replace(streaming=True)
+        if role == "both" and self.gpu_one:
+            options = options.replace(gpu_streaming=True)  # (it streams if its models turn out to be on a GPU)
         if role == "candidate" and self.insure:
             options = options.replace(insured=False)
         more.setdefault("breadcrumb", self.breadcrumb)

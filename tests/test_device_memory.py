@@ -216,3 +216,29 @@ def test_the_ladder_goes_from_the_models_budget_to_the_host(monkeypatch):
     with pytest.raises(DiffkitError) as got:
         ladder.next(step1, OutOfDeviceMemory("in the reference's forward at gn"))
     assert "streaming with the models' own size of captured values on the device: ran out" in str(got.value)
+
+
+def test_the_one_childs_diff_streams_only_when_its_models_are_on_a_gpu(monkeypatch):
+    """`Options.gpu_streaming` (what an isolated diff's one child is given on a CUDA build): the diff takes the
+    streaming path when the candidate's model is on a GPU, and captures whole when it is not, or when a mode was
+    asked.  (The models on this CPU; a GPU's is said by their device, and the streaming path is recorded, then
+    run as a whole capture: a CPU cannot run the device's tiers.)"""
+    from diffkit import pipeline
+    from diffkit.sources import ModelSource
+
+    taken = []
+
+    def streaming(reference, candidate, options, sides=None):
+        taken.append(options)
+        return pipeline.full_traces(reference, candidate, options, None, sides)
+
+    monkeypatch.setattr(pipeline, "streaming_traces", streaming)
+    ref, cand, inputs = _pair(0)
+    run = lambda **o: pipeline.run(ModelSource(ref, inputs), ModelSource(cand, inputs), Options(**o))  # noqa: E731
+    assert run(gpu_streaming=True).verdict == "match" and not taken  # on a CPU: whole
+    monkeypatch.setattr(ModelSource, "device", lambda self: "cuda:0")
+    assert run(gpu_streaming=True).verdict == "match"
+    assert len(taken) == 1 and taken[0].streaming and taken[0].max_memory is None  # (the budget: the models' size)
+    run(gpu_streaming=True, streaming=False)  # a mode asked for (the Python API's streaming=False) is kept
+    run()  # and without the flag nothing changes
+    assert len(taken) == 1
