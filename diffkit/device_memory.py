@@ -17,8 +17,8 @@ import torch
 
 from .errors import DiffkitError
 
-__all__ = ["DeviceRoom", "OutOfDeviceMemory", "Ladder", "cap_process", "is_out_of_memory", "trace_ran_out",
-           "users_error", "gb"]
+__all__ = ["DeviceRoom", "OutOfDeviceMemory", "CardFull", "Ladder", "cap_process", "is_out_of_memory",
+           "trace_ran_out", "users_error", "gb"]
 
 # the words CUDA, cuBLAS, cuDNN and torch's allocator use when an allocation fails (a raised RuntimeError of an
 # extension says the same); matched lower-case
@@ -51,6 +51,13 @@ def trace_ran_out(trace) -> bool:
     if err is None:
         return False
     return err.type == "OutOfMemoryError" or _says_out_of_memory(f"{err.type}: {err.message}")
+
+
+class CardFull(DiffkitError):
+    """The user's error that ends a diff whose device ran out of memory where it could not adapt (exit 2).  An
+    isolated diff's one child that ends so runs again a child per side, each in a process of its own (under
+    --device-memory, each with its own cap), and that diff's answer is the answer: not a failure that did not
+    repeat."""
 
 
 class OutOfDeviceMemory(Exception):
@@ -150,7 +157,7 @@ class Ladder:
             return options.replace(streaming=True, max_memory=budget, lockstep=True)
         if options.max_memory is None or options.max_memory:  # (None: the budget the models' size gave)
             return options.replace(streaming=True, max_memory=0, lockstep=False)
-        raise DiffkitError(
+        raise CardFull(
             "", "forward",
             f"the GPU ran out of memory even with every captured value kept on the host ({ran_out.where}): the "
             f"two models' own forwards need more than the card had free. When the diff started, "
@@ -176,13 +183,13 @@ def _asked_for(e: BaseException) -> str:
     return m.group(0) if m else ""
 
 
-def users_error(e: BaseException, device: str | None, cap: int | None) -> DiffkitError:
+def users_error(e: BaseException, device: str | None, cap: int | None) -> CardFull:
     """A device that ran out of memory outside the steps `Ladder` adapts (a later trial's forwards, writing the
     answer): the user's card, said as such (exit 2), with what was free and what was asked for."""
     room = DeviceRoom.now(device or "cuda", cap)
     asked = _asked_for(e)
     first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-    return DiffkitError(
+    return CardFull(
         "", "forward",
         f"the GPU ran out of memory{f' ({asked})' if asked else ''}: "
         f"{room.words() if room is not None else 'no CUDA device could be asked what is free'}. The diff needs "

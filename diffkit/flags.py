@@ -45,19 +45,23 @@ DIFF_OPTIONS: list[click.Option] = [
     click.Option(["--junit", "junit_path"], type=click.Path(dir_okay=False), default=None, help="write junit.xml here"),
     click.Option(["--no-isolate"], is_flag=True,
                  help="run in this process (default: in child processes, so a crashing kernel cannot take the "
-                      "answer with it: a child per side; with no GPU in play one child for the whole diff first)"),
+                      "answer with it: one child for the whole diff first, streaming on a GPU; a child per side "
+                      "when that one does not run clean)"),
     click.Option(["--timeout"], type=click.FloatRange(min=0), default=DEFAULT_TIMEOUT, show_default=True,
                  help="stop a side that runs longer than this (seconds; 0: never; with --no-isolate, the whole diff)"),
     click.Option(["--max-memory", "max_memory"], default=None, metavar="SIZE",
                  help="streaming diff: hold at most SIZE (e.g. 512M, 4G) of captured values on the device (CPU: in "
                       "memory); the rest goes to pinned host memory, then disk. Default without the flag: "
-                      "in-memory diff"),
+                      "in-memory diff on a CPU; on a GPU an isolated diff streams with the models' own size "
+                      "(at least 1 GiB, at most a quarter of the free device memory)"),
     click.Option(["--device-memory", "device_memory"], default=None, metavar="SIZE",
                  help="take at most SIZE (e.g. 24G) of the GPU, as if the card had that much (to check a diff fits "
                       "a smaller card, or to share one); captured values that do not fit are streamed, then kept on "
                       "the host. Default: what is free on the card when the diff starts"),
     click.Option(["--stream", "stream"], is_flag=True,
-                 help="streaming diff with the default budget (a quarter of the free device memory)"),
+                 help="streaming diff with the default budget (on a GPU what the models themselves hold there, "
+                      "at least 1 GiB and at most a quarter of the free device memory; on a CPU a quarter of the "
+                      "available memory)"),
     click.Option(["--only", "only"], default=None, metavar="PATTERNS",
                  help="capture only records whose names match these comma-separated globs (e.g. 'blocks.3.*'); "
                       "inputs and the output are always kept"),

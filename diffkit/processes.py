@@ -319,8 +319,9 @@ def _can_fork(device: str | None = None) -> bool:
         return False
     if _host_only(device):
         return True
-    # a CUDA build: a process that has started CUDA cannot hand it to a forked child (this one never does: the
-    # models run in the children)
+    # a CUDA build: a process that has started CUDA cannot hand it to a forked child, and even asking whether a GPU
+    # is there (torch.cuda.is_available, device_count) leaves its forks unable to start CUDA; this process does
+    # neither (the models, and every question about the device, are the children's)
     return os.environ.get("DIFFKIT_FORK_GPU", "1") != "0" and not torch.cuda.is_initialized()
 
 
@@ -358,9 +359,10 @@ def _own_notes(log: str) -> str:
 # ----------------------------------------------------------------------------- the isolated diff
 def isolated(ref_path: str, cand_path: str, options: Options, timeout: float, out: Outputs,
              sanitize: str | None = None) -> int:
-    """Run each side in its own child process (the reference captured to a file, then the candidate diffed
-    against that capture; with no GPU in play, one child for the whole diff first); if a child crashes or hangs,
-    diff what was captured before it.  Returns the exit code."""
+    """Run the diff in child processes: one child for the whole diff first (`_Isolated.one_child_first`); when
+    that does not run clean, each side in its own child process (the reference captured to a file or held on
+    the GPU, then the candidate diffed against that capture); if a child crashes or hangs, diff what was
+    captured before it.  Returns the exit code."""
     # (errors ignored at its removal: a child stopped once it answered may still have had files open in it; the
     # name carries this process's id: whose folder it is, on a /dev/shm shared by every diff on the machine)
     with tempfile.TemporaryDirectory(prefix=f"diffkit-{os.getpid()}-", dir=_handoff_dir(options), ignore_cleanup_errors=True) as tmp:
@@ -564,9 +566,12 @@ class _Isolated:
         log = self.errlog + "-both"
         crumb = os.path.join(both, "breadcrumb")
         child = self.start(self.job("both", color=sys.stdout.isatty(), breadcrumb=crumb), log, out_path=printed)
-        # it gets --timeout for the whole diff, at most BOTH_LIMIT_S: a side that hangs is found that much later
-        # than a child per side alone finds it, and a longer diff runs again, a child per side
-        limit = min(self.timeout, BOTH_LIMIT_S) if self.timeout else BOTH_LIMIT_S
+        # it gets --timeout for the whole diff, at most BOTH_LIMIT_S with no GPU in play: a side that hangs is found
+        # that much later than a child per side alone finds it, and a longer diff runs again, a child per side.  On
+        # a GPU (where a diff's sides may well run longer, and a child per side holds every value on the device)
+        # it gets --timeout itself
+        limit = (self.timeout or None) if self.gpu_one else \
+            min(self.timeout, BOTH_LIMIT_S) if self.timeout else BOTH_LIMIT_S
         code, why, err_text = self.finish(child, limit, answered=child.answered)
         if code in (0, 1, 2) and child.answered() == code:
             _pass_on(printed)
@@ -776,7 +781,8 @@ def what_failed(again: Again | None, crumb: str, code: int, why: str | None, err
         return None
     if why and why.startswith(HUNG):  # (its limit was both sides' together: the sides' own come next)
         return {"warning": True, "message": f"run in one child process, both sides together did not finish within "
-                                            f"{limit:g} s (its limit: --timeout, at most {BOTH_LIMIT_S:g} s); with a "
+                                            f"{limit:g} s (its limit: --timeout; at most {BOTH_LIMIT_S:g} s with no "
+                                            f"GPU in play); with a "
                                             f"child process per side each did: a diff that long, or a hang that "
                                             f"does not repeat"}
     crumb = crumb.strip()

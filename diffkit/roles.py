@@ -26,7 +26,7 @@ from . import handoff, progress
 from .capture import set_breadcrumb
 from .compare import capture_reference, diff_files, error_result
 from .describe import harden_summary
-from .device_memory import is_out_of_memory, users_error
+from .device_memory import CardFull, is_out_of_memory, users_error
 from .errors import EXIT, INTERNAL, DiffkitError
 from .handoff import Holder
 from .load import build_candidate_ahead, encode_values, prepare_candidate
@@ -327,7 +327,8 @@ def diff(job: Job, out: Outputs, link: Link | None = None) -> None:
         result.ref_path = job.ref_path
     except DiffkitError as e:
         if both and e.phase not in BEFORE_ANY_FORWARD:  # (a file that does not load is answered as it is)
-            _again(link, ErrorInfo.from_dict(e.to_dict()))
+            # (a card that ran out: a child per side, in processes of its own, answers as if this never ran)
+            _again(link, None if isinstance(e, CardFull) else ErrorInfo.from_dict(e.to_dict()))
         failed = error_result(e, job.ref_path, job.cand_path, options)
         failed.meta["processes"] = processes
         out.write(failed, error=e)

@@ -242,3 +242,42 @@ def test_the_one_childs_diff_streams_only_when_its_models_are_on_a_gpu(monkeypat
     run(gpu_streaming=True, streaming=False)  # a mode asked for (the Python API's streaming=False) is kept
     run()  # and without the flag nothing changes
     assert len(taken) == 1
+
+
+class _Said:
+    """A child's link to its parent, keeping what it said."""
+
+    def __init__(self):
+        self.said = []
+
+    def say(self, message):
+        self.said.append(message)
+
+
+@pytest.mark.parametrize("ran_out", [True, False])
+def test_the_one_child_whose_card_ran_out_leaves_the_answer_to_a_child_per_side(monkeypatch, tmp_path, ran_out):
+    """An isolated diff's one child that ends with the card full (diffkit.device_memory.CardFull) asks its parent to
+    run the diff again a child per side saying no earlier failure: each side then has a process (and, under
+    --device-memory, a cap) of its own, and that diff's answer is the answer, not "a failure that does not
+    repeat".  Any other forward failure is passed on as before."""
+    from diffkit import roles
+    from diffkit.outputs import Outputs
+
+    def fails(*a, **k):
+        if ran_out:
+            raise users_error(torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB."),
+                              None, None)
+        raise DiffkitError("candidate", "forward", "kernel launch failed: bad grid")
+
+    monkeypatch.setattr(roles, "diff_files", fails)
+    out = Outputs(None, None, None, True, None, None, None, False, False)
+    job = roles.Job("both", "ref.py", "cand.py", Options(), out.settings)
+    link = _Said()
+    with pytest.raises(SystemExit) as ended:
+        roles.diff(job, out, link)
+    assert ended.value.code == roles.AGAIN_CODE
+    (again,) = [m for m in link.said if isinstance(m, roles.Again)]
+    if ran_out:
+        assert again.error is None
+    else:
+        assert again.error["side"] == "candidate" and "bad grid" in again.error["message"]
