@@ -146,16 +146,20 @@ class Ladder:
     def next(self, options, ran_out: OutOfDeviceMemory):
         """The options to try next, having run out of memory at `ran_out.where` under `options`."""
         streaming = options.is_streaming
-        tried = (f"streaming with {gb(options.max_memory)} of captured values on the device" if streaming and
-                 options.max_memory else "streaming with the models' own size of captured values on the device"
-                 if streaming and options.max_memory is None else "streaming" if streaming
-                 else "every captured value on the device")
+        if not streaming:
+            tried = "every captured value on the device"
+        elif options.max_memory is None:
+            tried = "streaming with the models' own size of captured values on the device"
+        elif options.max_memory:
+            tried = f"streaming with {gb(options.max_memory)} of captured values on the device"
+        else:
+            tried = "streaming"
         self.steps.append(f"{tried}: ran out ({ran_out.where})")
         room = DeviceRoom.now(self.device, self.cap)
         if not streaming:
             budget = room.available // STREAM_FRACTION
             return options.replace(streaming=True, max_memory=budget, lockstep=True)
-        if options.max_memory is None or options.max_memory:  # (None: the budget the models' size gave)
+        if options.max_memory != 0:  # (None: the budget the models' size gave)
             return options.replace(streaming=True, max_memory=0, lockstep=False)
         raise CardFull(
             "", "forward",

@@ -18,6 +18,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from .capture import materialized, path_key
+from .measure import _unravel
 from .result import _num
 
 MAX_SHOWN = 4  # differing element indices named in a nondeterminism finding
@@ -116,14 +117,7 @@ def _first_set(mask: torch.Tensor, k: int) -> list[list[int]]:
         found += (flat[i:i + BITWISE_CHUNK].nonzero().flatten()[:k - len(found)] + i).tolist()
         if len(found) >= k:
             break
-    out = []
-    for f in found:
-        idx = []
-        for size in reversed(mask.shape):
-            idx.append(f % size)
-            f //= size
-        out.append(idx[::-1])
-    return out
+    return [list(_unravel(f, tuple(mask.shape))) for f in found]
 
 
 def _spans(mask: torch.Tensor) -> dict:

@@ -86,9 +86,10 @@ def _diff(reference: Source, candidate: Source, options: Options, known: dict | 
           evidence: Callable[[Result], None] | None) -> Result:
     """`_diff_once`, again in a mode that keeps fewer values on the device each time the GPU runs out of memory
     (`device_memory.Ladder`): a diff adapts to the card it is given, or says what it needed (exit 2)."""
-    ladder = Ladder.start(candidate.device(), options.device_memory) if isinstance(candidate, ModelSource) else None
+    device = candidate.device() if isinstance(candidate, ModelSource) else None
+    ladder = Ladder.start(device, options.device_memory) if device is not None else None
     if options.gpu_streaming and options.streaming is None and options.tolerance.mode != "auto" \
-            and isinstance(candidate, ModelSource) and candidate.device().startswith("cuda"):
+            and device is not None and device.startswith("cuda"):
         options = options.replace(streaming=True)  # (under the models' own size: traces._stream_setup)
     while True:
         sides = Sides()
