@@ -36,7 +36,7 @@
 #   all       tests speed stream mid metrics host axial (more than one call's worth: run parts one call at a time)
 #
 # Knobs: OUT, MODELS (wall), T (tests' limit per process), REPEAT (speed/stream/mid repeats), SPEED_ONLY (speed.py --only for
-# `speed`), PROFILE, BEFORE, OLD, ROUNDS.
+# `speed`), PROFILE, PROFILE_ARGS (the profiled diff's options, default "--trials 1 --no-report"), BEFORE, OLD, ROUNDS.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp}
@@ -134,7 +134,7 @@ part_profile() {
   (cd /tmp && env DIFFKIT_DEPTH=12 DIFFKIT_BATCH=4 DIFFKIT_SEQ=1024 DIFFKIT_DIM=1024 DIFFKIT_HEADS=16 \
     PYTHONPATH="$root/bench/prof_site:$root" DIFFKIT_PROFILE_DIR="$dir" \
     timeout 300 python -m diffkit.cli diff "$root/references/deep_transformer.py" "$root/kernels/deep_transformer_fused.py" \
-    --trials 1 --no-report --device cuda 2>&1 | tail -2)
+    ${PROFILE_ARGS:---trials 1 --no-report} --device cuda 2>&1 | tail -2)
   python - "$dir" <<'PY'
 import glob, os, pstats, sys
 d = sys.argv[1]

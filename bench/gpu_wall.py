@@ -111,8 +111,10 @@ def answer(path: str) -> dict:
         d = json.load(fh)
     fd = d.get("first_divergence") or {}
     out = d.get("output") or {}
+    err = d.get("error") or {}
     return {"verdict": d.get("verdict"), "first_divergence": fd.get("ref_name"), "output_max_abs": out.get("max_abs"),
-            "mode": (d.get("meta") or {}).get("memory")}
+            "mode": (d.get("meta") or {}).get("memory"),
+            **({"error": f"{err.get('side')}/{err.get('phase')}: {err.get('message')}"[:700]} if d.get("verdict") == "error" else {})}
 
 
 def gb(n: int) -> str:

@@ -628,15 +628,23 @@ class capture:
                  fold: frozenset | None = None, fold_writes: frozenset | None = None):
         self.state = _State(model, snapshot, only, sink, fold, fold_writes)
         # each input as it came (name, the tensor the forward gets, a copy): whether the forward changed it
+        # (released when the capture ends: `t` is the forward's, the copy the record's or the trace's)
         self._given: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+        owns = getattr(sink, "owns_values", False)
         for i, (pos, t) in enumerate(_tensors(list(inputs))):
             # the model's inputs open the trace, so a candidate's copy of an input pairs with it
-            copy = t.detach().clone() if snapshot else t
-            self.state.trace.inputs.append(copy)
-            if snapshot:  # (metadata only: no copy, and no telling whether the forward changed it)
+            rec = self.state.add(name=input_name(pos), kind="input", label=f"input{list(pos)}",
+                                 function="", file="", line=0, op="input", tensor=t, scope="")
+            if not snapshot:  # (metadata only: no copy, and no telling whether the forward changed it)
+                copy = t
+            elif rec is not None and rec.kind == "input" and rec.value is not None and rec.value is not t:
+                copy = rec.value  # the record's own copy, taken as it was recorded: no second one
+            else:
+                copy = t.detach().clone()
+            if not owns:  # (a sink that owns the values keeps this one: the trace holds no second copy)
+                self.state.trace.inputs.append(copy)
+            if snapshot:
                 self._given.append((input_name(pos), t, copy))
-            self.state.add(name=input_name(pos), kind="input", label=f"input{list(pos)}",
-                           function="", file="", line=0, op="input", tensor=t, scope="")
         self._rng_before = rng_state()  # (after any seeding: what the forward draws from)
         self._handles: list[Any] = []
         self._mode: _Mode | None = None
@@ -701,7 +709,9 @@ class capture:
                                                      self.state.failing_call)
         trace = self.state.trace
         try:  # what the forward left besides its records (never in the way of its own error or the sink's close)
-            trace.inputs_left = changed_inputs(self._given)
+            # (let go of here: a sink may keep this capture, and these are whole copies of the inputs)
+            given, self._given = self._given, []
+            trace.inputs_left = changed_inputs(given)
             trace.rng_after = rng_state()
             trace.drew_random = set(self._rng_before) != set(trace.rng_after) or any(
                 not torch.equal(v, trace.rng_after[k]) for k, v in self._rng_before.items())

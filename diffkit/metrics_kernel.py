@@ -128,7 +128,7 @@ def packed_batch(pairs: list[tuple[torch.Tensor, torch.Tensor]], atol: float, rt
         none = _no_table(dev)
         for k in range(small, P):
             partials[(first[k + 1] - first[k],)](refs[k], cands[k], none, none, out, redo, float(atol), float(rtol),
-                                                 P, numels[k], first[k], SEARCH=1, DIRECT=True, REDO=False, **const)
+                                                 P, numels[k], first[k], 0, DIRECT=True, REDO=False, **const)
     # the address table goes over in one small copy (pinned and asynchronous on a GPU)
     # (one flat list, one tensor: every torch call here costs host time per batch, a batch per pair when streaming)
     host = torch.tensor([r.data_ptr() for r in refs] + [c.data_ptr() for c in cands] + numels + order + first,
@@ -144,10 +144,10 @@ def packed_batch(pairs: list[tuple[torch.Tensor, torch.Tensor]], atol: float, rt
     search = max(1, (P - 1).bit_length())
     if small:
         partials[(first[small],)](ref_ptrs, cand_ptrs, ns, tile_first, out, redo, float(atol), float(rtol), small, 0,
-                                  0, SEARCH=max(1, (small - 1).bit_length()), DIRECT=False, REDO=False, **const)
+                                  0, max(1, (small - 1).bit_length()), DIRECT=False, REDO=False, **const)
     if not full:
         partials[(first[-1],)](ref_ptrs, cand_ptrs, ns, tile_first, out, redo, float(atol), float(rtol), P, 0, 0,
-                               SEARCH=search, DIRECT=False, REDO=True, **const)
+                               search, DIRECT=False, REDO=True, **const)
     packed = torch.empty((P, _NPACKED), dtype=torch.float64, device=dev)
     combine[(P,)](out, ref_ptrs, cand_ptrs, ns, tile_first, dest, packed, REF_T=rt, CAND_T=ct, NPART=_NPART,
                   NPACKED=_NPACKED, ROWS=COMBINE_ROWS)

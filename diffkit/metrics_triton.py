@@ -146,26 +146,30 @@ def tile_partials(rp, cp, start, n, row, out, redo, atol, rtol, WORK_T: tl.const
 
 
 @triton.jit
-def table_tile(pid, ref_ptrs, cand_ptrs, numels, tile_first, n_pairs, REF_T: tl.constexpr, CAND_T: tl.constexpr,
-               BLOCK: tl.constexpr, TILE_BLOCKS: tl.constexpr, SEARCH: tl.constexpr):
-    """Tile `pid` of the table: its pair is the last whose first tile is at or before it."""
+def table_tile(pid, ref_ptrs, cand_ptrs, numels, tile_first, n_pairs, search, REF_T: tl.constexpr,
+               CAND_T: tl.constexpr, BLOCK: tl.constexpr, TILE_BLOCKS: tl.constexpr):
+    """Tile `pid` of the table: its pair is the last whose first tile is at or before it (`search` steps of a
+    binary search: a loop bound given at run time, so a batch of another size needs no other compiled program)."""
     lo = pid * 0
     hi = lo + n_pairs - 1
-    for _ in tl.static_range(SEARCH):
+    step = search * 0
+    while step < search:  # (a while loop: Triton's interpreter cannot take a run-time bound for `range`)
         mid = (lo + hi + 1) // 2
         ok = tl.load(tile_first + mid) <= pid
         lo = tl.where(ok, mid, lo)
         hi = tl.where(ok, hi, mid - 1)
+        step += 1
     start = (pid - tl.load(tile_first + lo)).to(tl.int64) * (BLOCK * TILE_BLOCKS)
     rp = tl.load(ref_ptrs + lo).to(tl.pointer_type(REF_T))
     cp = tl.load(cand_ptrs + lo).to(tl.pointer_type(CAND_T))
     return start, tl.load(numels + lo), rp, cp
 
 
-@triton.jit
-def partials(ref_ptrs, cand_ptrs, numels, tile_first, out, redo, atol, rtol, n_pairs, n_direct, row0,
+# (the integers not specialised on: Triton would compile a program apart for a value of 1 or a multiple of 16)
+@triton.jit(do_not_specialize=["n_pairs", "n_direct", "row0", "search"])
+def partials(ref_ptrs, cand_ptrs, numels, tile_first, out, redo, atol, rtol, n_pairs, n_direct, row0, search,
              REF_T: tl.constexpr, CAND_T: tl.constexpr, WORK_T: tl.constexpr, BLOCK: tl.constexpr,
-             TILE_BLOCKS: tl.constexpr, NPART: tl.constexpr, SEARCH: tl.constexpr, DIRECT: tl.constexpr,
+             TILE_BLOCKS: tl.constexpr, NPART: tl.constexpr, DIRECT: tl.constexpr,
              SUM_T: tl.constexpr, FULL: tl.constexpr, REDO: tl.constexpr, RANGE: tl.constexpr):
     """One tile a program.  REDO: the full rules, with float64 sums, on the tiles of the whole table
     that the finite-first pass marked in `redo` (the others return at once); otherwise the
@@ -173,8 +177,8 @@ def partials(ref_ptrs, cand_ptrs, numels, tile_first, out, redo, atol, rtol, n_p
     pid = tl.program_id(0)
     if REDO:
         if tl.load(redo + pid) != 0:
-            start, n, rp, cp = table_tile(pid, ref_ptrs, cand_ptrs, numels, tile_first, n_pairs, REF_T, CAND_T,
-                                          BLOCK, TILE_BLOCKS, SEARCH)
+            start, n, rp, cp = table_tile(pid, ref_ptrs, cand_ptrs, numels, tile_first, n_pairs, search, REF_T,
+                                          CAND_T, BLOCK, TILE_BLOCKS)
             tile_partials(rp, cp, start, n, pid, out, redo, atol, rtol, WORK_T, BLOCK, TILE_BLOCKS, NPART,
                           tl.float64, True, False)
     else:
@@ -183,8 +187,8 @@ def partials(ref_ptrs, cand_ptrs, numels, tile_first, out, redo, atol, rtol, n_p
             tile_partials(ref_ptrs, cand_ptrs, pid.to(tl.int64) * (BLOCK * TILE_BLOCKS), n_direct, row0 + pid,
                           out, redo, atol, rtol, WORK_T, BLOCK, TILE_BLOCKS, NPART, SUM_T, FULL, RANGE)
         else:
-            start, n, rp, cp = table_tile(pid, ref_ptrs, cand_ptrs, numels, tile_first, n_pairs, REF_T, CAND_T,
-                                          BLOCK, TILE_BLOCKS, SEARCH)
+            start, n, rp, cp = table_tile(pid, ref_ptrs, cand_ptrs, numels, tile_first, n_pairs, search, REF_T,
+                                          CAND_T, BLOCK, TILE_BLOCKS)
             tile_partials(rp, cp, start, n, pid, out, redo, atol, rtol, WORK_T, BLOCK, TILE_BLOCKS, NPART,
                           SUM_T, FULL, RANGE)
 

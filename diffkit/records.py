@@ -90,7 +90,7 @@ class Trace:
     """The ordered records of one forward, plus the model's inputs and, if it raised, the error."""
 
     records: list[Record] = field(default_factory=list)
-    inputs: list[torch.Tensor] = field(default_factory=list)
+    inputs: list[torch.Tensor] = field(default_factory=list)  # as they came (none kept where a sink owns the values)
     error: CaptureError | None = None
     stopped: str = ""  # why the forward was ended early on purpose (StopCapture), if it was
     # results folded into lineage instead of recorded (see the module docstring), by call site "file:line"

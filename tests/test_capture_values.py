@@ -120,3 +120,65 @@ def test_hooks_are_removed_even_when_keeping_values_fails(monkeypatch):
     assert after == before
     # what could not be kept is not compared, rather than compared against memory that may change
     assert trace.output is not None and trace.output.value is None
+
+
+class WritesItsInput(nn.Module):
+    """Doubles its input in place (as a kernel handed the input's pointer may), then adds one."""
+
+    def forward(self, x):
+        x.mul_(2.0)
+        return x + 1.0
+
+
+def test_an_input_is_copied_once_and_the_forward_s_tensors_are_let_go_when_the_capture_ends():
+    """The input record's value is the trace's copy of the input (one copy, not two) and holds the input as it
+    came, even where the forward wrote into it; once the capture has ended it keeps neither the forward's tensor
+    nor a copy of its own (a streaming store keeps its capture for the whole diff: a 2 GB input would stay on the
+    card three times over)."""
+    import gc
+    import weakref
+
+    model = WritesItsInput()
+    given = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    x = given.clone()
+    with torch.no_grad():
+        cap = C.capture(model, inputs=(x,))
+        with cap as trace:
+            model(x)
+    rec = next(r for r in trace.records if r.kind == "input")
+    assert trace.inputs[0] is rec.value and rec.value is not x
+    assert torch.equal(rec.value, given)  # as it came: the forward's write is not in it
+    assert list(trace.inputs_left) == [rec.name] and torch.equal(trace.inputs_left[rec.name], given * 2)
+    assert cap._given == []
+
+    plain = nn.Linear(3, 2)
+    y = given.clone()
+    with torch.no_grad():
+        cap = C.capture(plain, inputs=(y,))
+        with cap as trace:
+            plain(y)
+    gone = weakref.ref(y)
+    del y
+    gc.collect()
+    assert gone() is None, "the capture (kept by its caller) still holds the forward's input"
+    assert len(trace.inputs) == 1 and torch.equal(trace.inputs[0], given) and not trace.inputs_left
+
+
+def test_a_sink_that_owns_the_values_gets_the_input_and_the_trace_keeps_no_second_copy():
+    """Streaming: the store keeps the input record's value; the trace keeps no copy of its own, and the
+    capture none once it has ended; whether the forward wrote into its input is still found."""
+    from diffkit.tiers import Budget, TieredStore
+
+    store = TieredStore(Budget(1 << 30), Budget(0))
+    model = WritesItsInput()
+    given = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    x = given.clone()
+    with torch.no_grad():
+        cap = C.capture(model, inputs=(x,), sink=store)
+        store.bind_capture(cap)
+        with cap as trace:
+            model(x)
+    rec = next(r for r in trace.records if r.kind == "input")
+    assert trace.inputs == [] and cap._given == []
+    assert torch.equal(store.get(rec.index, None), given)
+    assert list(trace.inputs_left) == [rec.name]

@@ -116,6 +116,33 @@ def test_streaming_diff_on_gpu_same_answer(tmp_path):
     assert db["meta"]["peak_device_bytes"] <= 64 << 10 and da["verdict"] == "diverged"
 
 
+@pytest.mark.cuda
+def test_a_streaming_match_keeps_its_outputs_on_the_host_and_a_divergence_brings_them_to_the_device():
+    """A streaming diff's last step fetches the values the report and the checks read: on a match they stay on
+    the host (nothing is replayed; a large model's outputs are not held on the card twice over), on a
+    divergence they come to the device, where the diagnosis replays calls."""
+    import torch
+
+    import diffkit
+
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU()).cuda()
+    same = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU()).cuda()
+    same.load_state_dict(ref.state_dict())
+    off = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU()).cuda()
+    off.load_state_dict(ref.state_dict())
+    with torch.no_grad():
+        off[0].bias += 1.0
+    x = [torch.randn(8, 64, device="cuda")]
+    for cand, verdict, where in ((same, "match", "cpu"), (off, "diverged", "cuda")):
+        res = diffkit.compare(ref, cand, x, max_memory=1 << 20)
+        assert res.verdict == verdict and res.meta.get("mode") == "streaming", (res.verdict, res.meta.get("mode"))
+        out = next(s for s in res.stages if s.cand is not None and s.cand.is_output and s.ref is not None)
+        rv, cv = out.values.ref(out.ref.index), out.values.cand(out.cand.index)
+        assert rv is not None and cv is not None
+        assert rv.device.type == where and cv.device.type == where, (verdict, rv.device, cv.device)
+
+
 # ------------------------------------------------------------------ KernelBench's protocol on the GPU (issue 13)
 RACE = ("references/row_softmax_large.py", "kernels/row_softmax_cuda_race.py")
 
