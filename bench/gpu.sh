@@ -22,8 +22,9 @@
 #   sanitizer bench/gpu_run.py sanitizer: the raw compute-sanitizer logs of the memcheck and racecheck cases
 #   scale     bench/scale.py --preset h200 --dtype float32 --max-memory 40G: plain / stream / full / by-hand, each
 #             in its own process, with device peak and host RSS (NEEDS AN H200 for `full`). $OUT/scale_h200.json
-#   profile   where an isolated `diffkit diff` of the `mid` transformer spends its time: every Python process
-#             profiled through bench/prof_site (needs children that honour PYTHONPATH)
+#   profile   where an isolated `diffkit diff` of the `mid` transformer spends its time: every Python process and
+#             thread sampled through bench/prof_site (the forked child too); PROFILE_ARGS (default "--trials 1
+#             --no-report"), PROFILE_LINES. Files: $OUT/prof/<pid>.samples.txt
 #   equiv     bench/equivalence.py record --gpu over the CUDA/Triton candidates: $OUT/equiv_cuda.json; with
 #             BEFORE=FILE (a record of another tree, carried), compared with it
 #   ab        OLD=TREE: bench/ab_stream.py TREE . -- the streaming diff with another tree's diffkit and this one's,
@@ -131,20 +132,12 @@ part_scale() {
 part_profile() {
   local dir=$OUT/prof root=$PWD
   mkdir -p "$dir"
+  # every process of the diff sampled (all threads; the forked child too): bench/prof_site, DIFFKIT_SAMPLE_DIR
   (cd /tmp && env DIFFKIT_DEPTH=12 DIFFKIT_BATCH=4 DIFFKIT_SEQ=1024 DIFFKIT_DIM=1024 DIFFKIT_HEADS=16 \
-    PYTHONPATH="$root/bench/prof_site:$root" DIFFKIT_PROFILE_DIR="$dir" \
+    PYTHONPATH="$root/bench/prof_site:$root" DIFFKIT_SAMPLE_DIR="$dir" \
     timeout 300 python -m diffkit.cli diff "$root/references/deep_transformer.py" "$root/kernels/deep_transformer_fused.py" \
     ${PROFILE_ARGS:---trials 1 --no-report} --device cuda 2>&1 | tail -2)
-  python - "$dir" <<'PY'
-import glob, os, pstats, sys
-d = sys.argv[1]
-for txt in sorted(glob.glob(os.path.join(d, "*.txt"))):
-    lines = open(txt).read().splitlines()
-    start, end = float(lines[1].split()[1]), float(lines[2].split()[1])
-    print(f"== {lines[0][-90:]}  {end - start:.2f} s")
-    pstats.Stats(txt[:-4] + ".prof").sort_stats("cumulative").print_stats(14)
-PY
-  rm -rf "$dir"  # (each process's .prof: too many files to come back; the summaries above are printed)
+  for f in "$dir"/*.samples.txt; do echo "== $f"; head -"${PROFILE_LINES:-45}" "$f"; done
 }
 
 part_equiv() {
