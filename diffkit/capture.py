@@ -63,7 +63,7 @@ from . import naming
 from .capture_flow import _Dataflow
 from .capture_fold import _Folding
 from .capture_kernels import _ExtensionPatch, _TritonPatch, _install_extension_import_hook, register_extension
-from .capture_values import _Values
+from .capture_values import _Values, own_copy
 from .inputs import changed_inputs, input_name
 from .records import CaptureError, Record, Ref, StopCapture, Trace
 from .tensorargs import _func_name, _may_write, _storage_key, _tensors, _version
@@ -159,7 +159,10 @@ class _State(_Values, _Dataflow, _Folding):
     def add(self, *, name: str, kind: str, label: str, function: str, file: str, line: int, op: str,
             tensor: torch.Tensor, scope: str | None = None, is_output: bool = False,
             call: Any = None, inputs: tuple[Ref, ...] = (), rebound: bool = False,
-            aliases: list[str] | None = None, params: tuple[str, ...] = ()) -> Record | None:
+            aliases: list[str] | None = None, params: tuple[str, ...] = (),
+            value: torch.Tensor | None = None) -> Record | None:
+        """A new record of `tensor` (or another name for the record already holding it, unchanged).  `value`: a
+        copy of `tensor` to hand a sink that keeps the values instead of `tensor` itself (an input's, `own_copy`)."""
         if self.only is not None and not self.only(name):
             return None
         # the same tensor, unchanged since it was recorded: give the record another name instead
@@ -237,7 +240,7 @@ class _State(_Values, _Dataflow, _Folding):
             self.derived[rec.index] = tuple(params)  # made from parameters alone (W.t(), W * scale)
         if self.sink is not None:
             if owns:
-                self.sink.add(rec, tensor)
+                self.sink.add(rec, tensor if value is None else value)
             else:
                 self.sink.add(rec)
         return rec
@@ -632,16 +635,20 @@ class capture:
         self._given: list[tuple[str, torch.Tensor, torch.Tensor]] = []
         owns = getattr(sink, "owns_values", False)
         for i, (pos, t) in enumerate(_tensors(list(inputs))):
-            # the model's inputs open the trace, so a candidate's copy of an input pairs with it
+            # the model's inputs open the trace, so a candidate's copy of an input pairs with it; a sink that keeps
+            # the values gets the capture's copy, marked its own (a streaming store keeps it without another)
+            given = own_copy(t) if snapshot and owns else None
             rec = self.state.add(name=input_name(pos), kind="input", label=f"input{list(pos)}",
-                                 function="", file="", line=0, op="input", tensor=t, scope="")
+                                 function="", file="", line=0, op="input", tensor=t, scope="", value=given)
             if not snapshot:  # (metadata only: no copy, and no telling whether the forward changed it)
                 copy = t
+            elif given is not None:
+                copy = given
             elif rec is not None and rec.kind == "input" and rec.value is not None and rec.value is not t:
                 copy = rec.value  # the record's own copy, taken as it was recorded: no second one
             else:
                 copy = t.detach().clone()
-            if not owns:  # (a sink that owns the values keeps this one: the trace holds no second copy)
+            if not owns:  # (a sink that owns the values keeps it: the trace holds no second copy)
                 self.state.trace.inputs.append(copy)
             if snapshot:
                 self._given.append((input_name(pos), t, copy))

@@ -22,6 +22,23 @@ def _snapshot(t: torch.Tensor) -> torch.Tensor:
     return t.detach().clone()
 
 
+# the attribute marking a copy the capture made of an input: nothing else holds or writes it, so a sink that keeps
+# values (a streaming store) may keep that tensor as it is rather than copy it once more
+_OWN = "_diffkit_own_copy"
+
+
+def own_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of `t` marked as the capture's own (`is_own_copy`)."""
+    c = _snapshot(t)
+    setattr(c, _OWN, True)
+    return c
+
+
+def is_own_copy(t: torch.Tensor) -> bool:
+    """Whether `t` is a copy `own_copy` made (the tensor object itself: a view or `detach()` of it is not)."""
+    return getattr(t, _OWN, False) is True
+
+
 # records made by torch (an op, or a torch.nn module's output) are held without a copy until written;
 # kernel outputs, writes, taps and inputs are copied when recorded
 _LAZY_KINDS = ("op", "module")

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from .capture_values import is_own_copy
 from .records import Record
 
 __all__ = ["Budget", "TieredStore", "FileStore", "default_budget", "default_host_budget", "models_budget",
@@ -438,10 +439,13 @@ class TieredStore:
             self.lockstep.caps["ref"] = cap
 
     # -- values
-    def _device_value(self, t: torch.Tensor, rec: Record | None) -> "torch.Tensor | _Held":
-        """What the device tier keeps of `t`: the tensor itself, copied only before the running forward
-        writes into it (capture's copy-on-write), where the capture can promise that (an op's or a
-        module's result, `rec`, while the capture `bind_capture` gave runs); else a copy now."""
+    def _device_value(self, t: torch.Tensor, rec: Record | None, own: bool = False) -> "torch.Tensor | _Held":
+        """What the device tier keeps of `t`: the tensor itself where it is a copy nobody else writes (`own`: an
+        input as the capture copied it), or copied only before the running forward writes into it (capture's
+        copy-on-write) where the capture can promise that (an op's or a module's result, `rec`, while the
+        capture `bind_capture` gave runs); else a copy now."""
+        if own:
+            return t
         cap = self.capture
         if rec is not None and rec.kind in ("op", "module") and cap is not None and cap.active:
             held = _Held(rec.name)
@@ -453,13 +457,14 @@ class TieredStore:
         """Keep `tensor` under `key` in the first tier with room (`rec`: the record it is the value of,
         as it was just made by the capture bound to this store)."""
         self.drop(key)
+        own = is_own_copy(tensor)
         t = tensor.detach()
         n = _nbytes(t)
         b = self.device_budget
         if self.lockstep is not None and b.used + n > b.limit and n <= b.limit:
             self.lockstep.wait_for_room(n)
         if b.take(n):
-            self.slots[key] = _Slot("device", self._device_value(t, rec), n)
+            self.slots[key] = _Slot("device", self._device_value(t, rec, own), n)
         elif t.is_cuda and self.host_budget.take(n):
             if self._stager is None:
                 self._stager = _Stager()

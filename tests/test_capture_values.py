@@ -164,11 +164,19 @@ def test_an_input_is_copied_once_and_the_forward_s_tensors_are_let_go_when_the_c
     assert len(trace.inputs) == 1 and torch.equal(trace.inputs[0], given) and not trace.inputs_left
 
 
-def test_a_sink_that_owns_the_values_gets_the_input_and_the_trace_keeps_no_second_copy():
-    """Streaming: the store keeps the input record's value; the trace keeps no copy of its own, and the
-    capture none once it has ended; whether the forward wrote into its input is still found."""
+def test_a_sink_that_owns_the_values_gets_the_input_and_the_trace_keeps_no_second_copy(monkeypatch):
+    """Streaming: the store keeps the capture's own copy of the input as the input record's value (not a copy of
+    it); the trace keeps no copy, and the capture none once it has ended; whether the forward wrote into its
+    input is still found."""
     from diffkit.tiers import Budget, TieredStore
 
+    made = []
+
+    def spy(t):
+        made.append(V.own_copy(t))
+        return made[-1]
+
+    monkeypatch.setattr(C, "own_copy", spy)
     store = TieredStore(Budget(1 << 30), Budget(0))
     model = WritesItsInput()
     given = torch.arange(6, dtype=torch.float32).reshape(2, 3)
@@ -180,5 +188,7 @@ def test_a_sink_that_owns_the_values_gets_the_input_and_the_trace_keeps_no_secon
             model(x)
     rec = next(r for r in trace.records if r.kind == "input")
     assert trace.inputs == [] and cap._given == []
-    assert torch.equal(store.get(rec.index, None), given)
+    kept = store.get(rec.index, None)
+    assert torch.equal(kept, given) and len(made) == 1 and V.is_own_copy(made[0])
+    assert kept.data_ptr() == made[0].data_ptr() != x.data_ptr()  # the capture's copy itself, not one more
     assert list(trace.inputs_left) == [rec.name]
