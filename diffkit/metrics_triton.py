@@ -165,8 +165,10 @@ def table_tile(pid, ref_ptrs, cand_ptrs, numels, tile_first, n_pairs, search, RE
     return start, tl.load(numels + lo), rp, cp
 
 
-# (the integers not specialised on: Triton would compile a program apart for a value of 1 or a multiple of 16)
-@triton.jit(do_not_specialize=["n_pairs", "n_direct", "row0", "search"])
+# (integers not specialised on, where Triton would compile a program apart for a value of 1 or a multiple of 16:
+# the table's size and the search's steps.  `n_direct`, a large pair's length, is: a multiple of 16 lets the tail
+# mask allow four-wide loads)
+@triton.jit(do_not_specialize=["n_pairs", "row0", "search"])
 def partials(ref_ptrs, cand_ptrs, numels, tile_first, out, redo, atol, rtol, n_pairs, n_direct, row0, search,
              REF_T: tl.constexpr, CAND_T: tl.constexpr, WORK_T: tl.constexpr, BLOCK: tl.constexpr,
              TILE_BLOCKS: tl.constexpr, NPART: tl.constexpr, DIRECT: tl.constexpr,

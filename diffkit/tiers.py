@@ -494,7 +494,11 @@ class TieredStore:
                 return None  # written in place where its capture could not see (capture warns)
         if s.stride is not None:
             v = torch.empty_strided(v.shape, s.stride, dtype=v.dtype, device=v.device).copy_(v)
-        return v.to(device, non_blocking=True) if device is not None and v.device != torch.device(device) else v
+        if device is None or v.device == torch.device(device):
+            return v
+        # to a device without waiting (stream-ordered); to the host a plain copy, done when it returns (a
+        # non-blocking one would land in pinned memory, slow to allocate at GB sizes, and be read before it arrived)
+        return v.to(device, non_blocking=torch.device(device).type != "cpu")
 
     def __contains__(self, key: int) -> bool:
         return key in self.slots

@@ -395,15 +395,17 @@ def _stream_fetch(st: _Stream, reference: Source, options: Options, alignment: A
             meta["lockstep"]["recovered"] += _recapture(reference, options, st.sides, ref_store, ref_trace, wanted,
                                                         st.keep_filter, comparer)
         # with a divergence the values come to the device, where the diagnosis replays calls on them; on a match
-        # nothing is replayed: the outputs stay on the host (read there by the report and the second-run and health
-        # checks), so a large model's diff does not hold its outputs on the card twice over
+        # nothing is replayed: the outputs alone, on the host (read there by the report and the second-run check),
+        # so a large model's diff does not hold its outputs on the card twice over
         to = dev if fd is not None else "cpu"
         for s in show:
             crec = cand_trace.records[s.cand.index]
             if crec.value is None and s.cand.index in keep:
                 crec.value = keep.get(s.cand.index, to)
             # the stage's reference value, its reference inputs (diagnosis) and the candidate inputs' partners (replays)
-            for ri in [s.ref.index, *s.ref.inputs] + [by_cand[x].ref for x in s.cand.inputs if x in by_cand]:
+            wanted = [s.ref.index] if fd is None else \
+                [s.ref.index, *s.ref.inputs] + [by_cand[x].ref for x in s.cand.inputs if x in by_cand]
+            for ri in wanted:
                 if ref_trace.records[ri].value is None:
                     ref_trace.records[ri].value = ref_store.get(ri, to)
     return fetch
