@@ -115,7 +115,7 @@ part_wall() {
     2>&1 | grep -v Warning
 }
 
-part_memory() {
+part_memory() {  # (each run builds the candidate's extension first: a warm-up baseline)
   timeout 280 python bench/gpu_wall.py --models l2_19 --side-by-side 3 2>&1 | grep -v Warning
   timeout 280 python bench/gpu_wall.py --models l2_19 --device-memory 24G 2>&1 | grep -v Warning
 }
