@@ -5,7 +5,9 @@ what was allocated at the peak, by the Python frame that allocated it.
 
 Prints torch's peak allocated and reserved bytes, the moment of the peak (the events before it), and the blocks
 alive at the peak grouped by their allocating frame (the innermost frame in diffkit/, the models' files or
-bench/, else the innermost Python frame), largest first.  Pass --no-isolate (the diff must run in this process)."""
+bench/, else the innermost Python frame), largest first; and every out-of-memory with where it was asked for.  The
+diff runs in this process (--no-isolate is added).  Recording the history slows the diff: the uncapped problem-19
+diff (30 s alone on an H100) did not finish in 75 s; give it two minutes or more."""
 import atexit
 import collections
 import os
