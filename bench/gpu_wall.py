@@ -123,9 +123,7 @@ def gb(n: int) -> str:
 
 def compare_with_baseline(model: str, repeat: int, modes=("diff", "diff_trials1", "diff_fresh", "diff_per_side")
                           ) -> dict:
-    warm = baseline(model)  # builds the candidate's extension into ninja's cache
-    print(f"[{model}] warm-up baseline: rc {warm['rc']}, {warm['wall']:.2f} s "
-          f"{warm['stderr'].strip().splitlines()[-1:] if warm['rc'] not in (0, 1) else ''}", flush=True)
+    _warm(model)
     runs = {"diff": lambda: diffkit(model), "diff_trials1": lambda: diffkit(model, "--trials", "1"),
             # the child a fresh interpreter (torch imported again in it), not forked from the parent
             "diff_fresh": lambda: diffkit(model, env={"DIFFKIT_FORK_GPU": "0"}),
@@ -159,7 +157,8 @@ def compare_with_baseline(model: str, repeat: int, modes=("diff", "diff_trials1"
 def _warm(model: str) -> None:
     """The candidate's extension built into ninja's cache before any diff is timed (a fresh machine builds it once)."""
     w = baseline(model)
-    print(f"[{model}] warm-up baseline (builds the candidate's extension): rc {w['rc']}, {w['wall']:.1f} s", flush=True)
+    print(f"[{model}] warm-up baseline (builds the candidate's extension): rc {w['rc']}, {w['wall']:.2f} s "
+          f"{w['stderr'].strip().splitlines()[-1:] if w['rc'] not in (0, 1) else ''}", flush=True)
 
 
 def side_by_side(model: str, n: int, extra: list[str]) -> dict:

@@ -644,8 +644,8 @@ class capture:
                 copy = t
             elif given is not None:
                 copy = given
-            elif rec is not None and rec.kind == "input" and rec.value is not None and rec.value is not t:
-                copy = rec.value  # the record's own copy, taken as it was recorded: no second one
+            elif rec is not None and rec.value is not None:
+                copy = rec.value  # the input record's own copy, taken as it was recorded: no second one
             else:
                 copy = t.detach().clone()
             if not owns:  # (a sink that owns the values keeps it: the trace holds no second copy)

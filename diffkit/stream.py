@@ -40,7 +40,8 @@ from .align import NAME_MATCH_REL_ERR, RESHAPE, Dataflow, Layout, _stage_params,
     same_layout, to_ref_layout
 from .measure import PendingStats, Stats, Worst, apply_stat, measure_async, tolerances
 from .records import Record, StopCapture, Trace
-from .tiers import Budget, FileStore, TieredStore, _nbytes, default_budget, default_host_budget, models_budget, parse_size
+from .tiers import (Budget, FileStore, TieredStore, _nbytes, default_budget, default_host_budget, models_budget,
+                    parse_size)
 
 # A lockstep candidate that has gone this many records without freeing room for the parked reference
 # evicts values align or the report will ask for too (recovered afterwards by one re-run), rather than
@@ -49,8 +50,8 @@ STALL_RECORDS = 32
 
 # (Budget, FileStore, TieredStore, default_budget, default_host_budget, models_budget, parse_size: defined in
 # diffkit.tiers)
-__all__ = ["Budget", "FileStore", "Lockstep", "Pick", "TieredStore", "StreamComparer", "default_budget", "models_budget",
-           "default_host_budget", "name_filter", "parse_size"]
+__all__ = ["Budget", "FileStore", "Lockstep", "Pick", "TieredStore", "StreamComparer", "default_budget",
+           "models_budget", "default_host_budget", "name_filter", "parse_size"]
 
 
 def name_filter(patterns: str | None) -> Callable[[str], bool] | None:
