@@ -138,6 +138,8 @@ part_profile() {
     timeout 300 python -m diffkit.cli diff "$root/references/deep_transformer.py" "$root/kernels/deep_transformer_fused.py" \
     ${PROFILE_ARGS:---trials 1 --no-report} --device cuda 2>&1 | tail -2)
   for f in "$dir"/*.samples.txt; do echo "== $f"; head -"${PROFILE_LINES:-45}" "$f"; done
+  echo "== every process's main thread on one clock (s from the first start; pid, seconds, what)"
+  python bench/prof_site/timeline.py "$dir"
 }
 
 part_equiv() {

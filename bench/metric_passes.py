@@ -3,6 +3,11 @@ varied: DIRECT_MIN (pairs at least this large get a launch of their own, tensors
 pair: every pair read through the address table, one launch a batch) and BATCH_PAIRS.
 
     python bench/metric_passes.py --model gpu_mid --direct-min 1048576,268435456 --repeat 5
+    python bench/metric_passes.py --model gpu_mid --profile    # where one diff's metric passes spend their time
+
+`--profile`: one diff's `measure_many` calls under torch's profiler: host time until the last launch returned,
+until the results were on the host, the device's time in each kernel (and copies), the pairs by size and how many
+needed a contiguous copy first.
 """
 import argparse
 import json
@@ -23,6 +28,7 @@ def main():
     ap.add_argument("--direct-min", default="", help="comma-separated; default: the module's own")
     ap.add_argument("--batch-pairs", default="")
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--profile", action="store_true", help="one diff's metric passes under torch's profiler")
     a = ap.parse_args()
     for k, v in MODELS[a.model]["env"].items():
         os.environ[k] = str(v)
@@ -36,6 +42,9 @@ def main():
     ref, cand, ri, ci = pair.ref, pair.cand, pair.ref_inputs, pair.cand_inputs
     kw = dict(health=False, rerun=False)
     diffkit.compare(ref, cand, ri, cand_inputs=ci, **kw)  # compile, first touch
+    if a.profile:
+        _profile(diffkit, ref, cand, ri, ci, kw)
+        return
     rows = []
     for dm in [int(x) for x in a.direct_min.split(",")] if a.direct_min else [metrics_kernel.DIRECT_MIN]:
         for bp in [int(x) for x in a.batch_pairs.split(",")] if a.batch_pairs else [measure.BATCH_PAIRS]:
@@ -52,6 +61,67 @@ def main():
                       f" = {100 * bw / row['copy_bandwidth']:.0f}% of copy" if row["copy_bandwidth"] else ""), flush=True)
     print("RESULT " + json.dumps(rows))
     del torch
+
+
+def _profile(diffkit, ref, cand, ri, ci, kw) -> None:
+    import collections
+    import time
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from diffkit import align_state, locate
+
+    calls = []
+    originals = {mod: mod.measure_many for mod in (align_state, locate)}
+
+    def timed(orig):
+        def measure_many(items):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            sizes = collections.Counter()
+            copies = 0
+            for r, c, _, _ in items:
+                sizes[1 << max(0, (r.numel() - 1).bit_length())] += 1
+                copies += (not r.is_contiguous()) + (not c.is_contiguous())
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                t0 = time.perf_counter()
+                pending = orig(items)
+                t1 = time.perf_counter()
+                for p in pending:
+                    p.result()
+                t2 = time.perf_counter()
+            dev = collections.defaultdict(lambda: [0, 0.0])
+            for e in prof.events():
+                took = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+                if e.device_type == torch.autograd.DeviceType.CUDA and took:
+                    dev[e.name[:60]][0] += 1
+                    dev[e.name[:60]][1] += took / 1e6
+            nbytes = sum(r.numel() * r.element_size() + c.numel() * c.element_size() for r, c, _, _ in items)
+            calls.append(dict(pairs=len(items), bytes=nbytes, launched=t1 - t0, done=t2 - t0, copies=copies,
+                              sizes=dict(sorted(sizes.items())), device=dict(dev)))
+            return pending
+        return measure_many
+
+    try:
+        for mod, orig in originals.items():
+            mod.measure_many = timed(orig)
+        diffkit.compare(ref, cand, ri, cand_inputs=ci, **kw)  # (kernels compiled: the caller ran one diff before)
+    finally:
+        for mod, orig in originals.items():
+            mod.measure_many = orig
+    for c in calls:
+        if not c["pairs"]:
+            continue
+        print(f"measure_many: {c['pairs']} pairs, {c['bytes'] / 1e9:.2f} GB ({c['copies']} sides not contiguous); "
+              f"launches returned after {c['launched'] * 1e3:.2f} ms, results on the host after {c['done'] * 1e3:.2f} ms "
+              f"= {c['bytes'] / c['done'] / 1e9:.0f} GB/s")
+        print("  pairs by elements (up to): " + ", ".join(f"{k}: {v}" for k, v in c["sizes"].items()))
+        busy = sum(t for _, t in c["device"].values())
+        print(f"  device busy {busy * 1e3:.2f} ms" + (f" = {c['bytes'] / busy / 1e9:.0f} GB/s while busy" if busy else ""))
+        for name, (n, t) in sorted(c["device"].items(), key=lambda kv: -kv[1][1])[:8]:
+            print(f"    {t * 1e3:8.3f} ms  {n:4d}x  {name}")
+    print("RESULT " + json.dumps(calls))
 
 
 if __name__ == "__main__":

@@ -11,9 +11,9 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from . import handoff
+from . import handoff, metrics_kernel
 from .capture import Trace
-from .device_memory import cap_process
+from .device_memory import cap_process, cuda_device
 from .errors import DiffkitError
 from .harden import harden, harden_models
 from .health import may_be_random, reference_health, reinit_zero_parameters
@@ -205,6 +205,9 @@ def diff_files(ref_path: str, cand_path: str, *, options: Options | None = None,
     on the capture's trials (inputs and outputs)."""
     opts = options or Options.build(atol=atol, rtol=rtol, **settings)
     cap_process(opts.device or "cuda", opts.device_memory)
+    card = cuda_device(opts.device)  # (--device cuda; with no --device the models run where their files put them)
+    if card is not None:  # the metric kernel's programs compiled or loaded while the models are built
+        metrics_kernel.warm_up(card)
     ref_cap, cand_cap = is_capture(ref_path), is_capture(cand_path)
     if cand_cap and not ref_cap:  # the reference file captured as `diffkit capture` would, then two captures diffed
         ref_dkt = os.path.join(_scratch(), "ref.dkt")

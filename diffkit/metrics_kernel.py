@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 
 import torch
 
@@ -97,6 +98,7 @@ def packed_batch(pairs: list[tuple[torch.Tensor, torch.Tensor]], atol: float, rt
     """The packed metric vectors ([len(pairs), len(Packed)], float64, on the device) of pairs that
     share one device, one dtype combination and one tolerance; each pair is two equal-length flat
     tensors of at least one element (made contiguous here when they are not)."""
+    _wait_for_warm_up()
     partials, combine = _kernels()
     dev = pairs[0][0].device
     P = len(pairs)
@@ -131,13 +133,17 @@ def packed_batch(pairs: list[tuple[torch.Tensor, torch.Tensor]], atol: float, rt
                                                  P, numels[k], first[k], 0, DIRECT=True, REDO=False, **const)
     # the address table goes over in one small copy (pinned and asynchronous on a GPU)
     # (one flat list, one tensor: every torch call here costs host time per batch, a batch per pair when streaming)
-    host = torch.tensor([r.data_ptr() for r in refs] + [c.data_ptr() for c in cands] + numels + order + first,
-                        dtype=torch.int64)
+    # Each of its parts starts 16 bytes in (an even number of int64s before it): Triton compiles a program per
+    # alignment of its pointer arguments, and an odd number of pairs would otherwise give another one
+    Q = P + P % 2
+    pad = [0] * (Q - P)
+    host = torch.tensor([r.data_ptr() for r in refs] + pad + [c.data_ptr() for c in cands] + pad + numels + pad
+                        + order + pad + first, dtype=torch.int64)
     if dev.type == "cuda":
         host = host.pin_memory()
     sent = host.to(dev, non_blocking=True)
-    ref_ptrs, cand_ptrs, ns, dest, tile_first = (sent[:P], sent[P:2 * P], sent[2 * P:3 * P], sent[3 * P:4 * P],
-                                                 sent[4 * P:])
+    ref_ptrs, cand_ptrs, ns, dest, tile_first = (sent[:P], sent[Q:Q + P], sent[2 * Q:2 * Q + P],
+                                                 sent[3 * Q:3 * Q + P], sent[4 * Q:])
     if _interpreted():  # the interpreter reads addresses as host pointers into these tensors' storage
         ref_ptrs = torch.tensor([r.data_ptr() for r in refs], dtype=torch.int64)
         cand_ptrs = torch.tensor([c.data_ptr() for c in cands], dtype=torch.int64)
@@ -159,6 +165,37 @@ def packed_batch(pairs: list[tuple[torch.Tensor, torch.Tensor]], atol: float, rt
 def _no_table(dev: torch.device) -> torch.Tensor:
     """A stand-in for the table arguments of a launch that reads none (one int64 per device, kept)."""
     return torch.zeros(1, dtype=torch.int64, device=dev)
+
+
+# the thread compiling (or loading from Triton's cache) the float32 programs while the diff loads its models
+_warming: threading.Thread | None = None
+
+
+def warm_up(device: torch.device) -> None:
+    """Compile the programs a float32 diff launches -- or load them from Triton's cache, which takes a few hundred
+    ms of Triton's own Python even when warm -- on a thread of their own, while the diff builds its models: a batch
+    of one float32 pair of one element on `device`.  The first `packed_batch` waits for it.  A failure here is
+    left for that launch to meet and report."""
+    global _warming
+    if _warming is not None or not available():
+        return
+
+    def run():
+        try:
+            with torch.cuda.device(device):
+                one = torch.zeros(1, device=device)
+                packed_batch([(one, one)], 0.0, 0.0).cpu()
+        except Exception:  # (the diff's own first launch meets the same problem and says what it is)
+            pass
+
+    _warming = threading.Thread(target=run, name="diffkit-metric-warm-up", daemon=True)
+    _warming.start()
+
+
+def _wait_for_warm_up() -> None:
+    t = _warming
+    if t is not None and t is not threading.current_thread():
+        t.join()
 
 
 def packed(r: torch.Tensor, c: torch.Tensor, atol: float, rtol: float) -> torch.Tensor:

@@ -151,6 +151,35 @@ def test_triton_batch_measures_many_small_pairs_in_one_launch():
         assert st.max_abs == pytest.approx(want.max_abs, rel=1e-6)
 
 
+@pytest.mark.cuda
+def test_the_warm_up_compiles_what_float32_batches_of_any_size_launch():
+    """`warm_up` (a diff with --device cuda starts it) compiles the float32 programs; batches of one, two, three
+    and five pairs then compile none more (an odd number of pairs used to leave the address table's parts at
+    8-byte offsets: another program for Triton), and each pair gets its own answer."""
+    from diffkit import metrics_kernel
+
+    if not metrics_kernel.available():
+        pytest.skip("no Triton")
+    partials, combine = metrics_kernel._kernels()
+    if not hasattr(partials, "device_caches"):
+        pytest.skip("this Triton keeps its compiled programs elsewhere")
+
+    def programs() -> int:
+        return sum(len(cache[0]) for fn in (partials, combine) for cache in fn.device_caches.values())
+
+    metrics_kernel.warm_up(torch.device("cuda", torch.cuda.current_device()))
+    metrics_kernel._wait_for_warm_up()
+    warmed = programs()
+    assert warmed >= 3  # the table's pass, its second pass over marked tiles, the combining pass
+    for count in (1, 2, 3, 5):
+        pairs = [tuple(t.cuda() for t in _pair("bad", 50 + 17 * i, torch.float32, torch.float32, seed=i))
+                 for i in range(count)]
+        for (r, c), got in zip(pairs, M.measure_many([(r, c, 1e-4, 1e-3) for r, c in pairs])):
+            want, _ = _exact(r, c, 1e-4, 1e-3)
+            assert got.result().mismatches == want.mismatches and got.result().worst.index == want.worst.index
+        assert programs() == warmed, count
+
+
 def test_host_path_outside_float32_squares_range_matches_the_exact_path(host_engine):
     """Squares that overflow (or underflow) float32 send that chunk down the exact float64 path."""
     for r, c in ((torch.tensor([1.0, 2.0]), torch.tensor([-1e25, 2.0])),
