@@ -205,9 +205,6 @@ def diff_files(ref_path: str, cand_path: str, *, options: Options | None = None,
     on the capture's trials (inputs and outputs)."""
     opts = options or Options.build(atol=atol, rtol=rtol, **settings)
     cap_process(opts.device or "cuda", opts.device_memory)
-    card = cuda_device(opts.device)  # (--device cuda; with no --device the models run where their files put them)
-    if card is not None:  # the metric kernel's programs compiled or loaded while the models are built
-        metrics_kernel.warm_up(card)
     ref_cap, cand_cap = is_capture(ref_path), is_capture(cand_path)
     if cand_cap and not ref_cap:  # the reference file captured as `diffkit capture` would, then two captures diffed
         ref_dkt = os.path.join(_scratch(), "ref.dkt")
@@ -217,6 +214,9 @@ def diff_files(ref_path: str, cand_path: str, *, options: Options | None = None,
         result.warnings.append(f"the reference file was captured for this diff (its trials run here, as "
                                f"`diffkit capture {ref_path} -o DIR` would), then the two captures compared")
         return result
+    card = cuda_device(opts.device)  # (--device cuda; with no --device the models run where their files put them)
+    if card is not None:  # the metric kernel's programs compiled or loaded while the files load (run_trials waits)
+        metrics_kernel.warm_up(card)
     reinit: list[str] = []
     modules = None  # (the two files as run here: --harden reuses them)
     if ref_cap:

@@ -98,7 +98,7 @@ def packed_batch(pairs: list[tuple[torch.Tensor, torch.Tensor]], atol: float, rt
     """The packed metric vectors ([len(pairs), len(Packed)], float64, on the device) of pairs that
     share one device, one dtype combination and one tolerance; each pair is two equal-length flat
     tensors of at least one element (made contiguous here when they are not)."""
-    _wait_for_warm_up()
+    wait_for_warm_up()
     partials, combine = _kernels()
     dev = pairs[0][0].device
     P = len(pairs)
@@ -129,8 +129,8 @@ def packed_batch(pairs: list[tuple[torch.Tensor, torch.Tensor]], atol: float, rt
     if small < P:
         none = _no_table(dev)
         for k in range(small, P):
-            partials[(first[k + 1] - first[k],)](refs[k], cands[k], none, none, out, redo, float(atol), float(rtol),
-                                                 P, numels[k], first[k], 0, DIRECT=True, REDO=False, **const)
+            _launch(partials, first[k + 1] - first[k], refs[k], cands[k], none, none, out, redo, float(atol),
+                    float(rtol), P, numels[k], first[k], 0, DIRECT=True, REDO=False, **const)
     # the address table goes over in one small copy (pinned and asynchronous on a GPU)
     # (one flat list, one tensor: every torch call here costs host time per batch, a batch per pair when streaming)
     # Each of its parts starts 16 bytes in (an even number of int64s before it): Triton compiles a program per
@@ -149,16 +149,23 @@ def packed_batch(pairs: list[tuple[torch.Tensor, torch.Tensor]], atol: float, rt
         cand_ptrs = torch.tensor([c.data_ptr() for c in cands], dtype=torch.int64)
     search = max(1, (P - 1).bit_length())
     if small:
-        partials[(first[small],)](ref_ptrs, cand_ptrs, ns, tile_first, out, redo, float(atol), float(rtol), small, 0,
-                                  0, max(1, (small - 1).bit_length()), DIRECT=False, REDO=False, **const)
+        _launch(partials, first[small], ref_ptrs, cand_ptrs, ns, tile_first, out, redo, float(atol), float(rtol),
+                small, 0, 0, max(1, (small - 1).bit_length()), DIRECT=False, REDO=False, **const)
     if not full:
-        partials[(first[-1],)](ref_ptrs, cand_ptrs, ns, tile_first, out, redo, float(atol), float(rtol), P, 0, 0,
-                               search, DIRECT=False, REDO=True, **const)
+        _launch(partials, first[-1], ref_ptrs, cand_ptrs, ns, tile_first, out, redo, float(atol), float(rtol), P, 0,
+                0, search, DIRECT=False, REDO=True, **const)
     packed = torch.empty((P, _NPACKED), dtype=torch.float64, device=dev)
-    combine[(P,)](out, ref_ptrs, cand_ptrs, ns, tile_first, dest, packed, REF_T=rt, CAND_T=ct, NPART=_NPART,
-                  NPACKED=_NPACKED, ROWS=COMBINE_ROWS)
+    _launch(combine, P, out, ref_ptrs, cand_ptrs, ns, tile_first, dest, packed, REF_T=rt, CAND_T=ct, NPART=_NPART,
+            NPACKED=_NPACKED, ROWS=COMBINE_ROWS)
     # (temporaries freed here are reused only by later work on this stream: no wait is needed)
     return packed
+
+
+def _launch(program, programs: int, *args, **kwargs) -> None:
+    """`program[(programs,)](*args, **kwargs)`, through `run`, not ``[grid]``: a capture records the Triton launches
+    of a model by wrapping ``[grid]`` (`capture_kernels._TritonPatch`), and diffkit's own launches -- from a thread
+    beside the model's forward too -- are never the model's."""
+    program.run(*args, grid=(programs,), warmup=False, **kwargs)
 
 
 @functools.cache
@@ -173,9 +180,10 @@ _warming: threading.Thread | None = None
 
 def warm_up(device: torch.device) -> None:
     """Compile the programs a float32 diff launches -- or load them from Triton's cache, which takes a few hundred
-    ms of Triton's own Python even when warm -- on a thread of their own, while the diff builds its models: a batch
-    of one float32 pair of one element on `device`.  The first `packed_batch` waits for it.  A failure here is
-    left for that launch to meet and report."""
+    ms of Triton's own Python even when warm -- on a thread of their own, while the diff loads its files and builds
+    its models: a batch of one float32 pair of one element on `device`.  No model may run beside it (its own Triton
+    kernels compiled at the same time): `wait_for_warm_up` before the first forward; the first `packed_batch` waits
+    for it too.  A failure here is left for that launch to meet and report."""
     global _warming
     if _warming is not None or not available():
         return
@@ -188,11 +196,14 @@ def warm_up(device: torch.device) -> None:
         except Exception:  # (the diff's own first launch meets the same problem and says what it is)
             pass
 
-    _warming = threading.Thread(target=run, name="diffkit-metric-warm-up", daemon=True)
+    # (not a daemon: a diff that ends early -- a file that did not load -- waits for it rather than tearing CUDA
+    # down under it)
+    _warming = threading.Thread(target=run, name="diffkit-metric-warm-up")
     _warming.start()
 
 
-def _wait_for_warm_up() -> None:
+def wait_for_warm_up() -> None:
+    """Return once `warm_up`'s thread (if one was started) has finished."""
     t = _warming
     if t is not None and t is not threading.current_thread():
         t.join()

@@ -210,11 +210,13 @@ def _diff_env(ref, cand, out_json, env_extra=None, *extra):
 @pytest.mark.cuda
 def test_values_handed_over_on_the_gpu_give_the_answer_of_one_process(tmp_path):
     """The isolated diff's reference process hands its device values over as CUDA IPC handles: the same stages
-    and numbers as one process, and as the hand-over through files."""
+    and numbers as one process, and as the hand-over through files.  (A child per side, as a diff runs when its
+    one child for both sides did not run clean: DIFFKIT_TWO_PROCESSES=1 goes there at once.)"""
     pair = ("references/axial_attention.py", "kernels/axial_attention_cuda_tail.py")
-    _, ipc = _diff_env(*pair, tmp_path / "ipc.json")
+    per_side = {"DIFFKIT_TWO_PROCESSES": "1"}
+    _, ipc = _diff_env(*pair, tmp_path / "ipc.json", per_side)
     _, one = _diff_env(*pair, tmp_path / "one.json", None, "--no-isolate")
-    _, files = _diff_env(*pair, tmp_path / "files.json", {"DIFFKIT_NO_HANDOVER": "1"})
+    _, files = _diff_env(*pair, tmp_path / "files.json", {**per_side, "DIFFKIT_NO_HANDOVER": "1"})
     assert ipc["meta"].get("reference_values") == "handed over on the device"
     assert "reference_values" not in files["meta"] and "reference_values" not in one["meta"]
     key = lambda d: [(s["ref_name"], s["cand_name"], s["status"], s["max_abs"]) for s in d["stages"]]

@@ -168,7 +168,7 @@ def test_the_warm_up_compiles_what_float32_batches_of_any_size_launch():
         return sum(len(cache[0]) for fn in (partials, combine) for cache in fn.device_caches.values())
 
     metrics_kernel.warm_up(torch.device("cuda", torch.cuda.current_device()))
-    metrics_kernel._wait_for_warm_up()
+    metrics_kernel.wait_for_warm_up()
     warmed = programs()
     assert warmed >= 3  # the table's pass, its second pass over marked tiles, the combining pass
     for count in (1, 2, 3, 5):
