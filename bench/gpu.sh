@@ -23,8 +23,9 @@
 #   scale     bench/scale.py --preset h200 --dtype float32 --max-memory 40G: plain / stream / full / by-hand, each
 #             in its own process, with device peak and host RSS (NEEDS AN H200 for `full`). $OUT/scale_h200.json
 #   profile   where an isolated `diffkit diff` of the `mid` transformer spends its time: every Python process and
-#             thread sampled through bench/prof_site (the forked child too); PROFILE_ARGS (default "--trials 1
-#             --no-report"), PROFILE_LINES. Files: $OUT/prof/<pid>.samples.txt
+#             thread sampled through bench/prof_site (the forked child too), then every process's main thread on one
+#             clock (bench/prof_site/timeline.py); PROFILE_ARGS (default "--trials 1 --no-report"), PROFILE_LINES,
+#             DIFFKIT_SAMPLE_WRITE_S (how often a process writes its samples). Files: $OUT/prof/<pid>.samples.txt
 #   equiv     bench/equivalence.py record --gpu over the CUDA/Triton candidates: $OUT/equiv_cuda.json; with
 #             BEFORE=FILE (a record of another tree, carried), compared with it
 #   ab        OLD=TREE: bench/ab_stream.py TREE . -- the streaming diff with another tree's diffkit and this one's,
@@ -42,7 +43,7 @@ set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp}
 mkdir -p "$OUT"
-[ $# -gt 0 ] || { sed -n 2,39p "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n "2,/^set -u/p" "$0" | sed "\$d"; exit 2; }
 parts=("$@")
 [ "${parts[*]}" = all ] && parts=(tests speed stream mid metrics host axial)
 for p in "${parts[@]}"; do

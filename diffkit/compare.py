@@ -11,9 +11,9 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from . import handoff, metrics_kernel
+from . import handoff
 from .capture import Trace
-from .device_memory import cap_process, cuda_device
+from .device_memory import cap_process
 from .errors import DiffkitError
 from .harden import harden, harden_models
 from .health import may_be_random, reference_health, reinit_zero_parameters
@@ -214,9 +214,6 @@ def diff_files(ref_path: str, cand_path: str, *, options: Options | None = None,
         result.warnings.append(f"the reference file was captured for this diff (its trials run here, as "
                                f"`diffkit capture {ref_path} -o DIR` would), then the two captures compared")
         return result
-    card = cuda_device(opts.device)  # (--device cuda; with no --device the models run where their files put them)
-    if card is not None:  # the metric kernel's programs compiled or loaded while the files load (run_trials waits)
-        metrics_kernel.warm_up(card)
     reinit: list[str] = []
     modules = None  # (the two files as run here: --harden reuses them)
     if ref_cap:

@@ -68,8 +68,7 @@ class OutOfDeviceMemory(Exception):
         super().__init__(where)
 
 
-def cuda_device(device: str | torch.device | None) -> torch.device | None:
-    """`device` as a CUDA device with its index, when it names one and CUDA is there; else None."""
+def _cuda(device: str | torch.device | None) -> torch.device | None:
     try:
         dev = torch.device(device) if device is not None else None
     except (RuntimeError, TypeError):
@@ -82,7 +81,7 @@ def cuda_device(device: str | torch.device | None) -> torch.device | None:
 def cap_process(device: str | torch.device | None, cap: int | None) -> None:
     """Let this process's allocator take at most `cap` bytes of `device` (torch's per-process memory fraction):
     the diff then runs as it would on a card of that size.  Nothing on a CPU."""
-    dev = cuda_device(device)
+    dev = _cuda(device)
     if dev is None or not cap:
         return
     total = torch.cuda.get_device_properties(dev).total_memory
@@ -102,7 +101,7 @@ class DeviceRoom:
 
     @classmethod
     def now(cls, device: str | torch.device | None, cap: int | None = None) -> "DeviceRoom | None":
-        dev = cuda_device(device)
+        dev = _cuda(device)
         if dev is None:
             return None
         free, total = torch.cuda.mem_get_info(dev)

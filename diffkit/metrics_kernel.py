@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import functools
 import os
-import threading
 
 import torch
 
@@ -98,7 +97,6 @@ def packed_batch(pairs: list[tuple[torch.Tensor, torch.Tensor]], atol: float, rt
     """The packed metric vectors ([len(pairs), len(Packed)], float64, on the device) of pairs that
     share one device, one dtype combination and one tolerance; each pair is two equal-length flat
     tensors of at least one element (made contiguous here when they are not)."""
-    wait_for_warm_up()
     partials, combine = _kernels()
     dev = pairs[0][0].device
     P = len(pairs)
@@ -172,41 +170,6 @@ def _launch(program, programs: int, *args, **kwargs) -> None:
 def _no_table(dev: torch.device) -> torch.Tensor:
     """A stand-in for the table arguments of a launch that reads none (one int64 per device, kept)."""
     return torch.zeros(1, dtype=torch.int64, device=dev)
-
-
-# the thread compiling (or loading from Triton's cache) the float32 programs while the diff loads its models
-_warming: threading.Thread | None = None
-
-
-def warm_up(device: torch.device) -> None:
-    """Compile the programs a float32 diff launches -- or load them from Triton's cache, which takes a few hundred
-    ms of Triton's own Python even when warm -- on a thread of their own, while the diff loads its files and builds
-    its models: a batch of one float32 pair of one element on `device`.  No model may run beside it (its own Triton
-    kernels compiled at the same time): `wait_for_warm_up` before the first forward; the first `packed_batch` waits
-    for it too.  A failure here is left for that launch to meet and report."""
-    global _warming
-    if _warming is not None or not available():
-        return
-
-    def run():
-        try:
-            with torch.cuda.device(device):
-                one = torch.zeros(1, device=device)
-                packed_batch([(one, one)], 0.0, 0.0).cpu()
-        except Exception:  # (the diff's own first launch meets the same problem and says what it is)
-            pass
-
-    # (not a daemon: a diff that ends early -- a file that did not load -- waits for it rather than tearing CUDA
-    # down under it)
-    _warming = threading.Thread(target=run, name="diffkit-metric-warm-up")
-    _warming.start()
-
-
-def wait_for_warm_up() -> None:
-    """Return once `warm_up`'s thread (if one was started) has finished."""
-    t = _warming
-    if t is not None and t is not threading.current_thread():
-        t.join()
 
 
 def packed(r: torch.Tensor, c: torch.Tensor, atol: float, rtol: float) -> torch.Tensor:

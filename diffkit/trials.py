@@ -31,7 +31,7 @@ from typing import Any, Callable
 import torch
 import torch.utils._pytree as pytree
 
-from . import metrics_kernel, progress
+from . import progress
 from .capture import (CaptureError, Record, _tensors, changed_inputs, input_name, input_names, input_values,
                       materialized, rng_state, set_rng_state)
 from .errors import DiffkitError
@@ -633,7 +633,6 @@ def run_trials(reference, candidate, first_inputs: list, options: Options, evide
     their outputs, the first failing one then diffed in full; returns the judged Result of the
     trial reported.  The protocol wraps the pipeline: `pipeline.diff` for each trial diffed in full (not
     judged), the later trials and `evidence` added to the result reported, which `pipeline.settle` judges once."""
-    metrics_kernel.wait_for_warm_up()  # (started by diff_files while the files loaded: no forward runs beside it)
     if isinstance(candidate, CapturedTrials):
         candidate.tolerance = options.tolerance
     seeds = reference.seeds

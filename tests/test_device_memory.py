@@ -186,7 +186,12 @@ def test_a_capped_card_gives_the_uncapped_answer(tmp_path):
     assert b.returncode in (0, 1), (f"cap {cap} between {floor} and {mem_a['peak_bytes']}\n"
                                     + (b.stdout + b.stderr)[-3000:])
     got_b, mem_b = _answer(capped)
-    assert got_a == got_b
+    # the same answer: the verdict and the first divergence.  The output's largest difference itself may move a
+    # little (on an H100 a match's 1.43e-06 uncapped, 9.5e-07 capped): under a cap cuDNN takes another convolution
+    # algorithm when one's workspace does not fit, for both models alike, as it would in KernelBench's own check
+    assert got_a[:2] == got_b[:2], (got_a, got_b)
+    if got_a[0] == "match":
+        assert got_b[2] <= 1e-4, got_b  # (within the float32 tolerance the verdict used)
     assert mem_b["peak_bytes"] <= cap, mem_b
 
 

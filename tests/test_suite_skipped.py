@@ -3,6 +3,7 @@ missing, what in its files needs it, the diff's own error), counted apart in eve
 terminal, and leaves the exit code alone; any other error stays an error."""
 import csv
 import dataclasses
+import importlib.util
 import json
 import os
 import subprocess
@@ -119,6 +120,8 @@ def _read(path):
 
 
 def test_pairs_needing_cuda_or_triton_are_skipped_and_counted_apart(tmp_path):
+    if importlib.util.find_spec("triton") is not None:  # (CI installs no Triton)
+        pytest.skip("Triton is installed here: the pair that imports it runs (on the CPU) instead of being skipped")
     src, out = str(tmp_path / "in"), str(tmp_path / "out")
     _pair(src, "a_match", MATCH)
     _pair(src, "b_on_gpu", ON_GPU)
