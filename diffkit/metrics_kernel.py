@@ -161,8 +161,8 @@ def packed_batch(pairs: list[tuple[torch.Tensor, torch.Tensor]], atol: float, rt
 
 def _launch(program, programs: int, *args, **kwargs) -> None:
     """`program[(programs,)](*args, **kwargs)`, through `run`, not ``[grid]``: a capture records the Triton launches
-    of a model by wrapping ``[grid]`` (`capture_kernels._TritonPatch`), and diffkit's own launches -- from a thread
-    beside the model's forward too -- are never the model's."""
+    of a model by wrapping ``[grid]`` (`capture_kernels._TritonPatch`), and diffkit's own launches are never the
+    model's, whatever thread makes them and whatever state the capture is in."""
     program.run(*args, grid=(programs,), warmup=False, **kwargs)
 
 

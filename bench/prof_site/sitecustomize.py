@@ -47,12 +47,12 @@ if _SAMPLES:
     import threading
     import time
 
-    # innermost frames of a thread that is waiting, not working
     # the functions a timeline names (the innermost of these a main-thread sample is in); DIFFKIT_SAMPLE_PHASES adds more
     _PHASES = {"load_pair", "_construct", "run_trials", "_diff_once", "_run_side", "streaming_traces", "health",
                "second_run", "align", "locate", "explain", "write_reports", "render", "_forked_child", "one_child_first",
                "per_side", "_preload", "library", "finish", "main", "diff_files", "packed_batch", "_do_compile",
                *filter(None, os.environ.get("DIFFKIT_SAMPLE_PHASES", "").split(","))}
+    # innermost frames of a thread that is waiting, not working
     _IDLE = {"wait", "select", "poll", "acquire", "get", "sleep", "_wait_for_tstate_lock", "recv", "recv_bytes",
              "_recv", "_recv_bytes", "read", "accept", "join", "communicate", "_communicate", "_try_wait",
              "waitpid"}
