@@ -111,10 +111,12 @@ def answer(path: str) -> dict:
         d = json.load(fh)
     fd = d.get("first_divergence") or {}
     out = d.get("output") or {}
-    err = d.get("error") or {}
-    return {"verdict": d.get("verdict"), "first_divergence": fd.get("ref_name"), "output_max_abs": out.get("max_abs"),
-            "mode": (d.get("meta") or {}).get("memory"),
-            **({"error": f"{err.get('side')}/{err.get('phase')}: {err.get('message')}"[:700]} if d.get("verdict") == "error" else {})}
+    got = {"verdict": d.get("verdict"), "first_divergence": fd.get("ref_name"), "output_max_abs": out.get("max_abs"),
+           "mode": (d.get("meta") or {}).get("memory")}
+    if d.get("verdict") == "error":
+        err = d.get("error") or {}
+        got["error"] = f"{err.get('side')}/{err.get('phase')}: {err.get('message')}"[:700]
+    return got
 
 
 def gb(n: int) -> str:

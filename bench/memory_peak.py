@@ -23,7 +23,9 @@ def _where(frames: list[dict]) -> str:
         name = f["filename"]
         if "/diffkit/" in name or "/bench/" in name or "/references/" in name or "/kernels/" in name:
             return f"{os.path.basename(name)}:{f['line']} {f['name']}"
-    return f"{os.path.basename(keep[0]['filename'])}:{keep[0]['line']} {keep[0]['name']}" if keep else "(no Python frame)"
+    if not keep:
+        return "(no Python frame)"
+    return f"{os.path.basename(keep[0]['filename'])}:{keep[0]['line']} {keep[0]['name']}"
 
 
 def _chain(frames: list[dict], depth: int = 4) -> str:
@@ -60,7 +62,8 @@ def report() -> None:
     if not events:
         return
     e = events[peak_i]
-    print(f"  the allocation that made it: {e['size'] / 1e9:.3f} GB at {_where(e['frames'])}  [{_chain(e['frames'], 8)}]")
+    print(f"  the allocation that made it: {e['size'] / 1e9:.3f} GB at {_where(e['frames'])}  "
+          f"[{_chain(e['frames'], 8)}]")
     groups: dict[str, list] = collections.defaultdict(lambda: [0, 0, ""])
     for blk in at_peak.values():
         g = groups[_where(blk["frames"])]

@@ -18,7 +18,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from speed import MODELS, _metric_passes  # noqa: E402
+from speed import MODELS, _metric_passes, measure_many_wrapped  # noqa: E402
 
 
 def main():
@@ -70,10 +70,7 @@ def _profile(diffkit, ref, cand, ri, ci, kw) -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from diffkit import align_state, locate
-
     calls = []
-    originals = {mod: mod.measure_many for mod in (align_state, locate)}
 
     def timed(orig):
         def measure_many(items):
@@ -93,32 +90,27 @@ def _profile(diffkit, ref, cand, ri, ci, kw) -> None:
                 t2 = time.perf_counter()
             dev = collections.defaultdict(lambda: [0, 0.0])
             for e in prof.events():
-                took = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
-                if e.device_type == torch.autograd.DeviceType.CUDA and took:
+                if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total:
                     dev[e.name[:60]][0] += 1
-                    dev[e.name[:60]][1] += took / 1e6
+                    dev[e.name[:60]][1] += e.device_time_total / 1e6
             nbytes = sum(r.numel() * r.element_size() + c.numel() * c.element_size() for r, c, _, _ in items)
             calls.append(dict(pairs=len(items), bytes=nbytes, launched=t1 - t0, done=t2 - t0, copies=copies,
                               sizes=dict(sorted(sizes.items())), device=dict(dev)))
             return pending
         return measure_many
 
-    try:
-        for mod, orig in originals.items():
-            mod.measure_many = timed(orig)
+    with measure_many_wrapped(timed):
         diffkit.compare(ref, cand, ri, cand_inputs=ci, **kw)  # (kernels compiled: the caller ran one diff before)
-    finally:
-        for mod, orig in originals.items():
-            mod.measure_many = orig
     for c in calls:
         if not c["pairs"]:
             continue
         print(f"measure_many: {c['pairs']} pairs, {c['bytes'] / 1e9:.2f} GB ({c['copies']} sides not contiguous); "
-              f"launches returned after {c['launched'] * 1e3:.2f} ms, results on the host after {c['done'] * 1e3:.2f} ms "
-              f"= {c['bytes'] / c['done'] / 1e9:.0f} GB/s")
+              f"launches returned after {c['launched'] * 1e3:.2f} ms, results on the host after "
+              f"{c['done'] * 1e3:.2f} ms = {c['bytes'] / c['done'] / 1e9:.0f} GB/s")
         print("  pairs by elements (up to): " + ", ".join(f"{k}: {v}" for k, v in c["sizes"].items()))
         busy = sum(t for _, t in c["device"].values())
-        print(f"  device busy {busy * 1e3:.2f} ms" + (f" = {c['bytes'] / busy / 1e9:.0f} GB/s while busy" if busy else ""))
+        rate = f" = {c['bytes'] / busy / 1e9:.0f} GB/s while busy" if busy else ""
+        print(f"  device busy {busy * 1e3:.2f} ms{rate}")
         for name, (n, t) in sorted(c["device"].items(), key=lambda kv: -kv[1][1])[:8]:
             print(f"    {t * 1e3:8.3f} ms  {n:4d}x  {name}")
     print("RESULT " + json.dumps(calls))

@@ -33,6 +33,7 @@ and `isolated_warm` also time two plain forwards right before each of their runs
 speed drifts by a third from one minute to the next, the ratio of two figures measured seconds apart.
 """
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -261,14 +262,27 @@ def child(model, mode, dev, repeat, max_memory):
     print("RESULT " + json.dumps(out))
 
 
+@contextlib.contextmanager
+def measure_many_wrapped(wrap):
+    """Within it, every `measure_many` call of a diff (the modules that make them: align_state, locate) goes through
+    `wrap(original)`."""
+    from diffkit import align_state, locate
+
+    originals = {mod: mod.measure_many for mod in (align_state, locate)}
+    try:
+        for mod, orig in originals.items():
+            mod.measure_many = wrap(orig)
+        yield
+    finally:
+        for mod, orig in originals.items():
+            mod.measure_many = orig
+
+
 def _metric_passes(diffkit, ref, cand, ri, ci, kw, dev) -> dict:
     """One more diff, its metric passes timed alone: every `measure_many` call of the diff (the pairs' metrics, in
     batched kernel launches on CUDA) with the device synchronised before it and its results fetched after it.
     What the diff reads in its metric passes, and how fast, apart from the forwards and the Python around them."""
-    from diffkit import align_state, locate
-
     got = dict(metric_pass_seconds=0.0, metric_pass_bytes=0, metric_pass_pairs=0)
-    originals = {mod: mod.measure_many for mod in (align_state, locate)}
 
     def timed(orig):
         def measure_many(items):
@@ -285,13 +299,8 @@ def _metric_passes(diffkit, ref, cand, ri, ci, kw, dev) -> dict:
             return pending
         return measure_many
 
-    try:
-        for mod, orig in originals.items():
-            mod.measure_many = timed(orig)
+    with measure_many_wrapped(timed):
         diffkit.compare(ref, cand, ri, cand_inputs=ci, **kw)
-    finally:
-        for mod, orig in originals.items():
-            mod.measure_many = orig
     if got["metric_pass_seconds"] > 0:
         got["metric_pass_bytes_per_s"] = got["metric_pass_bytes"] / got["metric_pass_seconds"]
     if dev == "cuda":

@@ -4,9 +4,10 @@
   line, start and end times) there at exit.
 * DIFFKIT_SAMPLE_DIR: a thread samples every thread's Python stack every DIFFKIT_SAMPLE_MS (default 5) and writes
   <pid>.samples.txt (which functions the busy threads were in, inclusive, and the innermost lines, and the main
-  thread's timeline) every DIFFKIT_SAMPLE_WRITE_S (default 0.5) seconds and at exit.  Forked children start a sampler of their own (`os.register_at_fork`): an isolated diff's
-  child, forked from the CLI and stopped once it has answered (its exit handlers never run), is covered too, and
-  so is the diff's work on its worker threads, which cProfile does not see.
+  thread's timeline) every DIFFKIT_SAMPLE_WRITE_S (default 0.5) seconds and at exit.  Forked children start a
+  sampler of their own (`os.register_at_fork`): an isolated diff's child, forked from the CLI and stopped once it
+  has answered (its exit handlers never run), is covered too, and so is the diff's work on its worker threads,
+  which cProfile does not see.
 
 Used by `bash bench/gpu.sh profile` to see where an isolated diff's processes spend their time."""
 import os
@@ -47,10 +48,12 @@ if _SAMPLES:
     import threading
     import time
 
-    # the functions a timeline names (the innermost of these a main-thread sample is in); DIFFKIT_SAMPLE_PHASES adds more
+    # the functions a timeline names (the innermost of these a main-thread sample is in); DIFFKIT_SAMPLE_PHASES adds
+    # more
     _PHASES = {"load_pair", "_construct", "run_trials", "_diff_once", "_run_side", "streaming_traces", "health",
-               "second_run", "align", "locate", "explain", "write_reports", "render", "_forked_child", "one_child_first",
-               "per_side", "_preload", "library", "finish", "main", "diff_files", "packed_batch", "_do_compile",
+               "second_run", "align", "locate", "explain", "write_reports", "render", "_forked_child",
+               "one_child_first", "per_side", "_preload", "library", "finish", "main", "diff_files", "packed_batch",
+               "_do_compile",
                *filter(None, os.environ.get("DIFFKIT_SAMPLE_PHASES", "").split(","))}
     # innermost frames of a thread that is waiting, not working
     _IDLE = {"wait", "select", "poll", "acquire", "get", "sleep", "_wait_for_tstate_lock", "recv", "recv_bytes",
