@@ -7,7 +7,8 @@ pair: every pair read through the address table, one launch a batch) and BATCH_P
 
 `--profile`: one diff's `measure_many` calls under torch's profiler: host time until the last launch returned,
 until the results were on the host, the device's time in each kernel (and copies), the pairs by size and how many
-needed a contiguous copy first.
+needed a contiguous copy first.  `--calls`: the same without the profiler (which slows the host's side), so
+host times as a diff pays them, and no device times.
 """
 import argparse
 import json
@@ -29,6 +30,8 @@ def main():
     ap.add_argument("--batch-pairs", default="")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--profile", action="store_true", help="one diff's metric passes under torch's profiler")
+    ap.add_argument("--calls", action="store_true", help="as --profile, without the profiler (host times as a diff "
+                    "pays them; no device times)")
     a = ap.parse_args()
     for k, v in MODELS[a.model]["env"].items():
         os.environ[k] = str(v)
@@ -42,8 +45,8 @@ def main():
     ref, cand, ri, ci = pair.ref, pair.cand, pair.ref_inputs, pair.cand_inputs
     kw = dict(health=False, rerun=False)
     diffkit.compare(ref, cand, ri, cand_inputs=ci, **kw)  # compile, first touch
-    if a.profile:
-        _profile(diffkit, ref, cand, ri, ci, kw)
+    if a.profile or a.calls:
+        _profile(diffkit, ref, cand, ri, ci, kw, profiler=a.profile)
         return
     rows = []
     for dm in [int(x) for x in a.direct_min.split(",")] if a.direct_min else [metrics_kernel.DIRECT_MIN]:
@@ -63,8 +66,9 @@ def main():
     del torch
 
 
-def _profile(diffkit, ref, cand, ri, ci, kw) -> None:
+def _profile(diffkit, ref, cand, ri, ci, kw, profiler=True) -> None:
     import collections
+    import contextlib
     import time
 
     import torch
@@ -77,11 +81,14 @@ def _profile(diffkit, ref, cand, ri, ci, kw) -> None:
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             sizes = collections.Counter()
-            copies = 0
+            copies = strided = 0
             for r, c, _, _ in items:
                 sizes[1 << max(0, (r.numel() - 1).bit_length())] += 1
                 copies += (not r.is_contiguous()) + (not c.is_contiguous())
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                if not (r.is_contiguous() and c.is_contiguous()):
+                    strided += r.numel() * r.element_size() + c.numel() * c.element_size()
+            with (profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) if profiler
+                  else contextlib.nullcontext()) as prof:
                 t0 = time.perf_counter()
                 pending = orig(items)
                 t1 = time.perf_counter()
@@ -89,18 +96,20 @@ def _profile(diffkit, ref, cand, ri, ci, kw) -> None:
                     p.result()
                 t2 = time.perf_counter()
             dev = collections.defaultdict(lambda: [0, 0.0])
-            for e in prof.events():
+            for e in prof.events() if profiler else ():
                 if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total:
                     dev[e.name[:60]][0] += 1
                     dev[e.name[:60]][1] += e.device_time_total / 1e6
             nbytes = sum(r.numel() * r.element_size() + c.numel() * c.element_size() for r, c, _, _ in items)
             calls.append(dict(pairs=len(items), bytes=nbytes, launched=t1 - t0, done=t2 - t0, copies=copies,
+                              strided_bytes=strided,
                               sizes=dict(sorted(sizes.items())), device=dict(dev)))
             return pending
         return measure_many
 
     with measure_many_wrapped(timed):
         diffkit.compare(ref, cand, ri, cand_inputs=ci, **kw)  # (kernels compiled: the caller ran one diff before)
+    total = [sum(c[k] for c in calls) for k in ("bytes", "launched", "done", "strided_bytes")]
     for c in calls:
         if not c["pairs"]:
             continue
@@ -110,9 +119,14 @@ def _profile(diffkit, ref, cand, ri, ci, kw) -> None:
         print("  pairs by elements (up to): " + ", ".join(f"{k}: {v}" for k, v in c["sizes"].items()))
         busy = sum(t for _, t in c["device"].values())
         rate = f" = {c['bytes'] / busy / 1e9:.0f} GB/s while busy" if busy else ""
-        print(f"  device busy {busy * 1e3:.2f} ms{rate}")
+        if c["device"]:
+            print(f"  device busy {busy * 1e3:.2f} ms{rate}")
         for name, (n, t) in sorted(c["device"].items(), key=lambda kv: -kv[1][1])[:8]:
             print(f"    {t * 1e3:8.3f} ms  {n:4d}x  {name}")
+    print(f"{len(calls)} calls, {total[0] / 1e9:.2f} GB: launches returned after {total[1] * 1e3:.2f} ms in all, "
+          f"results on the host after {total[2] * 1e3:.2f} ms = {total[0] / max(total[2], 1e-9) / 1e9:.0f} GB/s"
+          + (" (under the profiler)" if profiler else "")
+          + f"; pairs with a side not contiguous: {total[3] / max(total[0], 1):.0%} of the bytes")
     print("RESULT " + json.dumps(calls))
 
 

@@ -283,12 +283,18 @@ class AlignState:
 
     def prefetch_errors(self, cis: Sequence[int]) -> None:
         """`pair_error` for many pairs at once: their metrics measured together (`measure_many`: one
-        launch per batch on CUDA, worker threads on the CPU), so later `pair_error` calls find them."""
+        launch per batch on CUDA, worker threads on the CPU), so later `pair_error` calls find them.  Each batch
+        is settled (its results read) once the next one is launched: on a GPU, in batches of half PREFETCH_BYTES,
+        the host gathers and launches a batch while the device measures the one before."""
         todo, items, held = [], [], 0
+        waiting: list = []  # the batch launched last, not yet settled
 
         def flush():
-            for (ci, (p, v, cv)), pending in zip(todo, measure_many(items) if items else ()):
+            nonlocal waiting
+            launched = list(zip(todo, measure_many(items))) if items else []
+            for (ci, (p, v, cv)), pending in waiting:
                 self._settle(ci, p, v, cv, pending)
+            waiting = launched
             todo.clear()
             items.clear()
 
@@ -302,12 +308,13 @@ class AlignState:
             if tol is not None:
                 todo.append((ci, got))
                 items.append((got[1], got[2], *tol))
-                # values read from a store (streaming) are held only a batch at a time
+                # values read from a store (streaming) are held two batches at a time at most
                 held += sum(t.numel() * t.element_size() for t in got[1:])
-                if held >= PREFETCH_BYTES:
+                if held >= (PREFETCH_BYTES // 2 if got[1].is_cuda else PREFETCH_BYTES):  # (the CPU's are synchronous)
                     flush()
                     held = 0
         flush()
+        flush()  # (the last batch settled)
 
     def add_checked(self, ci: int, ri: int, via: str, confidence: float) -> None:
         """`add`, unless the pair is on a reused name (`reused_name`) and its values disagree beyond

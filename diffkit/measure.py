@@ -258,8 +258,7 @@ def _batches(items: list, idx: list[int]):
     part: list[int] = []
     copies = 0
     for i in idx:
-        r, c = items[i][0], items[i][1]
-        size = sum(t.numel() * t.element_size() for t in (r, c) if not t.is_contiguous())
+        size = metrics_kernel.copied_bytes(items[i][0], items[i][1])
         if part and (len(part) >= BATCH_PAIRS or copies + size > BATCH_COPY_BYTES):
             yield part
             part, copies = [], 0
@@ -295,9 +294,8 @@ def measure_many(items: list[tuple[torch.Tensor, torch.Tensor, float, float]]) -
                     out[i] = measure_async(*items[i])
                 continue
             for part in _batches(items, idx):
-                flat = [(items[i][0].detach().reshape(-1), items[i][1].detach().reshape(-1)) for i in part]
-                with torch.cuda.device(flat[0][0].device):  # the launch on the pairs' own device
-                    batch = _HostBatch(metrics_kernel.packed_batch(flat, atol, rtol))
+                with torch.cuda.device(items[part[0]][0].device):  # the launch on the pairs' own device
+                    batch = _HostBatch(metrics_kernel.packed_batch([items[i][:2] for i in part], atol, rtol))
                 for k, i in enumerate(part):
                     out[i] = PendingStats(None, tuple(items[i][0].shape), atol, rtol, batch=(batch, k))
     return out  # type: ignore[return-value]
@@ -453,12 +451,11 @@ def measure_async(ref: torch.Tensor, cand: torch.Tensor, atol: float, rtol: floa
     floating = _FAST_DTYPES.get(ref.dtype) is not None and _FAST_DTYPES.get(cand.dtype) is not None
     if floating and ref.device.type == "cpu":  # read a chunk at a time in logical order: no flattened copy
         return _measure_host(ref.detach(), cand.detach(), atol, rtol, shape)
+    if floating and ref.is_cuda and metrics_kernel.available():  # (read where they lie: no flattened copy)
+        with torch.cuda.device(ref.device):
+            return PendingStats(metrics_kernel.packed(ref.detach(), cand.detach(), atol, rtol), shape, atol, rtol)
     r = ref.detach().reshape(-1)
     c = cand.detach().reshape(-1)
-    if floating and r.is_cuda:
-        if metrics_kernel.available():
-            with torch.cuda.device(r.device):
-                return PendingStats(metrics_kernel.packed(r, c, atol, rtol), shape, atol, rtol)
     return PendingStats(_packed_exact(r, c, atol, rtol), shape, atol, rtol)
 
 

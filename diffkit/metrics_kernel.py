@@ -16,6 +16,13 @@ the host:
   each, as `torch.argmax` takes the first of equal maxima), reads the worst element's two values and
   writes the pair's packed vector (`metric_slots.Packed` slots).
 
+A non-contiguous pair (a transposed value, one of q/k/v sliced from a fused projection, an expanded one) is read
+where it lies, in logical order, through its row of a layout table (its shape merged to at most `MAX_DIMS`
+dims, each side's strides): a lane carries its position forward as digits of the shape, so the indices kept
+and the worst element are those of the logical order, as for a contiguous pair.  (Before, such a pair was
+first copied to contiguous memory: a write and a read more of its bytes, 27 % of what a transformer block
+compares: `bench/metric_passes.py`.)
+
 The packed vectors of the whole batch travel to the host in one copy behind one event; nothing
 synchronises until a result is read.  The rule is `measure.compare_elements`'s
 (``torch.allclose(equal_nan=False)``); `tests/test_metrics.py` checks the kernel against the
@@ -93,20 +100,64 @@ def _triton_dtype(dtype: torch.dtype):
             torch.float64: tl.float64}[dtype]
 
 
+# a pair's row of the layout table: [strided?, sizes of dims 1..3, ref strides of dims 0..3, cand strides of dims 0..3]
+LAYOUT = 12
+MAX_DIMS = 4  # dims a strided pair may keep (after merging): more, and it is copied to contiguous memory first
+_CONTIGUOUS = [0] * LAYOUT
+
+
+def layout(r: torch.Tensor, c: torch.Tensor) -> list[int] | None:
+    """The layout-table row of a pair of equal shapes read where they lie: dims of one element dropped, neighbours
+    that both sides lay out as one merged, at most MAX_DIMS dims left (padded in front) and every element's place
+    within int32; None where that does not hold (the pair is then copied to contiguous memory first)."""
+    dims: list[list[int]] = []  # [size, ref stride, cand stride], outermost first
+    for n, a, b in zip(r.shape, r.stride(), c.stride()):
+        if n == 1:
+            continue
+        if dims and dims[-1][1] == a * n and dims[-1][2] == b * n:
+            dims[-1] = [dims[-1][0] * n, a, b]
+        else:
+            dims.append([n, a, b])
+    if len(dims) > MAX_DIMS:
+        return None
+    dims = [[1, 0, 0]] * (MAX_DIMS - len(dims)) + dims
+    if max(sum((n - 1) * a for n, a, _ in dims), sum((n - 1) * b for n, _, b in dims)) >= 1 << 31:
+        return None
+    return [1] + [d[0] for d in dims[1:]] + [d[1] for d in dims] + [d[2] for d in dims]
+
+
+def copied_bytes(r: torch.Tensor, c: torch.Tensor) -> int:
+    """The bytes of contiguous copies `packed_batch` makes of a pair: none where it reads both sides where they lie."""
+    if (r.is_contiguous() and c.is_contiguous()) or (r.numel() < DIRECT_MIN and layout(r, c) is not None):
+        return 0
+    return sum(t.numel() * t.element_size() for t in (r, c) if not t.is_contiguous())
+
+
 def packed_batch(pairs: list[tuple[torch.Tensor, torch.Tensor]], atol: float, rtol: float) -> torch.Tensor:
     """The packed metric vectors ([len(pairs), len(Packed)], float64, on the device) of pairs that
-    share one device, one dtype combination and one tolerance; each pair is two equal-length flat
-    tensors of at least one element (made contiguous here when they are not)."""
+    share one device, one dtype combination and one tolerance; each pair is two tensors of one shape, at
+    least one element.  A non-contiguous pair is read where it lies, in logical order, through its row of the
+    layout table (`layout`); one that has none, or is large, is copied to contiguous memory first."""
     partials, combine = _kernels()
+    pairs = list(pairs)
     dev = pairs[0][0].device
     P = len(pairs)
     sizes = [r.numel() for r, _ in pairs]
+    lays = []
+    for k, (r, c) in enumerate(pairs):
+        lay = _CONTIGUOUS if r.is_contiguous() and c.is_contiguous() else \
+            layout(r, c) if sizes[k] < DIRECT_MIN else None
+        if lay is None:
+            pairs[k] = (r.detach().contiguous(), c.detach().contiguous())
+            lay = _CONTIGUOUS
+        lays.append(lay)
     # the table holds the small pairs first (one launch reads them all through it), then the large ones
     # (a launch each, their tensors passed directly); `dest` says where each one's vector goes
     order = [k for k in range(P) if sizes[k] < DIRECT_MIN] + [k for k in range(P) if sizes[k] >= DIRECT_MIN]
     small = sum(1 for k in order if sizes[k] < DIRECT_MIN)
-    refs = [pairs[k][0].contiguous() for k in order]
-    cands = [pairs[k][1].contiguous() for k in order]
+    refs = [pairs[k][0] for k in order]
+    cands = [pairs[k][1] for k in order]
+    mixed = any(lay[0] for lay in lays)
     rdt, cdt = refs[0].dtype, cands[0].dtype
     work = torch.float64 if torch.float64 in (rdt, cdt) else torch.float32
     numels = [sizes[k] for k in order]
@@ -121,13 +172,14 @@ def packed_batch(pairs: list[tuple[torch.Tensor, torch.Tensor]], atol: float, rt
     full = not FAST
     sums = torch.float64 if LANE_SUMS_64 or full else work
     const = dict(REF_T=rt, CAND_T=ct, WORK_T=_triton_dtype(work), BLOCK=BLOCK, TILE_BLOCKS=TILE_BLOCKS, NPART=_NPART,
-                 num_warps=NUM_WARPS, FULL=full, SUM_T=_triton_dtype(sums), RANGE=sums != torch.float64)
+                 num_warps=NUM_WARPS, FULL=full, SUM_T=_triton_dtype(sums), RANGE=sums != torch.float64,
+                 MIXED=mixed, LAYOUT=LAYOUT)
     # the large pairs first: their launches read no table (their tensors are passed directly), so the device
     # works on them while the host builds the table for the rest
     if small < P:
         none = _no_table(dev)
         for k in range(small, P):
-            _launch(partials, first[k + 1] - first[k], refs[k], cands[k], none, none, out, redo, float(atol),
+            _launch(partials, first[k + 1] - first[k], refs[k], cands[k], none, none, none, out, redo, float(atol),
                     float(rtol), P, numels[k], first[k], 0, DIRECT=True, REDO=False, **const)
     # the address table goes over in one small copy (pinned and asynchronous on a GPU)
     # (one flat list, one tensor: every torch call here costs host time per batch, a batch per pair when streaming)
@@ -135,26 +187,30 @@ def packed_batch(pairs: list[tuple[torch.Tensor, torch.Tensor]], atol: float, rt
     # alignment of its pointer arguments, and an odd number of pairs would otherwise give another one
     Q = P + P % 2
     pad = [0] * (Q - P)
-    host = torch.tensor([r.data_ptr() for r in refs] + pad + [c.data_ptr() for c in cands] + pad + numels + pad
-                        + order + pad + first, dtype=torch.int64)
+    table = [r.data_ptr() for r in refs] + pad + [c.data_ptr() for c in cands] + pad + numels + pad + order + pad
+    for k in order:
+        table += lays[k]
+    table += [0] * (LAYOUT * (Q - P)) + first
+    host = torch.tensor(table, dtype=torch.int64)
     if dev.type == "cuda":
         host = host.pin_memory()
     sent = host.to(dev, non_blocking=True)
-    ref_ptrs, cand_ptrs, ns, dest, tile_first = (sent[:P], sent[Q:Q + P], sent[2 * Q:2 * Q + P],
-                                                 sent[3 * Q:3 * Q + P], sent[4 * Q:])
+    L = 4 * Q + LAYOUT * Q
+    ref_ptrs, cand_ptrs, ns, dest, lay_t, tile_first = (sent[:P], sent[Q:Q + P], sent[2 * Q:2 * Q + P],
+                                                        sent[3 * Q:3 * Q + P], sent[4 * Q:L], sent[L:])
     if _interpreted():  # the interpreter reads addresses as host pointers into these tensors' storage
         ref_ptrs = torch.tensor([r.data_ptr() for r in refs], dtype=torch.int64)
         cand_ptrs = torch.tensor([c.data_ptr() for c in cands], dtype=torch.int64)
     search = max(1, (P - 1).bit_length())
     if small:
-        _launch(partials, first[small], ref_ptrs, cand_ptrs, ns, tile_first, out, redo, float(atol), float(rtol),
-                small, 0, 0, max(1, (small - 1).bit_length()), DIRECT=False, REDO=False, **const)
+        _launch(partials, first[small], ref_ptrs, cand_ptrs, ns, tile_first, lay_t, out, redo, float(atol),
+                float(rtol), small, 0, 0, max(1, (small - 1).bit_length()), DIRECT=False, REDO=False, **const)
     if not full:
-        _launch(partials, first[-1], ref_ptrs, cand_ptrs, ns, tile_first, out, redo, float(atol), float(rtol), P, 0,
-                0, search, DIRECT=False, REDO=True, **const)
+        _launch(partials, first[-1], ref_ptrs, cand_ptrs, ns, tile_first, lay_t, out, redo, float(atol), float(rtol),
+                P, 0, 0, search, DIRECT=False, REDO=True, **const)
     packed = torch.empty((P, _NPACKED), dtype=torch.float64, device=dev)
-    _launch(combine, P, out, ref_ptrs, cand_ptrs, ns, tile_first, dest, packed, REF_T=rt, CAND_T=ct, NPART=_NPART,
-            NPACKED=_NPACKED, ROWS=COMBINE_ROWS)
+    _launch(combine, P, out, ref_ptrs, cand_ptrs, ns, tile_first, lay_t, dest, packed, REF_T=rt, CAND_T=ct,
+            NPART=_NPART, NPACKED=_NPACKED, ROWS=COMBINE_ROWS, MIXED=mixed, LAYOUT=LAYOUT)
     # (temporaries freed here are reused only by later work on this stream: no wait is needed)
     return packed
 

@@ -10,12 +10,43 @@ import triton.language as tl
 
 
 @triton.jit
-def tile_stats(rp, cp, start, n, atol, rtol, WORK_T: tl.constexpr, BLOCK: tl.constexpr,
-               TILE_BLOCKS: tl.constexpr, SUM_T: tl.constexpr, FULL: tl.constexpr, RANGE: tl.constexpr):
+def tile_stats(rp, cp, start, n, atol, rtol, lay, WORK_T: tl.constexpr, BLOCK: tl.constexpr,
+               TILE_BLOCKS: tl.constexpr, SUM_T: tl.constexpr, FULL: tl.constexpr, RANGE: tl.constexpr,
+               STRIDED: tl.constexpr):
     """One tile's per-lane accumulators.  FULL=False assumes no NaN or infinity on either side (about
     half the instructions per element) and returns, as `seen`, which lanes met one: the caller then
-    measures the tile again with FULL=True, which applies the NaN/Inf rules."""
+    measures the tile again with FULL=True, which applies the NaN/Inf rules.
+
+    STRIDED: the pair's elements are read through its layout (`lay`: a row of the layout table, see
+    `metrics_kernel.layout`) in logical order, each lane's position kept as digits of the pair's shape and
+    carried forward by BLOCK each step (no division per element); else both sides are contiguous."""
     lane = tl.arange(0, BLOCK)
+    if STRIDED:
+        s1 = tl.load(lay + 1).to(tl.int32)
+        s2 = tl.load(lay + 2).to(tl.int32)
+        s3 = tl.load(lay + 3).to(tl.int32)
+        r0 = tl.load(lay + 4).to(tl.int32)
+        r1 = tl.load(lay + 5).to(tl.int32)
+        r2 = tl.load(lay + 6).to(tl.int32)
+        r3 = tl.load(lay + 7).to(tl.int32)
+        c0 = tl.load(lay + 8).to(tl.int32)
+        c1 = tl.load(lay + 9).to(tl.int32)
+        c2 = tl.load(lay + 10).to(tl.int32)
+        c3 = tl.load(lay + 11).to(tl.int32)
+        # BLOCK as digits of the shape (what a step adds), and each lane's first position as digits
+        e3 = BLOCK % s3
+        q = BLOCK // s3
+        e2 = q % s2
+        q = q // s2
+        e1 = q % s1
+        e0 = q // s1
+        p = start.to(tl.int32) + lane
+        d3 = p % s3
+        p = p // s3
+        d2 = p % s2
+        p = p // s2
+        d1 = p % s1
+        d0 = p // s1
     # positions within the tile (int32: fewer registers per lane); the tile's start is added at the end
     none = tl.full([BLOCK], 1 << 30, tl.int32)
     mism = tl.zeros([BLOCK], tl.int32)
@@ -41,8 +72,24 @@ def tile_stats(rp, cp, start, n, atol, rtol, WORK_T: tl.constexpr, BLOCK: tl.con
         loc = k * BLOCK + lane
         offs = start + loc
         live = offs < n
-        r = tl.load(rp + offs, mask=live, other=0.0).to(WORK_T)
-        c = tl.load(cp + offs, mask=live, other=0.0).to(WORK_T)
+        if STRIDED:
+            r = tl.load(rp + (d0 * r0 + d1 * r1 + d2 * r2 + d3 * r3), mask=live, other=0.0).to(WORK_T)
+            c = tl.load(cp + (d0 * c0 + d1 * c1 + d2 * c2 + d3 * c3), mask=live, other=0.0).to(WORK_T)
+            # the next position: BLOCK added digit by digit, a carry at most one per digit (each digit and
+            # each of BLOCK's is below its size); the first digit is not wrapped (past the end: masked)
+            d3 += e3
+            carry = (d3 >= s3).to(tl.int32)
+            d3 -= carry * s3
+            d2 += e2 + carry
+            carry = (d2 >= s2).to(tl.int32)
+            d2 -= carry * s2
+            d1 += e1 + carry
+            carry = (d1 >= s1).to(tl.int32)
+            d1 -= carry * s1
+            d0 += e0 + carry
+        else:
+            r = tl.load(rp + offs, mask=live, other=0.0).to(WORK_T)
+            c = tl.load(cp + offs, mask=live, other=0.0).to(WORK_T)
         rabs = tl.abs(r)
         zero = tl.zeros_like(r)
         bound = atol + rtol * rabs
@@ -111,14 +158,14 @@ def tile_stats(rp, cp, start, n, atol, rtol, WORK_T: tl.constexpr, BLOCK: tl.con
 
 
 @triton.jit
-def tile_partials(rp, cp, start, n, row, out, redo, atol, rtol, WORK_T: tl.constexpr, BLOCK: tl.constexpr,
+def tile_partials(rp, cp, start, n, row, out, redo, atol, rtol, lay, WORK_T: tl.constexpr, BLOCK: tl.constexpr,
                   TILE_BLOCKS: tl.constexpr, NPART: tl.constexpr, SUM_T: tl.constexpr, FULL: tl.constexpr,
-                  RANGE: tl.constexpr):
+                  RANGE: tl.constexpr, STRIDED: tl.constexpr):
     """Measure one tile and store its row of partial statistics; the finite-first pass (FULL=False)
     also stores in `redo` whether the tile must be measured again by the full rules."""
     (mism, r_nans, r_infs, c_nans, c_infs, sum_abs, dot, rsq, csq, dsq, max_d, max_d_at, max_e, max_e_at,
-     max_rel, first_bad, seen) = tile_stats(rp, cp, start, n, atol, rtol, WORK_T, BLOCK, TILE_BLOCKS, SUM_T, FULL,
-                                                     RANGE)
+     max_rel, first_bad, seen) = tile_stats(rp, cp, start, n, atol, rtol, lay, WORK_T, BLOCK, TILE_BLOCKS, SUM_T,
+                                            FULL, RANGE, STRIDED)
     none = tl.full([BLOCK], 1 << 30, tl.int32)
     m_d = tl.max(max_d, axis=0)
     m_e = tl.max(max_e, axis=0)
@@ -162,43 +209,64 @@ def table_tile(pid, ref_ptrs, cand_ptrs, numels, tile_first, n_pairs, search, RE
     start = (pid - tl.load(tile_first + lo)).to(tl.int64) * (BLOCK * TILE_BLOCKS)
     rp = tl.load(ref_ptrs + lo).to(tl.pointer_type(REF_T))
     cp = tl.load(cand_ptrs + lo).to(tl.pointer_type(CAND_T))
-    return start, tl.load(numels + lo), rp, cp
+    return start, tl.load(numels + lo), rp, cp, lo
 
 
 # (integers not specialised on, where Triton would compile a program apart for a value of 1 or a multiple of 16:
 # the table's size and the search's steps.  `n_direct`, a large pair's length, is: a multiple of 16 lets the tail
 # mask allow four-wide loads)
 @triton.jit(do_not_specialize=["n_pairs", "row0", "search"])
-def partials(ref_ptrs, cand_ptrs, numels, tile_first, out, redo, atol, rtol, n_pairs, n_direct, row0, search,
+def partials(ref_ptrs, cand_ptrs, numels, tile_first, layout, out, redo, atol, rtol, n_pairs, n_direct, row0, search,
              REF_T: tl.constexpr, CAND_T: tl.constexpr, WORK_T: tl.constexpr, BLOCK: tl.constexpr,
              TILE_BLOCKS: tl.constexpr, NPART: tl.constexpr, DIRECT: tl.constexpr,
-             SUM_T: tl.constexpr, FULL: tl.constexpr, REDO: tl.constexpr, RANGE: tl.constexpr):
+             SUM_T: tl.constexpr, FULL: tl.constexpr, REDO: tl.constexpr, RANGE: tl.constexpr,
+             MIXED: tl.constexpr, LAYOUT: tl.constexpr):
     """One tile a program.  REDO: the full rules, with float64 sums, on the tiles of the whole table
     that the finite-first pass marked in `redo` (the others return at once); otherwise the
-    finite-first pass (FULL=False) or the full rules (FULL=True) on every tile of this launch."""
+    finite-first pass (FULL=False) or the full rules (FULL=True) on every tile of this launch.
+    MIXED: some pairs of the table are read through their layouts (a row of LAYOUT integers a pair, its
+    first one set), the others contiguous; without it every pair of the table is contiguous."""
     pid = tl.program_id(0)
     if REDO:
         if tl.load(redo + pid) != 0:
-            start, n, rp, cp = table_tile(pid, ref_ptrs, cand_ptrs, numels, tile_first, n_pairs, search, REF_T,
-                                          CAND_T, BLOCK, TILE_BLOCKS)
-            tile_partials(rp, cp, start, n, pid, out, redo, atol, rtol, WORK_T, BLOCK, TILE_BLOCKS, NPART,
-                          tl.float64, True, False)
+            start, n, rp, cp, pair = table_tile(pid, ref_ptrs, cand_ptrs, numels, tile_first, n_pairs, search, REF_T,
+                                                CAND_T, BLOCK, TILE_BLOCKS)
+            lay = layout + pair * LAYOUT
+            if MIXED:
+                if tl.load(lay) != 0:
+                    tile_partials(rp, cp, start, n, pid, out, redo, atol, rtol, lay, WORK_T, BLOCK, TILE_BLOCKS,
+                                  NPART, tl.float64, True, False, True)
+                else:
+                    tile_partials(rp, cp, start, n, pid, out, redo, atol, rtol, lay, WORK_T, BLOCK, TILE_BLOCKS,
+                                  NPART, tl.float64, True, False, False)
+            else:
+                tile_partials(rp, cp, start, n, pid, out, redo, atol, rtol, lay, WORK_T, BLOCK, TILE_BLOCKS, NPART,
+                              tl.float64, True, False, False)
     else:
         if DIRECT:
             # one large pair, its tensors given as they are (Triton specialises on their alignment)
             tile_partials(ref_ptrs, cand_ptrs, pid.to(tl.int64) * (BLOCK * TILE_BLOCKS), n_direct, row0 + pid,
-                          out, redo, atol, rtol, WORK_T, BLOCK, TILE_BLOCKS, NPART, SUM_T, FULL, RANGE)
+                          out, redo, atol, rtol, layout, WORK_T, BLOCK, TILE_BLOCKS, NPART, SUM_T, FULL, RANGE, False)
         else:
-            start, n, rp, cp = table_tile(pid, ref_ptrs, cand_ptrs, numels, tile_first, n_pairs, search, REF_T,
-                                          CAND_T, BLOCK, TILE_BLOCKS)
-            tile_partials(rp, cp, start, n, pid, out, redo, atol, rtol, WORK_T, BLOCK, TILE_BLOCKS, NPART,
-                          SUM_T, FULL, RANGE)
+            start, n, rp, cp, pair = table_tile(pid, ref_ptrs, cand_ptrs, numels, tile_first, n_pairs, search, REF_T,
+                                                CAND_T, BLOCK, TILE_BLOCKS)
+            lay = layout + pair * LAYOUT
+            if MIXED:
+                if tl.load(lay) != 0:
+                    tile_partials(rp, cp, start, n, pid, out, redo, atol, rtol, lay, WORK_T, BLOCK, TILE_BLOCKS,
+                                  NPART, SUM_T, FULL, RANGE, True)
+                else:
+                    tile_partials(rp, cp, start, n, pid, out, redo, atol, rtol, lay, WORK_T, BLOCK, TILE_BLOCKS,
+                                  NPART, SUM_T, FULL, RANGE, False)
+            else:
+                tile_partials(rp, cp, start, n, pid, out, redo, atol, rtol, lay, WORK_T, BLOCK, TILE_BLOCKS, NPART,
+                              SUM_T, FULL, RANGE, False)
 
 
 @triton.jit
-def combine(parts, ref_ptrs, cand_ptrs, numels, tile_first, dest, packed,
+def combine(parts, ref_ptrs, cand_ptrs, numels, tile_first, layout, dest, packed,
             REF_T: tl.constexpr, CAND_T: tl.constexpr, NPART: tl.constexpr, NPACKED: tl.constexpr,
-            ROWS: tl.constexpr):
+            ROWS: tl.constexpr, MIXED: tl.constexpr, LAYOUT: tl.constexpr):
     pair = tl.program_id(0)
     first = tl.load(tile_first + pair)
     last = tl.load(tile_first + pair + 1)
@@ -264,6 +332,23 @@ def combine(parts, ref_ptrs, cand_ptrs, numels, tile_first, dest, packed,
                       (nr == nc).to(tl.float64))
     rp = tl.load(ref_ptrs + pair).to(tl.pointer_type(REF_T))
     cp = tl.load(cand_ptrs + pair).to(tl.pointer_type(CAND_T))
+    # the worst element's place on each side: its flat index, or through the pair's layout
+    at_r = flat
+    at_c = flat
+    if MIXED:
+        lay = layout + pair * LAYOUT
+        if tl.load(lay) != 0:
+            s3 = tl.load(lay + 3)
+            s2 = tl.load(lay + 2)
+            s1 = tl.load(lay + 1)
+            d3 = flat % s3
+            q = flat // s3
+            d2 = q % s2
+            q = q // s2
+            d1 = q % s1
+            d0 = q // s1
+            at_r = d0 * tl.load(lay + 4) + d1 * tl.load(lay + 5) + d2 * tl.load(lay + 6) + d3 * tl.load(lay + 7)
+            at_c = d0 * tl.load(lay + 8) + d1 * tl.load(lay + 9) + d2 * tl.load(lay + 10) + d3 * tl.load(lay + 11)
     o = packed + tl.load(dest + pair) * NPACKED
     tl.store(o + 0, mism)  # MISMATCHES
     tl.store(o + 1, top_d)  # MAX_ABS
@@ -275,6 +360,6 @@ def combine(parts, ref_ptrs, cand_ptrs, numels, tile_first, dest, packed,
     tl.store(o + 7, tl.sum(s_cn, axis=0))  # CAND_NAN
     tl.store(o + 8, tl.sum(s_ci, axis=0))  # CAND_INF
     tl.store(o + 9, flat.to(tl.float64))  # WORST_AT
-    tl.store(o + 10, tl.load(rp + flat).to(tl.float64))  # WORST_REF
-    tl.store(o + 11, tl.load(cp + flat).to(tl.float64))  # WORST_CAND
+    tl.store(o + 10, tl.load(rp + at_r).to(tl.float64))  # WORST_REF
+    tl.store(o + 11, tl.load(cp + at_c).to(tl.float64))  # WORST_CAND
     tl.store(o + 12, tl.sqrt(tl.sum(s_dsq, axis=0)) / tl.where(nr > 0, nr, 1.0))  # REL_L2

@@ -182,6 +182,46 @@ def test_float32_batches_of_any_size_launch_the_programs_the_first_one_compiled(
         assert programs() == first, count
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.float16, torch.float32)],
+                         ids=["f32", "f16-f32"])
+def test_pairs_read_where_they_lie_agree_with_the_exact_path(dtypes):
+    """Non-contiguous pairs (transposed, sliced with gaps, permuted on one side, expanded, too many dims) measured in
+    one batch with contiguous ones, by the compiled kernels at their shipped tile sizes: small pairs, and large ones
+    whose tiles span many blocks (a slice of a fused q/k/v projection, a transposed activation), with the contiguous
+    copies they no longer need left unmade."""
+    from diffkit import metrics_kernel
+
+    if not metrics_kernel.available():
+        pytest.skip("no Triton")
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(3, 2, 8, 1000, 64, generator=g, dtype=torch.float64)
+    noisy = qkv + 1e-3 * torch.randn(qkv.shape, generator=g, dtype=torch.float64)
+    qkv, noisy = qkv.to(dtypes[0]).cuda(), noisy.to(dtypes[1]).cuda()
+    big = [(qkv[1], noisy[1]),  # q of a fused projection: 2 x 8 x 1000 x 64, with gaps
+           (qkv[2].transpose(1, 2), noisy[2].transpose(1, 2).contiguous())]  # one side transposed
+    assert not big[0][0].is_contiguous() and not big[1][0].is_contiguous()
+    pairs = _strided_pairs(*dtypes, device="cuda") + big
+    pairs.append(tuple(t.cuda() for t in _pair("bad", 5000, *dtypes, seed=1)))  # a contiguous pair in the batch
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    got = M.measure_many([(r, c, 1e-4, 1e-3) for r, c in pairs])
+    for k, ((r, c), pending) in enumerate(zip(pairs, got)):
+        have = pending.result()
+        want, wp = _exact(r, c, 1e-4, 1e-3)
+        assert (have.mismatches, have.ref_nan, have.ref_inf, have.cand_nan, have.cand_inf) == \
+            (want.mismatches, want.ref_nan, want.ref_inf, want.cand_nan, want.cand_inf), k
+        assert have.worst.index == want.worst.index, k
+        assert str((have.worst.ref, have.worst.cand)) == str((want.worst.ref, want.worst.cand)), k
+        for f in ("max_abs", "mean_abs", "max_rel", "cosine"):
+            assert getattr(have, f) == pytest.approx(getattr(want, f), rel=1e-5, abs=1e-12), (k, f)
+        assert pending.rel_l2 == pytest.approx(wp.rel_l2, rel=1e-4, abs=1e-12), k
+    # the one pair with too many dims to merge is copied (a few hundred bytes); the large ones are not
+    largest = max(r.numel() * r.element_size() for r, _ in big)
+    assert torch.cuda.max_memory_allocated() - before < largest // 4
+
+
 def test_host_path_outside_float32_squares_range_matches_the_exact_path(host_engine):
     """Squares that overflow (or underflow) float32 send that chunk down the exact float64 path."""
     for r, c in ((torch.tensor([1.0, 2.0]), torch.tensor([-1e25, 2.0])),
@@ -411,6 +451,49 @@ def test_without_a_compiler_the_torch_passes_measure(monkeypatch, tmp_path):
     _assert_agrees_with_exact(r, c, 1e-4, 1e-3)
 
 
+def _strided_pairs(dtype: torch.dtype, cand_dtype: torch.dtype,
+                   device: str = "cpu") -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Pairs the metric kernel reads where they lie, through their layouts (and one it must copy first), their
+    values made in float64 and laid out afterwards (on `device`: a copy between devices would make them
+    contiguous): errors, ties, NaNs and infinities at places whose logical order differs from their order in
+    memory."""
+    g = torch.Generator().manual_seed(5)
+
+    def made(*shape):
+        r = torch.randn(*shape, generator=g, dtype=torch.float64) * 3
+        c = r + 1e-5 * torch.randn(*shape, generator=g, dtype=torch.float64)
+        flat = c.view(-1)
+        idx = torch.randint(0, flat.numel(), (max(1, flat.numel() // 40),), generator=g)
+        flat[idx] += torch.randn(idx.numel(), generator=g, dtype=torch.float64)
+        return r.to(device), c.to(device)
+
+    out = []
+    r, c = made(5, 7, 9)  # both sides transposed alike: 9 x 7 x 5 read with strides 1, 9, 63
+    out.append((r.to(dtype).transpose(0, 2), c.to(cand_dtype).transpose(0, 2)))
+    r, c = made(3, 6, 11, 8)  # a slice with gaps (one of q/k/v in a fused projection) against a contiguous side
+    out.append((r.to(dtype)[1, :, 2:9], c[1, :, 2:9].to(cand_dtype).contiguous()))
+    r, c = made(2, 3, 4, 40)  # four dims permuted on one side only, a long inner dim (wider than a block)
+    out.append((r.to(dtype).permute(3, 1, 0, 2).contiguous().permute(2, 1, 3, 0), c.to(cand_dtype)))
+    r, c = made(3, 5, 3, 7)  # four short dims: a step of a block carries through every digit within a tile
+    out.append((r.to(dtype).permute(2, 0, 3, 1).contiguous().permute(1, 3, 0, 2), c.to(cand_dtype).transpose(1, 2)
+                .contiguous().transpose(1, 2)))
+    r, c = made(6, 5, 13)  # an expanded side (strides 0) against a contiguous one
+    base = r[:, :1, :1]
+    out.append((base.to(dtype).expand(6, 5, 13), (base + (c - r)).to(cand_dtype)))
+    r, c = made(4, 9, 9)  # NaN and infinities (the full rules' pass reads through the layout too)
+    c[1, 2, 3] = math.nan
+    r[2, 5, 1] = c[2, 5, 1] = math.inf
+    r[3, 0, 8] = -math.inf
+    out.append((r.to(dtype).transpose(1, 2), c.to(cand_dtype).transpose(1, 2)))
+    tie_r = torch.zeros(8, 12, dtype=torch.float64, device=device)
+    tie_c = tie_r.clone()
+    tie_c[5, 2] = tie_c[2, 9] = 0.5  # equal maxima: memory order (transposed) meets [5, 2] first, logical [2, 9]
+    out.append((tie_r.t().contiguous().t().to(dtype), tie_c.t().contiguous().t().to(cand_dtype)))
+    r, c = made(2, 3, 2, 3, 2, 3)  # six dims reversed, none merging: copied first
+    out.append((r.to(dtype).permute(5, 4, 3, 2, 1, 0), c.to(cand_dtype).permute(5, 4, 3, 2, 1, 0)))
+    return out
+
+
 def test_triton_kernels_under_the_interpreter_agree_with_the_exact_path(monkeypatch):
     """The metric kernels' logic on the CPU (TRITON_INTERPRET=1), with tiles and lanes made small so
     pairs span many tiles, the combining loop runs several rounds and ties of maxima cross tiles."""
@@ -462,8 +545,10 @@ def test_triton_kernels_under_the_interpreter_agree_with_the_exact_path(monkeypa
             pairs.append((edge_r.to(dtypes[0]), (edge_r + step * torch.sign(torch.randn(333, generator=g,
                                                                                           dtype=torch.float64)))
                           .to(dtypes[1])))
-            # the batch as it is (8 or 10 pairs) and one pair shorter: an odd count pads the address table's parts
-            for batch in (pairs, pairs[1:]):
+            # the batch as it is and one pair shorter (an odd count pads the address table's parts); its
+            # non-contiguous pairs alone; its contiguous ones alone
+            strided = _strided_pairs(*dtypes)
+            for batch in (pairs + strided, pairs[1:] + strided, strided, pairs):
                 got = K.packed_batch(batch, atol, rtol)
                 for k, (r, c) in enumerate(batch):
                     st = M.PendingStats(got[k], tuple(r.shape), atol, rtol)
