@@ -91,6 +91,18 @@ class Deferred:
     rel_err: float  # the candidate's relative L2 distance from the reference in its best layout
 
 
+def _new_bytes(t: torch.Tensor, kept) -> int:
+    """The bytes `t` adds to what a record keeps (`kept`, its value or None): none where it lies in the same
+    memory (the value itself, or a view of it)."""
+    if isinstance(kept, torch.Tensor) and kept.device == t.device:
+        try:
+            if t.untyped_storage().data_ptr() == kept.untyped_storage().data_ptr():
+                return 0
+        except (RuntimeError, NotImplementedError):
+            pass
+    return t.numel() * t.element_size()
+
+
 @dataclass
 class AlignState:
     """What the passes share: both sides' records, values and dataflow, and the pairs made so far.
@@ -283,18 +295,12 @@ class AlignState:
 
     def prefetch_errors(self, cis: Sequence[int]) -> None:
         """`pair_error` for many pairs at once: their metrics measured together (`measure_many`: one
-        launch per batch on CUDA, worker threads on the CPU), so later `pair_error` calls find them.  Each batch
-        is settled (its results read) once the next one is launched: on a GPU, in batches of half PREFETCH_BYTES,
-        the host gathers and launches a batch while the device measures the one before."""
+        launch per batch on CUDA, worker threads on the CPU), so later `pair_error` calls find them."""
         todo, items, held = [], [], 0
-        waiting: list = []  # the batch launched last, not yet settled
 
         def flush():
-            nonlocal waiting
-            launched = list(zip(todo, measure_many(items))) if items else []
-            for (ci, (p, v, cv)), pending in waiting:
+            for (ci, (p, v, cv)), pending in zip(todo, measure_many(items) if items else ()):
                 self._settle(ci, p, v, cv, pending)
-            waiting = launched
             todo.clear()
             items.clear()
 
@@ -308,13 +314,14 @@ class AlignState:
             if tol is not None:
                 todo.append((ci, got))
                 items.append((got[1], got[2], *tol))
-                # values read from a store (streaming) are held two batches at a time at most
-                held += sum(t.numel() * t.element_size() for t in got[1:])
-                if held >= (PREFETCH_BYTES // 2 if got[1].is_cuda else PREFETCH_BYTES):  # (the CPU's are synchronous)
+                # values read from a store (streaming), or copied into the reference's layout, are held only a
+                # batch at a time; those the records keep anyway are not counted (a full capture's pairs go in
+                # one batch: each batch costs its launches and a wait for its results)
+                held += _new_bytes(got[1], self.ref[got[0].ref].value) + _new_bytes(got[2], self.cand[ci].value)
+                if held >= PREFETCH_BYTES:
                     flush()
                     held = 0
         flush()
-        flush()  # (the last batch settled)
 
     def add_checked(self, ci: int, ri: int, via: str, confidence: float) -> None:
         """`add`, unless the pair is on a reused name (`reused_name`) and its values disagree beyond

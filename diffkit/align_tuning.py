@@ -85,7 +85,7 @@ DATAFLOW_VALUE_FIRST_BYTES = 1 << 20
 DATAFLOW_WINDOW_FROM = 2000
 DATAFLOW_WINDOW = 128
 CONSUMERS_VISITED = 256  # unpaired records walked through looking for the paired consumers of a pair
-PREFETCH_BYTES = 1 << 30  # bytes of values `AlignState.prefetch_errors` holds at once (two batches of measurements)
+PREFETCH_BYTES = 1 << 30  # bytes of values `AlignState.prefetch_errors` holds for one batch of measurements
 
 # ------------------------------------------------------------------------------ consistency of pairs
 # A pair "disagrees" beyond this relative L2 error (far outside float32 rounding, well inside any real bug's

@@ -100,9 +100,10 @@ def _triton_dtype(dtype: torch.dtype):
             torch.float64: tl.float64}[dtype]
 
 
-# a pair's row of the layout table: [strided?, sizes of dims 1..3, ref strides of dims 0..3, cand strides of dims 0..3]
-LAYOUT = 12
-MAX_DIMS = 4  # dims a strided pair may keep (after merging): more, and it is copied to contiguous memory first
+# a pair's row of the layout table: [strided?, sizes of dims 1..4, ref strides of dims 0..4, cand strides of dims 0..4,
+# one unused] (16 integers: each row 16-byte aligned)
+LAYOUT = 16
+MAX_DIMS = 5  # dims a strided pair may keep (after merging): more, and it is copied to contiguous memory first
 _CONTIGUOUS = [0] * LAYOUT
 
 
@@ -123,7 +124,7 @@ def layout(r: torch.Tensor, c: torch.Tensor) -> list[int] | None:
     dims = [[1, 0, 0]] * (MAX_DIMS - len(dims)) + dims
     if max(sum((n - 1) * a for n, a, _ in dims), sum((n - 1) * b for n, _, b in dims)) >= 1 << 31:
         return None
-    return [1] + [d[0] for d in dims[1:]] + [d[1] for d in dims] + [d[2] for d in dims]
+    return [1] + [d[0] for d in dims[1:]] + [d[1] for d in dims] + [d[2] for d in dims] + [0]
 
 
 def copied_bytes(r: torch.Tensor, c: torch.Tensor) -> int:

@@ -25,22 +25,29 @@ def tile_stats(rp, cp, start, n, atol, rtol, lay, WORK_T: tl.constexpr, BLOCK: t
         s1 = tl.load(lay + 1).to(tl.int32)
         s2 = tl.load(lay + 2).to(tl.int32)
         s3 = tl.load(lay + 3).to(tl.int32)
-        r0 = tl.load(lay + 4).to(tl.int32)
-        r1 = tl.load(lay + 5).to(tl.int32)
-        r2 = tl.load(lay + 6).to(tl.int32)
-        r3 = tl.load(lay + 7).to(tl.int32)
-        c0 = tl.load(lay + 8).to(tl.int32)
-        c1 = tl.load(lay + 9).to(tl.int32)
-        c2 = tl.load(lay + 10).to(tl.int32)
-        c3 = tl.load(lay + 11).to(tl.int32)
+        s4 = tl.load(lay + 4).to(tl.int32)
+        r0 = tl.load(lay + 5).to(tl.int32)
+        r1 = tl.load(lay + 6).to(tl.int32)
+        r2 = tl.load(lay + 7).to(tl.int32)
+        r3 = tl.load(lay + 8).to(tl.int32)
+        r4 = tl.load(lay + 9).to(tl.int32)
+        c0 = tl.load(lay + 10).to(tl.int32)
+        c1 = tl.load(lay + 11).to(tl.int32)
+        c2 = tl.load(lay + 12).to(tl.int32)
+        c3 = tl.load(lay + 13).to(tl.int32)
+        c4 = tl.load(lay + 14).to(tl.int32)
         # BLOCK as digits of the shape (what a step adds), and each lane's first position as digits
-        e3 = BLOCK % s3
-        q = BLOCK // s3
+        e4 = BLOCK % s4
+        q = BLOCK // s4
+        e3 = q % s3
+        q = q // s3
         e2 = q % s2
         q = q // s2
         e1 = q % s1
         e0 = q // s1
         p = start.to(tl.int32) + lane
+        d4 = p % s4
+        p = p // s4
         d3 = p % s3
         p = p // s3
         d2 = p % s2
@@ -73,11 +80,14 @@ def tile_stats(rp, cp, start, n, atol, rtol, lay, WORK_T: tl.constexpr, BLOCK: t
         offs = start + loc
         live = offs < n
         if STRIDED:
-            r = tl.load(rp + (d0 * r0 + d1 * r1 + d2 * r2 + d3 * r3), mask=live, other=0.0).to(WORK_T)
-            c = tl.load(cp + (d0 * c0 + d1 * c1 + d2 * c2 + d3 * c3), mask=live, other=0.0).to(WORK_T)
+            r = tl.load(rp + (d0 * r0 + d1 * r1 + d2 * r2 + d3 * r3 + d4 * r4), mask=live, other=0.0).to(WORK_T)
+            c = tl.load(cp + (d0 * c0 + d1 * c1 + d2 * c2 + d3 * c3 + d4 * c4), mask=live, other=0.0).to(WORK_T)
             # the next position: BLOCK added digit by digit, a carry at most one per digit (each digit and
             # each of BLOCK's is below its size); the first digit is not wrapped (past the end: masked)
-            d3 += e3
+            d4 += e4
+            carry = (d4 >= s4).to(tl.int32)
+            d4 -= carry * s4
+            d3 += e3 + carry
             carry = (d3 >= s3).to(tl.int32)
             d3 -= carry * s3
             d2 += e2 + carry
@@ -338,17 +348,24 @@ def combine(parts, ref_ptrs, cand_ptrs, numels, tile_first, layout, dest, packed
     if MIXED:
         lay = layout + pair * LAYOUT
         if tl.load(lay) != 0:
-            s3 = tl.load(lay + 3)
-            s2 = tl.load(lay + 2)
-            s1 = tl.load(lay + 1)
-            d3 = flat % s3
-            q = flat // s3
-            d2 = q % s2
-            q = q // s2
-            d1 = q % s1
-            d0 = q // s1
-            at_r = d0 * tl.load(lay + 4) + d1 * tl.load(lay + 5) + d2 * tl.load(lay + 6) + d3 * tl.load(lay + 7)
-            at_c = d0 * tl.load(lay + 8) + d1 * tl.load(lay + 9) + d2 * tl.load(lay + 10) + d3 * tl.load(lay + 11)
+            # digits from the last dim's (dim k's size at lay + k, its strides at lay + 5 + k and lay + 10 + k)
+            q = flat
+            d = q % tl.load(lay + 4)
+            q = q // tl.load(lay + 4)
+            at_r = d * tl.load(lay + 9)
+            at_c = d * tl.load(lay + 14)
+            d = q % tl.load(lay + 3)
+            q = q // tl.load(lay + 3)
+            at_r += d * tl.load(lay + 8)
+            at_c += d * tl.load(lay + 13)
+            d = q % tl.load(lay + 2)
+            q = q // tl.load(lay + 2)
+            at_r += d * tl.load(lay + 7)
+            at_c += d * tl.load(lay + 12)
+            d = q % tl.load(lay + 1)
+            q = q // tl.load(lay + 1)
+            at_r += d * tl.load(lay + 6) + q * tl.load(lay + 5)
+            at_c += d * tl.load(lay + 11) + q * tl.load(lay + 10)
     o = packed + tl.load(dest + pair) * NPACKED
     tl.store(o + 0, mism)  # MISMATCHES
     tl.store(o + 1, top_d)  # MAX_ABS

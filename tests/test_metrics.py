@@ -195,12 +195,14 @@ def test_pairs_read_where_they_lie_agree_with_the_exact_path(dtypes):
     if not metrics_kernel.available():
         pytest.skip("no Triton")
     g = torch.Generator().manual_seed(3)
-    qkv = torch.randn(3, 2, 8, 1000, 64, generator=g, dtype=torch.float64)
-    noisy = qkv + 1e-3 * torch.randn(qkv.shape, generator=g, dtype=torch.float64)
-    qkv, noisy = qkv.to(dtypes[0]).cuda(), noisy.to(dtypes[1]).cuda()
-    big = [(qkv[1], noisy[1]),  # q of a fused projection: 2 x 8 x 1000 x 64, with gaps
-           (qkv[2].transpose(1, 2), noisy[2].transpose(1, 2).contiguous())]  # one side transposed
-    assert not big[0][0].is_contiguous() and not big[1][0].is_contiguous()
+    # a fused q/k/v projection's output (batch 2, 1000 positions, 8 heads of 64) laid out per head: [3, 2, 8, 1000, 64]
+    proj = torch.randn(2, 1000, 3, 8, 64, generator=g, dtype=torch.float64)
+    noisy = proj + 1e-3 * torch.randn(proj.shape, generator=g, dtype=torch.float64)
+    qkv, nqkv = (t.to(d).cuda().permute(2, 0, 3, 1, 4) for t, d in ((proj, dtypes[0]), (noisy, dtypes[1])))
+    big = [(qkv, nqkv),  # five dims that do not merge
+           (qkv[1], nqkv[1]),  # q: 2 x 8 x 1000 x 64, with gaps
+           (qkv[2].transpose(1, 2), nqkv[2].transpose(1, 2).contiguous())]  # one side transposed back
+    assert not any(r.is_contiguous() for r, _ in big)
     pairs = _strided_pairs(*dtypes, device="cuda") + big
     pairs.append(tuple(t.cuda() for t in _pair("bad", 5000, *dtypes, seed=1)))  # a contiguous pair in the batch
     torch.cuda.synchronize()
@@ -218,8 +220,8 @@ def test_pairs_read_where_they_lie_agree_with_the_exact_path(dtypes):
             assert getattr(have, f) == pytest.approx(getattr(want, f), rel=1e-5, abs=1e-12), (k, f)
         assert pending.rel_l2 == pytest.approx(wp.rel_l2, rel=1e-4, abs=1e-12), k
     # the one pair with too many dims to merge is copied (a few hundred bytes); the large ones are not
-    largest = max(r.numel() * r.element_size() for r, _ in big)
-    assert torch.cuda.max_memory_allocated() - before < largest // 4
+    smallest = min(r.numel() * r.element_size() for r, _ in big)
+    assert torch.cuda.max_memory_allocated() - before < smallest // 4
 
 
 def test_host_path_outside_float32_squares_range_matches_the_exact_path(host_engine):
@@ -489,6 +491,9 @@ def _strided_pairs(dtype: torch.dtype, cand_dtype: torch.dtype,
     tie_c = tie_r.clone()
     tie_c[5, 2] = tie_c[2, 9] = 0.5  # equal maxima: memory order (transposed) meets [5, 2] first, logical [2, 9]
     out.append((tie_r.t().contiguous().t().to(dtype), tie_c.t().contiguous().t().to(cand_dtype)))
+    r, c = made(2, 4, 3, 3, 5)  # five dims in reversed memory order (none merge) against contiguous ones
+    c[1, 2, 1, 1, 3] += 50.0  # the worst element in the second half of the first dim
+    out.append((r.to(dtype).permute(4, 3, 2, 1, 0).contiguous().permute(4, 3, 2, 1, 0), c.to(cand_dtype)))
     r, c = made(2, 3, 2, 3, 2, 3)  # six dims reversed, none merging: copied first
     out.append((r.to(dtype).permute(5, 4, 3, 2, 1, 0), c.to(cand_dtype).permute(5, 4, 3, 2, 1, 0)))
     return out
