@@ -245,8 +245,9 @@ class _HostBatch:
         return self._rows[i]
 
 
-# pairs per launch of the batched CUDA kernel
-BATCH_PAIRS = 4096
+# pairs per launch of the batched CUDA kernel: the device measures a batch while the host builds the next one's
+# address table (one batch of a full capture's 205 pairs left the device idle until the host had built all of it)
+BATCH_PAIRS = 32
 
 
 # bytes of contiguous copies (of non-contiguous pairs) one launch may make

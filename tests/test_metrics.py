@@ -209,19 +209,21 @@ def test_pairs_read_where_they_lie_agree_with_the_exact_path(dtypes):
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     got = M.measure_many([(r, c, 1e-4, 1e-3) for r, c in pairs])
-    for k, ((r, c), pending) in enumerate(zip(pairs, got)):
-        have = pending.result()
+    results = [pending.result() for pending in got]
+    # the one pair with too many dims to merge is copied (a few hundred bytes); the large ones are not
+    smallest = min(r.numel() * r.element_size() for r, _ in big)
+    assert torch.cuda.max_memory_allocated() - before < smallest // 4
+    for k, ((r, c), pending, have) in enumerate(zip(pairs, got, results)):
         want, wp = _exact(r, c, 1e-4, 1e-3)
-        assert (have.mismatches, have.ref_nan, have.ref_inf, have.cand_nan, have.cand_inf) == \
-            (want.mismatches, want.ref_nan, want.ref_inf, want.cand_nan, want.cand_inf), k
+        assert (have.ref_nan, have.ref_inf, have.cand_nan, have.cand_inf) == \
+            (want.ref_nan, want.ref_inf, want.cand_nan, want.cand_inf), k
+        # (the rule runs in float32, the exact path in float64: an element on the boundary may count apart)
+        assert abs(have.mismatches - want.mismatches) <= max(1, want.mismatches // 1000), k
         assert have.worst.index == want.worst.index, k
         assert str((have.worst.ref, have.worst.cand)) == str((want.worst.ref, want.worst.cand)), k
         for f in ("max_abs", "mean_abs", "max_rel", "cosine"):
             assert getattr(have, f) == pytest.approx(getattr(want, f), rel=1e-5, abs=1e-12), (k, f)
         assert pending.rel_l2 == pytest.approx(wp.rel_l2, rel=1e-4, abs=1e-12), k
-    # the one pair with too many dims to merge is copied (a few hundred bytes); the large ones are not
-    smallest = min(r.numel() * r.element_size() for r, _ in big)
-    assert torch.cuda.max_memory_allocated() - before < smallest // 4
 
 
 def test_host_path_outside_float32_squares_range_matches_the_exact_path(host_engine):
