@@ -10,50 +10,89 @@ import triton.language as tl
 
 
 @triton.jit
+def digits(p, s1, s2, s3, s4):
+    """`p` as digits of a shape whose dims 1..4 have sizes s1..s4 (the first digit unbounded)."""
+    d4 = p % s4
+    p = p // s4
+    d3 = p % s3
+    p = p // s3
+    d2 = p % s2
+    p = p // s2
+    return p // s1, p % s1, d2, d3, d4
+
+
+@triton.jit
+def strided_setup(lay, start, lane, BLOCK: tl.constexpr):
+    """A strided tile: its pair's elements are read through its layout (`lay`: its row of the layout table, see
+    `metrics_kernel.layout`) in logical order, each lane's position kept as digits of the pair's shape and carried
+    forward by BLOCK each step (`advance`: no division per element).  Returns the sizes of dims 1..4, each side's
+    strides, BLOCK as digits (what a step adds) and each lane's first position as digits."""
+    s1 = tl.load(lay + 1).to(tl.int32)
+    s2 = tl.load(lay + 2).to(tl.int32)
+    s3 = tl.load(lay + 3).to(tl.int32)
+    s4 = tl.load(lay + 4).to(tl.int32)
+    r0 = tl.load(lay + 5).to(tl.int32)
+    r1 = tl.load(lay + 6).to(tl.int32)
+    r2 = tl.load(lay + 7).to(tl.int32)
+    r3 = tl.load(lay + 8).to(tl.int32)
+    r4 = tl.load(lay + 9).to(tl.int32)
+    c0 = tl.load(lay + 10).to(tl.int32)
+    c1 = tl.load(lay + 11).to(tl.int32)
+    c2 = tl.load(lay + 12).to(tl.int32)
+    c3 = tl.load(lay + 13).to(tl.int32)
+    c4 = tl.load(lay + 14).to(tl.int32)
+    e0, e1, e2, e3, e4 = digits(s1 * 0 + BLOCK, s1, s2, s3, s4)
+    d0, d1, d2, d3, d4 = digits(start.to(tl.int32) + lane, s1, s2, s3, s4)
+    return s1, s2, s3, s4, r0, r1, r2, r3, r4, c0, c1, c2, c3, c4, e0, e1, e2, e3, e4, d0, d1, d2, d3, d4
+
+
+@triton.jit
+def advance(d0, d1, d2, d3, d4, e0, e1, e2, e3, e4, s1, s2, s3, s4):
+    """A lane's next position: BLOCK (digits e0..e4) added digit by digit, a carry at most one per digit (each
+    digit and each of BLOCK's is below its size); the first digit is not wrapped (past the end: masked)."""
+    d4 += e4
+    carry = (d4 >= s4).to(tl.int32)
+    d4 -= carry * s4
+    d3 += e3 + carry
+    carry = (d3 >= s3).to(tl.int32)
+    d3 -= carry * s3
+    d2 += e2 + carry
+    carry = (d2 >= s2).to(tl.int32)
+    d2 -= carry * s2
+    d1 += e1 + carry
+    carry = (d1 >= s1).to(tl.int32)
+    d1 -= carry * s1
+    return d0 + e0 + carry, d1, d2, d3, d4
+
+
+@triton.jit
+def unmeasured(rsq, csq, dsq, top_r, top_c, max_d, RANGE: tl.constexpr):
+    """The lanes of a finite-first tile to measure again by the full rules, with float64 sums."""
+    # a NaN or an infinity on either side leaves a lane's sum of squares NaN or infinite, and so does a square (or
+    # a sum of them) past the sums' range (the differences' squares too: |c - r| can leave the range where neither
+    # side does)
+    both = rsq + csq + dsq.to(rsq.dtype)
+    seen = ((both - both) != 0).to(tl.int32)
+    if RANGE:
+        # squares too small for a float32 sum (below 1e-18 a lane's largest ones vanish): likewise, on either side
+        # or in the differences
+        seen |= (((top_r < 1.0e-18) & (top_r > 0)) | ((top_c < 1.0e-18) & (top_c > 0))
+                 | ((max_d < 1.0e-18) & (max_d > 0))).to(tl.int32)
+    return seen
+
+
+@triton.jit
 def tile_stats(rp, cp, start, n, atol, rtol, lay, WORK_T: tl.constexpr, BLOCK: tl.constexpr,
                TILE_BLOCKS: tl.constexpr, SUM_T: tl.constexpr, FULL: tl.constexpr, RANGE: tl.constexpr,
                STRIDED: tl.constexpr):
     """One tile's per-lane accumulators.  FULL=False assumes no NaN or infinity on either side (about
     half the instructions per element) and returns, as `seen`, which lanes met one: the caller then
-    measures the tile again with FULL=True, which applies the NaN/Inf rules.
-
-    STRIDED: the pair's elements are read through its layout (`lay`: a row of the layout table, see
-    `metrics_kernel.layout`) in logical order, each lane's position kept as digits of the pair's shape and
-    carried forward by BLOCK each step (no division per element); else both sides are contiguous."""
+    measures the tile again with FULL=True, which applies the NaN/Inf rules.  STRIDED: read through the
+    pair's layout (`strided_setup`); else both sides are contiguous."""
     lane = tl.arange(0, BLOCK)
     if STRIDED:
-        s1 = tl.load(lay + 1).to(tl.int32)
-        s2 = tl.load(lay + 2).to(tl.int32)
-        s3 = tl.load(lay + 3).to(tl.int32)
-        s4 = tl.load(lay + 4).to(tl.int32)
-        r0 = tl.load(lay + 5).to(tl.int32)
-        r1 = tl.load(lay + 6).to(tl.int32)
-        r2 = tl.load(lay + 7).to(tl.int32)
-        r3 = tl.load(lay + 8).to(tl.int32)
-        r4 = tl.load(lay + 9).to(tl.int32)
-        c0 = tl.load(lay + 10).to(tl.int32)
-        c1 = tl.load(lay + 11).to(tl.int32)
-        c2 = tl.load(lay + 12).to(tl.int32)
-        c3 = tl.load(lay + 13).to(tl.int32)
-        c4 = tl.load(lay + 14).to(tl.int32)
-        # BLOCK as digits of the shape (what a step adds), and each lane's first position as digits
-        e4 = BLOCK % s4
-        q = BLOCK // s4
-        e3 = q % s3
-        q = q // s3
-        e2 = q % s2
-        q = q // s2
-        e1 = q % s1
-        e0 = q // s1
-        p = start.to(tl.int32) + lane
-        d4 = p % s4
-        p = p // s4
-        d3 = p % s3
-        p = p // s3
-        d2 = p % s2
-        p = p // s2
-        d1 = p % s1
-        d0 = p // s1
+        (s1, s2, s3, s4, r0, r1, r2, r3, r4, c0, c1, c2, c3, c4, e0, e1, e2, e3, e4, d0, d1, d2, d3,
+         d4) = strided_setup(lay, start, lane, BLOCK)
     # positions within the tile (int32: fewer registers per lane); the tile's start is added at the end
     none = tl.full([BLOCK], 1 << 30, tl.int32)
     mism = tl.zeros([BLOCK], tl.int32)
@@ -82,21 +121,7 @@ def tile_stats(rp, cp, start, n, atol, rtol, lay, WORK_T: tl.constexpr, BLOCK: t
         if STRIDED:
             r = tl.load(rp + (d0 * r0 + d1 * r1 + d2 * r2 + d3 * r3 + d4 * r4), mask=live, other=0.0).to(WORK_T)
             c = tl.load(cp + (d0 * c0 + d1 * c1 + d2 * c2 + d3 * c3 + d4 * c4), mask=live, other=0.0).to(WORK_T)
-            # the next position: BLOCK added digit by digit, a carry at most one per digit (each digit and
-            # each of BLOCK's is below its size); the first digit is not wrapped (past the end: masked)
-            d4 += e4
-            carry = (d4 >= s4).to(tl.int32)
-            d4 -= carry * s4
-            d3 += e3 + carry
-            carry = (d3 >= s3).to(tl.int32)
-            d3 -= carry * s3
-            d2 += e2 + carry
-            carry = (d2 >= s2).to(tl.int32)
-            d2 -= carry * s2
-            d1 += e1 + carry
-            carry = (d1 >= s1).to(tl.int32)
-            d1 -= carry * s1
-            d0 += e0 + carry
+            d0, d1, d2, d3, d4 = advance(d0, d1, d2, d3, d4, e0, e1, e2, e3, e4, s1, s2, s3, s4)
         else:
             r = tl.load(rp + offs, mask=live, other=0.0).to(WORK_T)
             c = tl.load(cp + offs, mask=live, other=0.0).to(WORK_T)
@@ -152,17 +177,7 @@ def tile_stats(rp, cp, start, n, atol, rtol, lay, WORK_T: tl.constexpr, BLOCK: t
         csq += fc * fc
         dsq += d64 * d64
     if not FULL:
-        # a NaN or an infinity on either side leaves a lane's sum of squares NaN or infinite, and so
-        # does a square (or a sum of them) past the sums' range: the tile again, by the full rules
-        # with float64 sums
-        # (the differences' squares too: |c - r| can leave the range where neither side does)
-        both = rsq + csq + dsq.to(rsq.dtype)
-        seen = ((both - both) != 0).to(tl.int32)
-    if RANGE:
-        # squares too small for a float32 sum (below 1e-18 a lane's largest ones vanish): likewise,
-        # on either side or in the differences
-        seen |= (((top_r < 1.0e-18) & (top_r > 0)) | ((top_c < 1.0e-18) & (top_c > 0))
-                 | ((max_d < 1.0e-18) & (max_d > 0))).to(tl.int32)
+        seen = unmeasured(rsq, csq, dsq, top_r, top_c, max_d, RANGE)
     return (mism, r_nans, r_infs, c_nans, c_infs, sum_abs, dot, rsq, csq, dsq, max_d, max_d_at, max_e, max_e_at,
             max_rel, first_bad, seen)
 
@@ -274,6 +289,17 @@ def partials(ref_ptrs, cand_ptrs, numels, tile_first, layout, out, redo, atol, r
 
 
 @triton.jit
+def unravelled(lay, flat):
+    """The places on each side of a strided pair's element at logical index `flat` (`lay`: the pair's layout row)."""
+    d0, d1, d2, d3, d4 = digits(flat, tl.load(lay + 1), tl.load(lay + 2), tl.load(lay + 3), tl.load(lay + 4))
+    at_r = d0 * tl.load(lay + 5) + d1 * tl.load(lay + 6) + d2 * tl.load(lay + 7) + d3 * tl.load(lay + 8) \
+        + d4 * tl.load(lay + 9)
+    at_c = d0 * tl.load(lay + 10) + d1 * tl.load(lay + 11) + d2 * tl.load(lay + 12) + d3 * tl.load(lay + 13) \
+        + d4 * tl.load(lay + 14)
+    return at_r, at_c
+
+
+@triton.jit
 def combine(parts, ref_ptrs, cand_ptrs, numels, tile_first, layout, dest, packed,
             REF_T: tl.constexpr, CAND_T: tl.constexpr, NPART: tl.constexpr, NPACKED: tl.constexpr,
             ROWS: tl.constexpr, MIXED: tl.constexpr, LAYOUT: tl.constexpr):
@@ -348,24 +374,7 @@ def combine(parts, ref_ptrs, cand_ptrs, numels, tile_first, layout, dest, packed
     if MIXED:
         lay = layout + pair * LAYOUT
         if tl.load(lay) != 0:
-            # digits from the last dim's (dim k's size at lay + k, its strides at lay + 5 + k and lay + 10 + k)
-            q = flat
-            d = q % tl.load(lay + 4)
-            q = q // tl.load(lay + 4)
-            at_r = d * tl.load(lay + 9)
-            at_c = d * tl.load(lay + 14)
-            d = q % tl.load(lay + 3)
-            q = q // tl.load(lay + 3)
-            at_r += d * tl.load(lay + 8)
-            at_c += d * tl.load(lay + 13)
-            d = q % tl.load(lay + 2)
-            q = q // tl.load(lay + 2)
-            at_r += d * tl.load(lay + 7)
-            at_c += d * tl.load(lay + 12)
-            d = q % tl.load(lay + 1)
-            q = q // tl.load(lay + 1)
-            at_r += d * tl.load(lay + 6) + q * tl.load(lay + 5)
-            at_c += d * tl.load(lay + 11) + q * tl.load(lay + 10)
+            at_r, at_c = unravelled(lay, flat)
     o = packed + tl.load(dest + pair) * NPACKED
     tl.store(o + 0, mism)  # MISMATCHES
     tl.store(o + 1, top_d)  # MAX_ABS
