@@ -237,6 +237,28 @@ def table_tile(pid, ref_ptrs, cand_ptrs, numels, tile_first, n_pairs, search, RE
     return start, tl.load(numels + lo), rp, cp, lo
 
 
+@triton.jit
+def table_partials(pid, ref_ptrs, cand_ptrs, numels, tile_first, layout, out, redo, atol, rtol, n_pairs, search,
+                   REF_T: tl.constexpr, CAND_T: tl.constexpr, WORK_T: tl.constexpr, BLOCK: tl.constexpr,
+                   TILE_BLOCKS: tl.constexpr, NPART: tl.constexpr, SUM_T: tl.constexpr, FULL: tl.constexpr,
+                   RANGE: tl.constexpr, MIXED: tl.constexpr, LAYOUT: tl.constexpr):
+    """Tile `pid` of the table measured, through its pair's layout where the pair has one (MIXED: the table holds
+    some pairs that do)."""
+    start, n, rp, cp, pair = table_tile(pid, ref_ptrs, cand_ptrs, numels, tile_first, n_pairs, search, REF_T, CAND_T,
+                                        BLOCK, TILE_BLOCKS)
+    lay = layout + pair * LAYOUT
+    if MIXED:
+        if tl.load(lay) != 0:
+            tile_partials(rp, cp, start, n, pid, out, redo, atol, rtol, lay, WORK_T, BLOCK, TILE_BLOCKS, NPART, SUM_T,
+                          FULL, RANGE, True)
+        else:
+            tile_partials(rp, cp, start, n, pid, out, redo, atol, rtol, lay, WORK_T, BLOCK, TILE_BLOCKS, NPART, SUM_T,
+                          FULL, RANGE, False)
+    else:
+        tile_partials(rp, cp, start, n, pid, out, redo, atol, rtol, lay, WORK_T, BLOCK, TILE_BLOCKS, NPART, SUM_T,
+                      FULL, RANGE, False)
+
+
 # (integers not specialised on, where Triton would compile a program apart for a value of 1 or a multiple of 16:
 # the table's size and the search's steps.  `n_direct`, a large pair's length, is: a multiple of 16 lets the tail
 # mask allow four-wide loads)
@@ -254,38 +276,17 @@ def partials(ref_ptrs, cand_ptrs, numels, tile_first, layout, out, redo, atol, r
     pid = tl.program_id(0)
     if REDO:
         if tl.load(redo + pid) != 0:
-            start, n, rp, cp, pair = table_tile(pid, ref_ptrs, cand_ptrs, numels, tile_first, n_pairs, search, REF_T,
-                                                CAND_T, BLOCK, TILE_BLOCKS)
-            lay = layout + pair * LAYOUT
-            if MIXED:
-                if tl.load(lay) != 0:
-                    tile_partials(rp, cp, start, n, pid, out, redo, atol, rtol, lay, WORK_T, BLOCK, TILE_BLOCKS,
-                                  NPART, tl.float64, True, False, True)
-                else:
-                    tile_partials(rp, cp, start, n, pid, out, redo, atol, rtol, lay, WORK_T, BLOCK, TILE_BLOCKS,
-                                  NPART, tl.float64, True, False, False)
-            else:
-                tile_partials(rp, cp, start, n, pid, out, redo, atol, rtol, lay, WORK_T, BLOCK, TILE_BLOCKS, NPART,
-                              tl.float64, True, False, False)
+            table_partials(pid, ref_ptrs, cand_ptrs, numels, tile_first, layout, out, redo, atol, rtol, n_pairs,
+                           search, REF_T, CAND_T, WORK_T, BLOCK, TILE_BLOCKS, NPART, tl.float64, True, False, MIXED,
+                           LAYOUT)
     else:
         if DIRECT:
             # one large pair, its tensors given as they are (Triton specialises on their alignment)
             tile_partials(ref_ptrs, cand_ptrs, pid.to(tl.int64) * (BLOCK * TILE_BLOCKS), n_direct, row0 + pid,
                           out, redo, atol, rtol, layout, WORK_T, BLOCK, TILE_BLOCKS, NPART, SUM_T, FULL, RANGE, False)
         else:
-            start, n, rp, cp, pair = table_tile(pid, ref_ptrs, cand_ptrs, numels, tile_first, n_pairs, search, REF_T,
-                                                CAND_T, BLOCK, TILE_BLOCKS)
-            lay = layout + pair * LAYOUT
-            if MIXED:
-                if tl.load(lay) != 0:
-                    tile_partials(rp, cp, start, n, pid, out, redo, atol, rtol, lay, WORK_T, BLOCK, TILE_BLOCKS,
-                                  NPART, SUM_T, FULL, RANGE, True)
-                else:
-                    tile_partials(rp, cp, start, n, pid, out, redo, atol, rtol, lay, WORK_T, BLOCK, TILE_BLOCKS,
-                                  NPART, SUM_T, FULL, RANGE, False)
-            else:
-                tile_partials(rp, cp, start, n, pid, out, redo, atol, rtol, lay, WORK_T, BLOCK, TILE_BLOCKS, NPART,
-                              SUM_T, FULL, RANGE, False)
+            table_partials(pid, ref_ptrs, cand_ptrs, numels, tile_first, layout, out, redo, atol, rtol, n_pairs,
+                           search, REF_T, CAND_T, WORK_T, BLOCK, TILE_BLOCKS, NPART, SUM_T, FULL, RANGE, MIXED, LAYOUT)
 
 
 @triton.jit
