@@ -20,8 +20,8 @@ A non-contiguous pair (a transposed value, one of q/k/v sliced from a fused proj
 where it lies, in logical order, through its row of a layout table (its shape merged to at most `MAX_DIMS`
 dims, each side's strides): a lane carries its position forward as digits of the shape, so the indices kept
 and the worst element are those of the logical order, as for a contiguous pair.  (Before, such a pair was
-first copied to contiguous memory: a write and a read more of its bytes, 27 % of what a transformer block
-compares: `bench/metric_passes.py`.)
+first copied to contiguous memory: a write and a read more of its bytes, 28 % of what the mid transformer
+compares: `bench/metric_passes.py --calls`.)
 
 The packed vectors of the whole batch travel to the host in one copy behind one event; nothing
 synchronises until a result is read.  The rule is `measure.compare_elements`'s
@@ -127,9 +127,17 @@ def layout(r: torch.Tensor, c: torch.Tensor) -> list[int] | None:
     return [1] + [d[0] for d in dims[1:]] + [d[1] for d in dims] + [d[2] for d in dims] + [0]
 
 
+def _row(r: torch.Tensor, c: torch.Tensor) -> list[int] | None:
+    """A pair's row of the layout table as `packed_batch` reads it: all zeros for a contiguous pair, `layout` for a
+    small non-contiguous one; None where it copies the pair to contiguous memory first (no layout, or large)."""
+    if r.is_contiguous() and c.is_contiguous():
+        return _CONTIGUOUS
+    return layout(r, c) if r.numel() < DIRECT_MIN else None
+
+
 def copied_bytes(r: torch.Tensor, c: torch.Tensor) -> int:
     """The bytes of contiguous copies `packed_batch` makes of a pair: none where it reads both sides where they lie."""
-    if (r.is_contiguous() and c.is_contiguous()) or (r.numel() < DIRECT_MIN and layout(r, c) is not None):
+    if _row(r, c) is not None:
         return 0
     return sum(t.numel() * t.element_size() for t in (r, c) if not t.is_contiguous())
 
@@ -146,8 +154,7 @@ def packed_batch(pairs: list[tuple[torch.Tensor, torch.Tensor]], atol: float, rt
     sizes = [r.numel() for r, _ in pairs]
     lays = []
     for k, (r, c) in enumerate(pairs):
-        lay = _CONTIGUOUS if r.is_contiguous() and c.is_contiguous() else \
-            layout(r, c) if sizes[k] < DIRECT_MIN else None
+        lay = _row(r, c)
         if lay is None:
             pairs[k] = (r.detach().contiguous(), c.detach().contiguous())
             lay = _CONTIGUOUS
