@@ -28,6 +28,7 @@ def main():
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--direct-min", default="", help="comma-separated; default: the module's own")
     ap.add_argument("--batch-pairs", default="")
+    ap.add_argument("--first-pairs", default="", help="comma-separated FIRST_BATCH_PAIRS; default: the module's own")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--profile", action="store_true", help="one diff's metric passes under torch's profiler")
     ap.add_argument("--calls", action="store_true", help="as --profile, without the profiler (host times as a diff "
@@ -50,16 +51,18 @@ def main():
         return
     rows = []
     for dm in [int(x) for x in a.direct_min.split(",")] if a.direct_min else [metrics_kernel.DIRECT_MIN]:
-        for bp in [int(x) for x in a.batch_pairs.split(",")] if a.batch_pairs else [measure.BATCH_PAIRS]:
-            metrics_kernel.DIRECT_MIN, measure.BATCH_PAIRS = dm, bp
+        for bp, fp in [(int(x), int(y)) for x in (a.batch_pairs.split(",") if a.batch_pairs else [measure.BATCH_PAIRS])
+                       for y in (a.first_pairs.split(",") if a.first_pairs else [getattr(measure, "FIRST_BATCH_PAIRS",
+                                                                                        measure.BATCH_PAIRS)])]:
+            metrics_kernel.DIRECT_MIN, measure.BATCH_PAIRS, measure.FIRST_BATCH_PAIRS = dm, bp, fp
             _metric_passes(diffkit, ref, cand, ri, ci, kw, a.device)  # (a new launch configuration compiled)
             got = [_metric_passes(diffkit, ref, cand, ri, ci, kw, a.device) for _ in range(a.repeat)]
             secs = statistics.median(g["metric_pass_seconds"] for g in got)
-            row = dict(direct_min=dm, batch_pairs=bp, seconds=secs, pairs=got[0]["metric_pass_pairs"],
+            row = dict(direct_min=dm, batch_pairs=bp, first_pairs=fp, seconds=secs, pairs=got[0]["metric_pass_pairs"],
                        bytes=got[0]["metric_pass_bytes"], copy_bandwidth=got[0].get("copy_bandwidth"))
             rows.append(row)
             bw = row["bytes"] / secs
-            print(f"direct_min {dm:>14d} batch_pairs {bp:4d}: {row['pairs']} pairs {row['bytes'] / 1e9:.2f} GB in "
+            print(f"direct_min {dm:>14d} batch_pairs {bp:4d} first {fp:3d}: {row['pairs']} pairs {row['bytes'] / 1e9:.2f} GB in "
                   f"{secs * 1e3:.1f} ms = {bw / 1e9:.0f} GB/s" + (
                       f" = {100 * bw / row['copy_bandwidth']:.0f}% of copy" if row["copy_bandwidth"] else ""), flush=True)
     print("RESULT " + json.dumps(rows))

@@ -248,6 +248,8 @@ class _HostBatch:
 # pairs per launch of the batched CUDA kernel: the device measures a batch while the host builds the next one's
 # address table (one batch of a full capture's 205 pairs left the device idle until the host had built all of it)
 BATCH_PAIRS = 32
+# the first batch of a call is smaller: the device waits for it, idle, while the host builds it
+FIRST_BATCH_PAIRS = 8
 
 
 # bytes of contiguous copies (of non-contiguous pairs) one launch may make
@@ -255,14 +257,16 @@ BATCH_COPY_BYTES = 1 << 30
 
 
 def _batches(items: list, idx: list[int]):
-    """`idx` in launches of at most BATCH_PAIRS pairs and BATCH_COPY_BYTES of contiguous copies."""
+    """`idx` in launches of at most BATCH_PAIRS pairs (the first of at most FIRST_BATCH_PAIRS) and BATCH_COPY_BYTES
+    of contiguous copies."""
     part: list[int] = []
     copies = 0
+    most = min(FIRST_BATCH_PAIRS, BATCH_PAIRS)
     for i in idx:
         size = metrics_kernel.copied_bytes(items[i][0], items[i][1])
-        if part and (len(part) >= BATCH_PAIRS or copies + size > BATCH_COPY_BYTES):
+        if part and (len(part) >= most or copies + size > BATCH_COPY_BYTES):
             yield part
-            part, copies = [], 0
+            part, copies, most = [], 0, BATCH_PAIRS
         part.append(i)
         copies += size
     if part:

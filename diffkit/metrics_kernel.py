@@ -1,11 +1,12 @@
 """The CUDA metric kernel: every statistic a pair's `Stats` needs, in one read of both tensors.
 
-Three launches per batch of pairs (one dtype combination, one tolerance), nothing built per block on
+Three to five launches per batch of pairs (one dtype combination, one tolerance), nothing built per block on
 the host:
 
 * `partials`: each program reads a tile of `TILE` elements of one pair (its pair found by a binary
   search of the pairs' first tiles, through a table of the pairs' addresses; a large pair is
-  launched on its own), `BLOCK` lanes at a time, keeping per-lane accumulators (float32 arithmetic --
+  launched on its own; a launch for each way the table's pairs are read, `READ_*`), `BLOCK` lanes at a time
+  (`BLOCK // GROUP` rows of `GROUP`), keeping per-lane accumulators (float32 arithmetic --
   float64 when either side is -- with float32 sums within the tile and float64 from the tile up;
   each lane keeps the first index of its maxima), and reduces them once into the tile's partial
   statistics (the `metric_slots.Part` slots).  This pass assumes every value finite and in float32's
@@ -19,9 +20,15 @@ the host:
 A non-contiguous pair (a transposed value, one of q/k/v sliced from a fused projection, an expanded one) is read
 where it lies, in logical order, through its row of a layout table (its shape merged to at most `MAX_DIMS`
 dims, each side's strides): a lane carries its position forward as digits of the shape, so the indices kept
-and the worst element are those of the logical order, as for a contiguous pair.  (Before, such a pair was
-first copied to contiguous memory: a write and a read more of its bytes, 28 % of what the mid transformer
-compares: `bench/metric_passes.py --calls`.)
+and the worst element are those of the logical order, as for a contiguous pair.  Where the last dim is
+contiguous on both sides and a multiple of `GROUP` long (`READ_ROWS`), only each row of lanes does, its lanes
+reading neighbours.  (Before, such a pair was first copied to contiguous memory: a write and a read more of its
+bytes, 28 % of what the mid transformer compares: `bench/metric_passes.py --calls`.)
+
+The per-element work is what bounds the programs (session 32, sm_90 code of the finite-first pass, instructions
+per float32 element: contiguous 51.5 -> 34, its address and mask arithmetic in 32 bits within the tile and four
+elements a load where `_aligned` allows, and a float32 quotient by the approximate division; strided 95 -> 86;
+rows 43).
 
 The packed vectors of the whole batch travel to the host in one copy behind one event; nothing
 synchronises until a result is read.  The rule is `measure.compare_elements`'s
@@ -100,9 +107,15 @@ def _triton_dtype(dtype: torch.dtype):
             torch.float64: tl.float64}[dtype]
 
 
-# a pair's row of the layout table: [strided?, sizes of dims 1..4, ref strides of dims 0..4, cand strides of dims 0..4,
-# one unused] (16 integers: each row 16-byte aligned)
+# a pair's row of the layout table: [how it is read (READ_*), sizes of dims 1..4, ref strides of dims 0..4, cand strides
+# of dims 0..4, one unused] (16 integers: each row 16-byte aligned)
 LAYOUT = 16
+# how a pair's tiles are read (a launch each: `metrics_triton.tile_stats`): both sides contiguous; each element's place
+# through the layout; each row of GROUP lanes' place through it, the row's elements next to each other on both sides
+# (the last dim has stride 1 on both and a size that is a multiple of GROUP: the q/k/v slices of a fused projection,
+# heads transposed, most permutes)
+READ_FLAT, READ_STRIDED, READ_ROWS = 0, 1, 2
+GROUP = 16
 MAX_DIMS = 5  # dims a strided pair may keep (after merging): more, and it is copied to contiguous memory first
 _CONTIGUOUS = [0] * LAYOUT
 
@@ -124,7 +137,9 @@ def layout(r: torch.Tensor, c: torch.Tensor) -> list[int] | None:
     dims = [[1, 0, 0]] * (MAX_DIMS - len(dims)) + dims
     if max(sum((n - 1) * a for n, a, _ in dims), sum((n - 1) * b for n, _, b in dims)) >= 1 << 31:
         return None
-    return [1] + [d[0] for d in dims[1:]] + [d[1] for d in dims] + [d[2] for d in dims] + [0]
+    rows = dims[-1][1] == 1 and dims[-1][2] == 1 and dims[-1][0] % GROUP == 0
+    return ([READ_ROWS if rows else READ_STRIDED] + [d[0] for d in dims[1:]] + [d[1] for d in dims]
+            + [d[2] for d in dims] + [0])
 
 
 def _row(r: torch.Tensor, c: torch.Tensor) -> list[int] | None:
@@ -133,6 +148,19 @@ def _row(r: torch.Tensor, c: torch.Tensor) -> list[int] | None:
     if r.is_contiguous() and c.is_contiguous():
         return _CONTIGUOUS
     return layout(r, c) if r.numel() < DIRECT_MIN else None
+
+
+def _aligned(r: torch.Tensor, c: torch.Tensor, lay: list[int] | None) -> bool:
+    """Whether the pair's tiles keep the kernel's ALIGNED promise (`metrics_triton.tile_stats`): each element read
+    through its layout (`lay`; no promise needed); its rows read through it, both sides starting 16-byte aligned
+    and every stride a multiple of 4; or contiguous (as it is, or as copied: a new allocation) with a length that
+    is a multiple of 4 and both sides starting 16-byte aligned."""
+    how = lay[0] if lay is not None else READ_FLAT
+    if how == READ_STRIDED:
+        return True
+    if how == READ_ROWS:
+        return r.data_ptr() % 16 == 0 and c.data_ptr() % 16 == 0 and all(s % 4 == 0 for s in lay[5:15])
+    return r.numel() % 4 == 0 and all(t.data_ptr() % 16 == 0 for t in (r, c) if t.is_contiguous())
 
 
 def copied_bytes(r: torch.Tensor, c: torch.Tensor) -> int:
@@ -153,16 +181,25 @@ def packed_batch(pairs: list[tuple[torch.Tensor, torch.Tensor]], atol: float, rt
     P = len(pairs)
     sizes = [r.numel() for r, _ in pairs]
     lays = []
+    # for each way of reading, whether every pair read that way keeps the ALIGNED promise (the full rules' launch
+    # reads even the large pairs through the table): then its launch reads four elements a load
+    aligned = {READ_FLAT: True, READ_STRIDED: False, READ_ROWS: True}
     for k, (r, c) in enumerate(pairs):
         lay = _row(r, c)
+        if not _aligned(r, c, lay):
+            aligned[lay[0] if lay is not None else READ_FLAT] = False
         if lay is None:
             pairs[k] = (r.detach().contiguous(), c.detach().contiguous())
             lay = _CONTIGUOUS
         lays.append(lay)
-    # the table holds the small pairs first (one launch reads them all through it), then the large ones
-    # (a launch each, their tensors passed directly); `dest` says where each one's vector goes
-    order = [k for k in range(P) if sizes[k] < DIRECT_MIN] + [k for k in range(P) if sizes[k] >= DIRECT_MIN]
-    small = sum(1 for k in order if sizes[k] < DIRECT_MIN)
+    # the table holds the small pairs first, by how they are read (a launch reads all those read one way through
+    # it), then the large ones (a launch each, their tensors passed directly); `dest` says where each one's vector
+    # goes
+    ways = (READ_FLAT, READ_ROWS, READ_STRIDED)
+    order = [k for way in ways for k in range(P) if sizes[k] < DIRECT_MIN and lays[k][0] == way]
+    small = len(order)
+    order += [k for k in range(P) if sizes[k] >= DIRECT_MIN]
+    ends = [sum(1 for k in order[:small] if lays[k][0] in ways[:i + 1]) for i in range(len(ways))]
     refs = [pairs[k][0] for k in order]
     cands = [pairs[k][1] for k in order]
     mixed = any(lay[0] for lay in lays)
@@ -181,14 +218,15 @@ def packed_batch(pairs: list[tuple[torch.Tensor, torch.Tensor]], atol: float, rt
     sums = torch.float64 if LANE_SUMS_64 or full else work
     const = dict(REF_T=rt, CAND_T=ct, WORK_T=_triton_dtype(work), BLOCK=BLOCK, TILE_BLOCKS=TILE_BLOCKS, NPART=_NPART,
                  num_warps=NUM_WARPS, FULL=full, SUM_T=_triton_dtype(sums), RANGE=sums != torch.float64,
-                 MIXED=mixed, LAYOUT=LAYOUT)
+                 LAYOUT=LAYOUT, GROUP=GROUP)
     # the large pairs first: their launches read no table (their tensors are passed directly), so the device
     # works on them while the host builds the table for the rest
     if small < P:
         none = _no_table(dev)
         for k in range(small, P):
             _launch(partials, first[k + 1] - first[k], refs[k], cands[k], none, none, none, out, redo, float(atol),
-                    float(rtol), P, numels[k], first[k], 0, DIRECT=True, REDO=False, **const)
+                    float(rtol), P, numels[k], first[k], 0, DIRECT=True, REDO=False, MIXED=False, READ=READ_FLAT,
+                    ALIGNED=False, **const)
     # the address table goes over in one small copy (pinned and asynchronous on a GPU)
     # (one flat list, one tensor: every torch call here costs host time per batch, a batch per pair when streaming)
     # Each of its parts starts 16 bytes in (an even number of int64s before it): Triton compiles a program per
@@ -210,12 +248,16 @@ def packed_batch(pairs: list[tuple[torch.Tensor, torch.Tensor]], atol: float, rt
         ref_ptrs = torch.tensor([r.data_ptr() for r in refs], dtype=torch.int64)
         cand_ptrs = torch.tensor([c.data_ptr() for c in cands], dtype=torch.int64)
     search = max(1, (P - 1).bit_length())
-    if small:
-        _launch(partials, first[small], ref_ptrs, cand_ptrs, ns, tile_first, lay_t, out, redo, float(atol),
-                float(rtol), small, 0, 0, max(1, (small - 1).bit_length()), DIRECT=False, REDO=False, **const)
+    # the small pairs' tiles, a launch for each way of reading them
+    for way, lo, hi in zip(ways, [0] + ends, ends):
+        if hi > lo:
+            _launch(partials, first[hi] - first[lo], ref_ptrs, cand_ptrs, ns, tile_first, lay_t, out, redo,
+                    float(atol), float(rtol), small, 0, first[lo], max(1, (small - 1).bit_length()), DIRECT=False,
+                    REDO=False, MIXED=False, READ=way, ALIGNED=aligned[way], **const)
     if not full:
         _launch(partials, first[-1], ref_ptrs, cand_ptrs, ns, tile_first, lay_t, out, redo, float(atol), float(rtol),
-                P, 0, 0, search, DIRECT=False, REDO=True, **const)
+                P, 0, 0, search, DIRECT=False, REDO=True, MIXED=mixed, READ=READ_FLAT, ALIGNED=aligned[READ_FLAT],
+                **const)
     packed = torch.empty((P, _NPACKED), dtype=torch.float64, device=dev)
     _launch(combine, P, out, ref_ptrs, cand_ptrs, ns, tile_first, lay_t, dest, packed, REF_T=rt, CAND_T=ct,
             NPART=_NPART, NPACKED=_NPACKED, ROWS=COMBINE_ROWS, MIXED=mixed, LAYOUT=LAYOUT)

@@ -496,6 +496,16 @@ def _strided_pairs(dtype: torch.dtype, cand_dtype: torch.dtype,
     r, c = made(2, 4, 3, 3, 5)  # five dims in reversed memory order (none merge) against contiguous ones
     c[1, 2, 1, 1, 3] += 50.0  # the worst element in the second half of the first dim
     out.append((r.to(dtype).permute(4, 3, 2, 1, 0).contiguous().permute(4, 3, 2, 1, 0), c.to(cand_dtype)))
+    # read a row of lanes at a time (the last dim contiguous on both sides, its size a multiple of the rows' width):
+    # heads transposed back against contiguous ones, a NaN among them (the full rules read them element by element)
+    r, c = made(2, 3, 5, 16)
+    c[1, 2, 4, 7] = math.nan
+    out.append((r.to(dtype).transpose(1, 2), c.to(cand_dtype).transpose(1, 2).contiguous()))
+    r, c = made(2, 5, 96)  # the middle third of a fused projection (rows start 16-byte aligned)
+    out.append((r.to(dtype)[..., 32:64], c[..., 32:64].to(cand_dtype).contiguous()))
+    r, c = made(3, 4, 33)  # rows that do not start aligned: their launch reads them an element a load (kept last
+    # but one: `strided[:-2]` leaves it out, so its batch reads aligned rows four elements a load)
+    out.append((r.to(dtype)[..., 1:33], c[..., 1:33].to(cand_dtype)))
     r, c = made(2, 3, 2, 3, 2, 3)  # six dims reversed, none merging: copied first
     out.append((r.to(dtype).permute(5, 4, 3, 2, 1, 0), c.to(cand_dtype).permute(5, 4, 3, 2, 1, 0)))
     return out
@@ -515,6 +525,7 @@ def test_triton_kernels_under_the_interpreter_agree_with_the_exact_path(monkeypa
     from diffkit import metrics_kernel as K
 
     monkeypatch.setattr(K, "BLOCK", 16)
+    monkeypatch.setattr(K, "GROUP", 4)  # (a step of a block reads four rows of lanes)
     monkeypatch.setattr(K, "TILE_BLOCKS", 2)
     monkeypatch.setattr(K, "TILE", 32)
     monkeypatch.setattr(K, "COMBINE_ROWS", 4)
@@ -555,7 +566,7 @@ def test_triton_kernels_under_the_interpreter_agree_with_the_exact_path(monkeypa
             # the batch as it is and one pair shorter (an odd count pads the address table's parts); its
             # non-contiguous pairs alone; its contiguous ones alone
             strided = _strided_pairs(*dtypes)
-            for batch in (pairs + strided, pairs[1:] + strided, strided, pairs):
+            for batch in (pairs + strided, pairs[1:] + strided, strided, strided[:-2], pairs):
                 got = K.packed_batch(batch, atol, rtol)
                 for k, (r, c) in enumerate(batch):
                     st = M.PendingStats(got[k], tuple(r.shape), atol, rtol)
