@@ -63,6 +63,12 @@ def _pair(kind: str, n: int, dtype: torch.dtype, cand_dtype: torch.dtype, seed: 
         c[: n // 2] *= 1e25
         r[n // 2:] *= 1e-25
         c[n // 2:] *= 1e-25
+    if kind == "subnormal":
+        # references below the normal range among normal ones, the candidate off by 1e-3 there: relative errors of
+        # up to ~1e36, which a division that flushes such divisors to zero would make infinite
+        tiny = min(torch.finfo(dtype).tiny, torch.finfo(cand_dtype).tiny) / 8
+        r[::7] = tiny * (1 + torch.arange(0, n, 7, dtype=torch.float64) % 3)
+        c[::7] = r[::7] + 1e-3
     return r.to(dtype), c.to(cand_dtype)
 
 
@@ -118,7 +124,7 @@ def test_host_path_reads_a_permuted_layout_in_logical_order(monkeypatch, kind, l
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("kind", ["close", "bad", "zeros", "specials", "range"])
+@pytest.mark.parametrize("kind", ["close", "bad", "zeros", "specials", "range", "subnormal"])
 @pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.float16, torch.float16),
                                     (torch.bfloat16, torch.float32)], ids=["f32", "f16", "bf16-f32"])
 @pytest.mark.parametrize("n", [1, 37, 100_003])
@@ -542,7 +548,7 @@ def test_triton_kernels_under_the_interpreter_agree_with_the_exact_path(monkeypa
             monkeypatch.setattr(K, "LANE_SUMS_64", sums64)
             pairs = [_pair(kind, n, *dtypes, seed=n) for kind, n in
                      (("close", 1), ("bad", 37), ("zeros", 300), ("specials", 301), ("bad", 1000),
-                      ("range", 200))]
+                      ("range", 200), ("subnormal", 90))]
             tie_r = torch.zeros(200, dtype=dtypes[0])
             tie_c = tie_r.clone()
             tie_c[[70, 150]] = 0.5  # equal maxima in different tiles: the first one is the worst
