@@ -159,7 +159,8 @@ def _aligned(r: torch.Tensor, c: torch.Tensor, lay: list[int] | None) -> bool:
     if how == READ_STRIDED:
         return True
     if how == READ_ROWS:
-        return r.data_ptr() % 16 == 0 and c.data_ptr() % 16 == 0 and all(s % 4 == 0 for s in lay[5:15])
+        # (the strides of dims 0..3 on each side: the last dim's are 1)
+        return r.data_ptr() % 16 == 0 and c.data_ptr() % 16 == 0 and all(s % 4 == 0 for s in lay[5:9] + lay[10:14])
     return r.numel() % 4 == 0 and all(t.data_ptr() % 16 == 0 for t in (r, c) if t.is_contiguous())
 
 

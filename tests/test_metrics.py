@@ -517,6 +517,38 @@ def _strided_pairs(dtype: torch.dtype, cand_dtype: torch.dtype,
     return out
 
 
+def test_each_pair_is_read_the_way_its_layout_allows_and_promised_aligned_only_where_it_is():
+    """How the CUDA kernel reads a pair (`metrics_kernel.READ_*`) and whether its launch may read four elements a
+    load (`_aligned`: a wrong promise would be a misaligned load on the device), decided on the host from the
+    pair's shape, strides and addresses: no GPU needed."""
+    from diffkit import metrics_kernel as K
+
+    def way(r, c):
+        row = K._row(r, c)
+        return (None if row is None else row[0]), K._aligned(r, c, row)
+
+    x = torch.randn(2, 5, 96)
+    heads = torch.randn(2, 3, 5, 16)
+    cases = {
+        "contiguous": ((x, x.clone()), (K.READ_FLAT, True)),
+        "contiguous, length not a multiple of 4": ((x[0, 0, :7], x[0, 0, :7].clone()), (K.READ_FLAT, False)),
+        "contiguous, one element in": ((x.view(-1)[1:961], x.view(-1)[:960].clone()), (K.READ_FLAT, False)),
+        "heads transposed against contiguous ones": ((heads.transpose(1, 2), heads.transpose(1, 2).contiguous()),
+                                                     (K.READ_ROWS, True)),
+        "the middle third of a fused projection": ((x[..., 32:64], x[..., 32:64].contiguous()), (K.READ_ROWS, True)),
+        "rows one element in": ((torch.randn(3, 4, 33)[..., 1:33], torch.randn(3, 4, 32)), (K.READ_ROWS, False)),
+        "rows four elements in, strides of 36": ((torch.randn(3, 4, 36)[..., 4:36], torch.randn(3, 4, 32)),
+                                                 (K.READ_ROWS, True)),
+        "rows strided by 34": ((torch.randn(3, 4, 34)[..., :32], torch.randn(3, 4, 32)), (K.READ_ROWS, False)),
+        "a transposed matrix": ((torch.randn(8, 12).t(), torch.randn(12, 8)), (K.READ_STRIDED, True)),
+        "a last dim shorter than a row of lanes": ((x[..., :10], x[..., :10].contiguous()), (K.READ_STRIDED, True)),
+        "six dims reversed (copied first)": ((torch.randn(2, 3, 2, 3, 2, 4).permute(5, 4, 3, 2, 1, 0),
+                                              torch.randn(4, 2, 3, 2, 3, 2)), (None, True)),
+    }
+    got = {name: way(*pair) for name, (pair, _) in cases.items()}
+    assert got == {name: want for name, (_, want) in cases.items()}
+
+
 def test_triton_kernels_under_the_interpreter_agree_with_the_exact_path(monkeypatch):
     """The metric kernels' logic on the CPU (TRITON_INTERPRET=1), with tiles and lanes made small so
     pairs span many tiles, the combining loop runs several rounds and ties of maxima cross tiles."""
