@@ -517,6 +517,23 @@ def _strided_pairs(dtype: torch.dtype, cand_dtype: torch.dtype,
     return out
 
 
+def test_a_calls_pairs_go_in_order_in_batches_the_first_small_the_copies_bounded(monkeypatch):
+    """`measure._batches`: every pair once, in order; the first batch at most FIRST_BATCH_PAIRS (the device waits
+    for it), the others at most BATCH_PAIRS, and no batch copies more than BATCH_COPY_BYTES to contiguous memory
+    (a pair that alone copies more goes alone)."""
+    monkeypatch.setattr(M, "BATCH_COPY_BYTES", 3 * 64 * 64 * 4)
+    x = torch.randn(64, 64)
+    items = [((x.t() if k % 5 == 0 else x), x, 1e-4, 1e-4) for k in range(75)]  # every fifth a transposed side
+    from diffkit import metrics_kernel as K
+
+    monkeypatch.setattr(K, "DIRECT_MIN", 1)  # (every pair "large": its transposed side copied, not read in place)
+    parts = list(M._batches(items, list(range(len(items)))))
+    assert [i for p in parts for i in p] == list(range(len(items)))
+    assert len(parts[0]) <= M.FIRST_BATCH_PAIRS and all(len(p) <= M.BATCH_PAIRS for p in parts[1:])
+    assert all(sum(K.copied_bytes(*items[i][:2]) for i in p) <= M.BATCH_COPY_BYTES for p in parts)
+    assert len(parts) < len(items)  # (batches, not a launch a pair)
+
+
 def test_each_pair_is_read_the_way_its_layout_allows_and_promised_aligned_only_where_it_is():
     """How the CUDA kernel reads a pair (`metrics_kernel.READ_*`) and whether its launch may read four elements a
     load (`_aligned`: a wrong promise would be a misaligned load on the device), decided on the host from the
