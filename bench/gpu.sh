@@ -12,8 +12,8 @@
 #   stream    the streaming diff of the same transformer at 40G (fits an H100): speed.py h200:plain,h200:stream;
 #             PROFILE=1 adds bench/lockstep_profile.py (both threads under cProfile, syncs, device busy time)
 #   mid       the same transformer at 12 blocks, B4 S1024 D1024 (fits an H100): plain, compare (with its metric
-#             passes), default, the CLI in one process (--no-isolate), isolated, five trials; fresh processes for
-#             the CLI modes, as a user runs them. $OUT/speed_mid.json
+#             passes), stream (MID_STREAM, default 4G), default, the CLI in one process (--no-isolate), isolated,
+#             five trials; fresh processes for the CLI modes, as a user runs them. $OUT/speed_mid.json
 #   metrics   the metric kernel: tests/test_metrics.py -m cuda, bench/metrics_kernel_tune.py (the kernel alone over
 #             its knobs), bench/direct_vs_table.py (a launch per pair against the address table), speed.py
 #             h200:metrics (a 1 GiB float32 pair through measure_many, against a device copy)
@@ -99,8 +99,11 @@ part_stream() {
 }
 
 part_mid() {
-  speed "${MID_S:-400}" --preset h200 --repeat "${REPEAT:-3}" \
-    --only gpu_mid:plain,gpu_mid:compare,gpu_mid:default,gpu_mid:cli_inproc,gpu_mid:isolated,gpu_mid:default_cli \
+  # (--max-memory: the streaming diff's budget, about a third of what the full capture compares, as 40G is of the
+  # 24-block model's; the other modes do not read it)
+  local only=gpu_mid:plain,gpu_mid:compare,gpu_mid:stream,gpu_mid:default
+  only+=,gpu_mid:cli_inproc,gpu_mid:isolated,gpu_mid:default_cli
+  speed "${MID_S:-400}" --preset h200 --repeat "${REPEAT:-3}" --max-memory "${MID_STREAM:-4G}" --only "$only" \
     --json "$OUT/speed_mid.json"
 }
 
