@@ -62,8 +62,8 @@ def main():
                        bytes=got[0]["metric_pass_bytes"], copy_bandwidth=got[0].get("copy_bandwidth"))
             rows.append(row)
             bw = row["bytes"] / secs
-            print(f"direct_min {dm:>14d} batch_pairs {bp:4d} first {fp:3d}: {row['pairs']} pairs {row['bytes'] / 1e9:.2f} GB in "
-                  f"{secs * 1e3:.1f} ms = {bw / 1e9:.0f} GB/s" + (
+            print(f"direct_min {dm:>14d} batch_pairs {bp:4d} first {fp:3d}: {row['pairs']} pairs "
+                  f"{row['bytes'] / 1e9:.2f} GB in {secs * 1e3:.1f} ms = {bw / 1e9:.0f} GB/s" + (
                       f" = {100 * bw / row['copy_bandwidth']:.0f}% of copy" if row["copy_bandwidth"] else ""), flush=True)
     print("RESULT " + json.dumps(rows))
     del torch

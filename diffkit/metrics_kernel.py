@@ -153,8 +153,8 @@ def _row(r: torch.Tensor, c: torch.Tensor) -> list[int] | None:
 def _aligned(r: torch.Tensor, c: torch.Tensor, lay: list[int] | None) -> bool:
     """Whether the pair's tiles keep the kernel's ALIGNED promise (`metrics_triton.tile_stats`): each element read
     through its layout (`lay`; no promise needed); its rows read through it, both sides starting 16-byte aligned
-    and every stride but the last dim's (1) a multiple of 4; or contiguous (as it is, or as copied: a new allocation) with a length that
-    is a multiple of 4 and both sides starting 16-byte aligned."""
+    and every stride but the last dim's (1) a multiple of 4; or contiguous (as it is, or as copied: a new
+    allocation) with a length that is a multiple of 4 and both sides starting 16-byte aligned."""
     how = lay[0] if lay is not None else READ_FLAT
     if how == READ_STRIDED:
         return True
