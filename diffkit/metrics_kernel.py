@@ -197,10 +197,13 @@ def packed_batch(pairs: list[tuple[torch.Tensor, torch.Tensor]], atol: float, rt
     # it), then the large ones (a launch each, their tensors passed directly); `dest` says where each one's vector
     # goes
     ways = (READ_FLAT, READ_ROWS, READ_STRIDED)
-    order = [k for way in ways for k in range(P) if sizes[k] < DIRECT_MIN and lays[k][0] == way]
+    order: list[int] = []
+    ends = []  # where each way's pairs end in the table
+    for way in ways:
+        order += [k for k in range(P) if sizes[k] < DIRECT_MIN and lays[k][0] == way]
+        ends.append(len(order))
     small = len(order)
     order += [k for k in range(P) if sizes[k] >= DIRECT_MIN]
-    ends = [sum(1 for k in order[:small] if lays[k][0] in ways[:i + 1]) for i in range(len(ways))]
     refs = [pairs[k][0] for k in order]
     cands = [pairs[k][1] for k in order]
     mixed = any(lay[0] for lay in lays)
