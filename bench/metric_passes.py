@@ -33,6 +33,8 @@ def main():
     ap.add_argument("--profile", action="store_true", help="one diff's metric passes under torch's profiler")
     ap.add_argument("--calls", action="store_true", help="as --profile, without the profiler (host times as a diff "
                     "pays them; no device times)")
+    ap.add_argument("--host-profile", type=int, default=0, metavar="N", help="the diff's pairs through measure_many N "
+                    "times under cProfile (results fetched each time): where the host's time per call goes")
     a = ap.parse_args()
     for k, v in MODELS[a.model]["env"].items():
         os.environ[k] = str(v)
@@ -46,6 +48,9 @@ def main():
     ref, cand, ri, ci = pair.ref, pair.cand, pair.ref_inputs, pair.cand_inputs
     kw = dict(health=False, rerun=False)
     diffkit.compare(ref, cand, ri, cand_inputs=ci, **kw)  # compile, first touch
+    if a.host_profile:
+        _host_profile(diffkit, ref, cand, ri, ci, kw, a.host_profile)
+        return
     if a.profile or a.calls:
         _profile(diffkit, ref, cand, ri, ci, kw, profiler=a.profile)
         return
@@ -67,6 +72,51 @@ def main():
                       f" = {100 * bw / row['copy_bandwidth']:.0f}% of copy" if row["copy_bandwidth"] else ""), flush=True)
     print("RESULT " + json.dumps(rows))
     del torch
+
+
+def _host_profile(diffkit, ref, cand, ri, ci, kw, times: int) -> None:
+    """One diff's `measure_many` items, kept, then measured `times` times over under cProfile (the host's side: the
+    device is synchronised after each call, so its time shows as the wait for the results)."""
+    import cProfile
+    import pstats
+    import time
+
+    import torch
+
+    kept = []
+
+    def keep(orig):
+        def measure_many(items):
+            kept.append(list(items))
+            return orig(items)
+        return measure_many
+
+    with measure_many_wrapped(keep):
+        diffkit.compare(ref, cand, ri, cand_inputs=ci, **kw)
+    from diffkit import measure
+
+    def once():
+        for items in kept:
+            for p in measure.measure_many(items):
+                p.result()
+        torch.cuda.synchronize()
+
+    once()
+    t0 = time.perf_counter()
+    for _ in range(times):
+        once()
+    per = (time.perf_counter() - t0) / times
+    nbytes = sum(r.numel() * r.element_size() + c.numel() * c.element_size() for items in kept for r, c, _, _ in items)
+    print(f"{len(kept)} calls, {sum(map(len, kept))} pairs, {nbytes / 1e9:.2f} GB: {per * 1e3:.2f} ms a pass "
+          f"= {nbytes / per / 1e9:.0f} GB/s (no profiler)")
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(times):
+        once()
+    prof.disable()
+    stats = pstats.Stats(prof)
+    stats.sort_stats("tottime").print_stats(25)
+    stats.sort_stats("cumulative").print_stats(25)
 
 
 def _profile(diffkit, ref, cand, ri, ci, kw, profiler=True) -> None:

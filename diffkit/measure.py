@@ -258,19 +258,21 @@ BATCH_COPY_BYTES = 1 << 30
 
 def _batches(items: list, idx: list[int]):
     """`idx` in launches of at most BATCH_PAIRS pairs (the first of at most FIRST_BATCH_PAIRS) and BATCH_COPY_BYTES
-    of contiguous copies."""
+    of contiguous copies: each launch's pairs with their rows of the layout table (`metrics_kernel.planned`)."""
     part: list[int] = []
+    rows: list = []
     copies = 0
     most = min(FIRST_BATCH_PAIRS, BATCH_PAIRS)
     for i in idx:
-        size = metrics_kernel.copied_bytes(items[i][0], items[i][1])
+        row, size = metrics_kernel.planned(items[i][0], items[i][1])
         if part and (len(part) >= most or copies + size > BATCH_COPY_BYTES):
-            yield part
-            part, copies, most = [], 0, BATCH_PAIRS
+            yield part, rows
+            part, rows, copies, most = [], [], 0, BATCH_PAIRS
         part.append(i)
+        rows.append(row)
         copies += size
     if part:
-        yield part
+        yield part, rows
 
 
 def measure_many(items: list[tuple[torch.Tensor, torch.Tensor, float, float]]) -> list[PendingStats]:
@@ -298,9 +300,9 @@ def measure_many(items: list[tuple[torch.Tensor, torch.Tensor, float, float]]) -
                 for i in idx:
                     out[i] = measure_async(*items[i])
                 continue
-            for part in _batches(items, idx):
+            for part, rows in _batches(items, idx):
                 with torch.cuda.device(items[part[0]][0].device):  # the launch on the pairs' own device
-                    batch = _HostBatch(metrics_kernel.packed_batch([items[i][:2] for i in part], atol, rtol))
+                    batch = _HostBatch(metrics_kernel.packed_batch([items[i][:2] for i in part], atol, rtol, rows))
                 for k, i in enumerate(part):
                     out[i] = PendingStats(None, tuple(items[i][0].shape), atol, rtol, batch=(batch, k))
     return out  # type: ignore[return-value]

@@ -1,7 +1,7 @@
 """The CUDA metric kernel: every statistic a pair's `Stats` needs, in one read of both tensors.
 
-Three to five launches per batch of pairs (one dtype combination, one tolerance), nothing built per block on
-the host:
+Two to four launches per batch of pairs (one dtype combination, one tolerance; mostly two or three: the host's
+time per launch is what bounds a diff's metric passes), nothing built per block on the host:
 
 * `partials`: each program reads a tile of `TILE` elements of one pair (its pair found by a binary
   search of the pairs' first tiles, through a table of the pairs' addresses; a large pair is
@@ -11,9 +11,10 @@ the host:
   each lane keeps the first index of its maxima), and reduces them once into the tile's partial
   statistics (the `metric_slots.Part` slots).  This pass assumes every value finite and in float32's
   square range; a tile where that was not so (found from the lanes' sums after the loop) is marked.
-* `partials` again (`REDO`), over the whole table: the marked tiles only, by the full NaN/Inf rules
-  with float64 sums (the others return at once).
-* `combine`: one program per pair folds its tiles' partials (sums; maxima with the first index of
+* `combine`: one program per pair measures its marked tiles again, by the full NaN/Inf rules with float64
+  sums (a launch of their own before, over the whole table, that almost always found nothing to do: a launch
+  saved a batch; a pair with many marked tiles is measured again by its one program, slower but rare), then folds
+  its tiles' partials (sums; maxima with the first index of
   each, as `torch.argmax` takes the first of equal maxima), reads the worst element's two values and
   writes the pair's packed vector (`metric_slots.Packed` slots).
 
@@ -164,18 +165,28 @@ def _aligned(r: torch.Tensor, c: torch.Tensor, lay: list[int] | None) -> bool:
     return r.numel() % 4 == 0 and all(t.data_ptr() % 16 == 0 for t in (r, c) if t.is_contiguous())
 
 
+def planned(r: torch.Tensor, c: torch.Tensor) -> tuple[list[int] | None, int]:
+    """A pair's row of the layout table as `packed_batch` reads it (`_row`) and the bytes of the contiguous copies it
+    makes of the pair (none where it reads both sides where they lie): worked out once a pair, by the caller that
+    batches pairs, and given to `packed_batch` (host time a pair counts: a diff measures hundreds)."""
+    row = _row(r, c)
+    if row is not None:
+        return row, 0
+    return row, sum(t.numel() * t.element_size() for t in (r, c) if not t.is_contiguous())
+
+
 def copied_bytes(r: torch.Tensor, c: torch.Tensor) -> int:
     """The bytes of contiguous copies `packed_batch` makes of a pair: none where it reads both sides where they lie."""
-    if _row(r, c) is not None:
-        return 0
-    return sum(t.numel() * t.element_size() for t in (r, c) if not t.is_contiguous())
+    return planned(r, c)[1]
 
 
-def packed_batch(pairs: list[tuple[torch.Tensor, torch.Tensor]], atol: float, rtol: float) -> torch.Tensor:
+def packed_batch(pairs: list[tuple[torch.Tensor, torch.Tensor]], atol: float, rtol: float,
+                 rows: list[list[int] | None] | None = None) -> torch.Tensor:
     """The packed metric vectors ([len(pairs), len(Packed)], float64, on the device) of pairs that
     share one device, one dtype combination and one tolerance; each pair is two tensors of one shape, at
     least one element.  A non-contiguous pair is read where it lies, in logical order, through its row of the
-    layout table (`layout`); one that has none, or is large, is copied to contiguous memory first."""
+    layout table (`layout`); one that has none, or is large, is copied to contiguous memory first.  `rows`: each
+    pair's `planned` row, where the caller has them."""
     partials, combine = _kernels()
     pairs = list(pairs)
     dev = pairs[0][0].device
@@ -186,7 +197,7 @@ def packed_batch(pairs: list[tuple[torch.Tensor, torch.Tensor]], atol: float, rt
     # reads even the large pairs through the table): then its launch reads four elements a load
     aligned = {READ_FLAT: True, READ_STRIDED: False, READ_ROWS: True}
     for k, (r, c) in enumerate(pairs):
-        lay = _row(r, c)
+        lay = rows[k] if rows is not None else _row(r, c)
         if not _aligned(r, c, lay):
             aligned[lay[0] if lay is not None else READ_FLAT] = False
         if lay is None:
@@ -216,7 +227,7 @@ def packed_batch(pairs: list[tuple[torch.Tensor, torch.Tensor]], atol: float, rt
     out = torch.empty((first[-1], _NPART), dtype=torch.float64, device=dev)
     rt, ct = _triton_dtype(rdt), _triton_dtype(cdt)
     # the finite-first pass marks the tiles it could not measure (a NaN, an infinity, magnitudes out of
-    # float32's square range) in `redo`; one more launch over the whole table measures those by the full rules
+    # float32's square range) in `redo`; `combine` measures those by the full rules
     redo = torch.empty(first[-1], dtype=torch.int32, device=dev)
     full = not FAST
     sums = torch.float64 if LANE_SUMS_64 or full else work
@@ -229,8 +240,7 @@ def packed_batch(pairs: list[tuple[torch.Tensor, torch.Tensor]], atol: float, rt
         none = _no_table(dev)
         for k in range(small, P):
             _launch(partials, first[k + 1] - first[k], refs[k], cands[k], none, none, none, out, redo, float(atol),
-                    float(rtol), P, numels[k], first[k], 0, DIRECT=True, REDO=False, MIXED=False, READ=READ_FLAT,
-                    ALIGNED=False, **const)
+                    float(rtol), P, numels[k], first[k], 0, DIRECT=True, READ=READ_FLAT, ALIGNED=False, **const)
     # the address table goes over in one small copy (pinned and asynchronous on a GPU)
     # (one flat list, one tensor: every torch call here costs host time per batch, a batch per pair when streaming)
     # Each of its parts starts 16 bytes in (an even number of int64s before it): Triton compiles a program per
@@ -251,20 +261,16 @@ def packed_batch(pairs: list[tuple[torch.Tensor, torch.Tensor]], atol: float, rt
     if _interpreted():  # the interpreter reads addresses as host pointers into these tensors' storage
         ref_ptrs = torch.tensor([r.data_ptr() for r in refs], dtype=torch.int64)
         cand_ptrs = torch.tensor([c.data_ptr() for c in cands], dtype=torch.int64)
-    search = max(1, (P - 1).bit_length())
     # the small pairs' tiles, a launch for each way of reading them
     for way, lo, hi in zip(ways, [0] + ends, ends):
         if hi > lo:
             _launch(partials, first[hi] - first[lo], ref_ptrs, cand_ptrs, ns, tile_first, lay_t, out, redo,
                     float(atol), float(rtol), small, 0, first[lo], max(1, (small - 1).bit_length()), DIRECT=False,
-                    REDO=False, MIXED=False, READ=way, ALIGNED=aligned[way], **const)
-    if not full:
-        _launch(partials, first[-1], ref_ptrs, cand_ptrs, ns, tile_first, lay_t, out, redo, float(atol), float(rtol),
-                P, 0, 0, search, DIRECT=False, REDO=True, MIXED=mixed, READ=READ_FLAT, ALIGNED=aligned[READ_FLAT],
-                **const)
+                    READ=way, ALIGNED=aligned[way], **const)
     packed = torch.empty((P, _NPACKED), dtype=torch.float64, device=dev)
-    _launch(combine, P, out, ref_ptrs, cand_ptrs, ns, tile_first, lay_t, dest, packed, REF_T=rt, CAND_T=ct,
-            NPART=_NPART, NPACKED=_NPACKED, ROWS=COMBINE_ROWS, MIXED=mixed, LAYOUT=LAYOUT)
+    _launch(combine, P, out, redo, ref_ptrs, cand_ptrs, ns, tile_first, lay_t, dest, packed, float(atol), float(rtol),
+            REF_T=rt, CAND_T=ct, WORK_T=const["WORK_T"], BLOCK=BLOCK, TILE_BLOCKS=TILE_BLOCKS, NPART=_NPART,
+            NPACKED=_NPACKED, ROWS=COMBINE_ROWS, MIXED=mixed, LAYOUT=LAYOUT, FAST=not full, GROUP=GROUP)
     # (temporaries freed here are reused only by later work on this stream: no wait is needed)
     return packed
 

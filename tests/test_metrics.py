@@ -527,7 +527,9 @@ def test_a_calls_pairs_go_in_order_in_batches_the_first_small_the_copies_bounded
     from diffkit import metrics_kernel as K
 
     monkeypatch.setattr(K, "DIRECT_MIN", 1)  # (every pair "large": its transposed side copied, not read in place)
-    parts = list(M._batches(items, list(range(len(items)))))
+    planned = list(M._batches(items, list(range(len(items)))))
+    parts = [p for p, _ in planned]
+    assert all(rows == [K._row(*items[i][:2]) for i in p] for p, rows in planned)  # (each pair's row, once)
     assert [i for p in parts for i in p] == list(range(len(items)))
     assert len(parts[0]) <= M.FIRST_BATCH_PAIRS and all(len(p) <= M.BATCH_PAIRS for p in parts[1:])
     assert all(sum(K.copied_bytes(*items[i][:2]) for i in p) <= M.BATCH_COPY_BYTES for p in parts)
