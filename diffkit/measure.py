@@ -256,6 +256,13 @@ FIRST_BATCH_PAIRS = 8
 BATCH_COPY_BYTES = 1 << 30
 
 
+def _contiguous_first(items: list, idx: list[int]) -> list[int]:
+    """`idx` with the pairs contiguous on both sides first, the others after, each in their order: a batch whose
+    pairs are all read one way takes one `partials` launch, not one a way (a launch costs the host tens of
+    microseconds, and a diff's batches are bound by the host)."""
+    return sorted(idx, key=lambda i: not (items[i][0].is_contiguous() and items[i][1].is_contiguous()))
+
+
 def _batches(items: list, idx: list[int]):
     """`idx` in launches of at most BATCH_PAIRS pairs (the first of at most FIRST_BATCH_PAIRS) and BATCH_COPY_BYTES
     of contiguous copies: each launch's pairs with their rows of the layout table (`metrics_kernel.planned`)."""
@@ -300,7 +307,7 @@ def measure_many(items: list[tuple[torch.Tensor, torch.Tensor, float, float]]) -
                 for i in idx:
                     out[i] = measure_async(*items[i])
                 continue
-            for part, rows in _batches(items, idx):
+            for part, rows in _batches(items, _contiguous_first(items, idx)):
                 with torch.cuda.device(items[part[0]][0].device):  # the launch on the pairs' own device
                     batch = _HostBatch(metrics_kernel.packed_batch([items[i][:2] for i in part], atol, rtol, rows))
                 for k, i in enumerate(part):

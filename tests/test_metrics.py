@@ -182,7 +182,7 @@ def test_float32_batches_of_any_size_launch_the_programs_the_first_one_compiled(
 
     measured(4, 0)
     first = programs()
-    assert first >= 3  # the table's pass, its second pass over marked tiles, the combining pass
+    assert first >= 2  # the table's pass, the combining pass (which measures marked tiles again)
     for count in (1, 2, 3, 5):
         measured(count, 10 * count)
         assert programs() == first, count
@@ -534,6 +534,20 @@ def test_a_calls_pairs_go_in_order_in_batches_the_first_small_the_copies_bounded
     assert len(parts[0]) <= M.FIRST_BATCH_PAIRS and all(len(p) <= M.BATCH_PAIRS for p in parts[1:])
     assert all(sum(K.copied_bytes(*items[i][:2]) for i in p) <= M.BATCH_COPY_BYTES for p in parts)
     assert len(parts) < len(items)  # (batches, not a launch a pair)
+
+
+def test_a_calls_contiguous_pairs_are_batched_before_the_others_each_kind_in_order():
+    """`measure._contiguous_first`: the order `measure_many` batches a call's CUDA pairs in (so a batch's pairs are
+    mostly read one way, one launch); every pair once, the pairs contiguous on both sides first."""
+    x = torch.randn(6, 8)
+    kinds = [x, x.t(), x[:, ::2], x, x.t().contiguous(), x[1:], x.expand(2, 6, 8)[0], x.t()]
+    items = [(t, t.clone() if k % 2 else t, 1e-4, 1e-4) for k, t in enumerate(kinds)]
+    flat = [i for i, (r, c, _, _) in enumerate(items) if r.is_contiguous() and c.is_contiguous()]
+    other = [i for i in range(len(items)) if i not in flat]
+    assert flat and other
+    assert M._contiguous_first(items, list(range(len(items)))) == flat + other
+    picked = [7, 3, 1, 0]  # (a group's own indices, in its own order)
+    assert M._contiguous_first(items, picked) == [i for i in picked if i in flat] + [i for i in picked if i in other]
 
 
 def test_each_pair_is_read_the_way_its_layout_allows_and_promised_aligned_only_where_it_is():
