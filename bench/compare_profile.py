@@ -14,10 +14,8 @@ import statistics
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from speed import MODELS  # noqa: E402
+from speed import load_model  # noqa: E402
 
 
 def main():
@@ -27,16 +25,10 @@ def main():
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--lines", type=int, default=30)
     a = ap.parse_args()
-    for k, v in MODELS[a.model]["env"].items():
-        os.environ[k] = str(v)
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    import diffkit
-
-    spec = MODELS[a.model]
-    pair = diffkit.load_pair(os.path.join(ROOT, spec["ref"]), os.path.join(ROOT, spec["cand"]), device=a.device)
-    ref, cand, ri, ci = pair.ref, pair.cand, pair.ref_inputs, pair.cand_inputs
+    diffkit, ref, cand, ri, ci = load_model(a.model, a.device)
 
     def sync():
         if a.device == "cuda":

@@ -19,7 +19,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from speed import MODELS, _metric_passes, measure_many_wrapped  # noqa: E402
+from speed import _metric_passes, load_model, measure_many_wrapped  # noqa: E402
 
 
 def main():
@@ -36,16 +36,9 @@ def main():
     ap.add_argument("--host-profile", type=int, default=0, metavar="N", help="the diff's pairs through measure_many N "
                     "times under cProfile (results fetched each time): where the host's time per call goes")
     a = ap.parse_args()
-    for k, v in MODELS[a.model]["env"].items():
-        os.environ[k] = str(v)
-    import torch
-
-    import diffkit
+    diffkit, ref, cand, ri, ci = load_model(a.model, a.device)
     from diffkit import measure, metrics_kernel
 
-    spec = MODELS[a.model]
-    pair = diffkit.load_pair(os.path.join(ROOT, spec["ref"]), os.path.join(ROOT, spec["cand"]), device=a.device)
-    ref, cand, ri, ci = pair.ref, pair.cand, pair.ref_inputs, pair.cand_inputs
     kw = dict(health=False, rerun=False)
     diffkit.compare(ref, cand, ri, cand_inputs=ci, **kw)  # compile, first touch
     if a.host_profile:
@@ -71,7 +64,6 @@ def main():
                   f"{row['bytes'] / 1e9:.2f} GB in {secs * 1e3:.1f} ms = {bw / 1e9:.0f} GB/s" + (
                       f" = {100 * bw / row['copy_bandwidth']:.0f}% of copy" if row["copy_bandwidth"] else ""), flush=True)
     print("RESULT " + json.dumps(rows))
-    del torch
 
 
 def _host_profile(diffkit, ref, cand, ri, ci, kw, times: int) -> None:

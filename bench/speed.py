@@ -263,6 +263,18 @@ def child(model, mode, dev, repeat, max_memory):
     print("RESULT " + json.dumps(out))
 
 
+def load_model(name: str, device: str):
+    """The pair `name` of MODELS (its size set in the environment first), loaded on `device`:
+    (diffkit, reference, candidate, the reference's inputs, the candidate's)."""
+    for k, v in MODELS[name]["env"].items():
+        os.environ[k] = str(v)
+    import diffkit
+
+    spec = MODELS[name]
+    pair = diffkit.load_pair(os.path.join(ROOT, spec["ref"]), os.path.join(ROOT, spec["cand"]), device=device)
+    return diffkit, pair.ref, pair.cand, pair.ref_inputs, pair.cand_inputs
+
+
 @contextlib.contextmanager
 def measure_many_wrapped(wrap):
     """Within it, every `measure_many` call of a diff (the modules that make them: align_state, locate) goes through
