@@ -522,6 +522,8 @@ def test_a_calls_pairs_go_in_order_in_batches_the_first_small_the_copies_bounded
     for it), the others at most BATCH_PAIRS, and no batch copies more than BATCH_COPY_BYTES to contiguous memory
     (a pair that alone copies more goes alone)."""
     monkeypatch.setattr(M, "BATCH_COPY_BYTES", 3 * 64 * 64 * 4)
+    monkeypatch.setattr(M, "FIRST_BATCH_PAIRS", 2)
+    monkeypatch.setattr(M, "BATCH_PAIRS", 6)
     x = torch.randn(64, 64)
     items = [((x.t() if k % 5 == 0 else x), x, 1e-4, 1e-4) for k in range(75)]  # every fifth a transposed side
     from diffkit import metrics_kernel as K
@@ -532,6 +534,7 @@ def test_a_calls_pairs_go_in_order_in_batches_the_first_small_the_copies_bounded
     assert all(rows == [K._row(*items[i][:2]) for i in p] for p, rows in planned)  # (each pair's row, once)
     assert [i for p in parts for i in p] == list(range(len(items)))
     assert len(parts[0]) <= M.FIRST_BATCH_PAIRS and all(len(p) <= M.BATCH_PAIRS for p in parts[1:])
+    assert max(len(p) for p in parts[1:]) > M.FIRST_BATCH_PAIRS  # (the later batches may be larger)
     assert all(sum(K.copied_bytes(*items[i][:2]) for i in p) <= M.BATCH_COPY_BYTES for p in parts)
     assert len(parts) < len(items)  # (batches, not a launch a pair)
 
