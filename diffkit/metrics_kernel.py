@@ -193,12 +193,12 @@ def packed_batch(pairs: list[tuple[torch.Tensor, torch.Tensor]], atol: float, rt
     P = len(pairs)
     sizes = [r.numel() for r, _ in pairs]
     lays = []
-    # for each way of reading, whether every pair read that way keeps the ALIGNED promise (the full rules' launch
-    # reads even the large pairs through the table): then its launch reads four elements a load
+    # for each way of reading, whether every pair the table's launch reads that way keeps the ALIGNED promise: then
+    # it reads four elements a load (a large pair's launch, and `combine`'s second look at marked tiles, make none)
     aligned = {READ_FLAT: True, READ_STRIDED: False, READ_ROWS: True}
     for k, (r, c) in enumerate(pairs):
         lay = rows[k] if rows is not None else _row(r, c)
-        if not _aligned(r, c, lay):
+        if sizes[k] < DIRECT_MIN and not _aligned(r, c, lay):
             aligned[lay[0] if lay is not None else READ_FLAT] = False
         if lay is None:
             pairs[k] = (r.detach().contiguous(), c.detach().contiguous())

@@ -158,6 +158,43 @@ def test_triton_batch_measures_many_small_pairs_in_one_launch():
 
 
 @pytest.mark.cuda
+def test_marked_tiles_anywhere_in_a_long_pair_are_measured_again(monkeypatch):
+    """`combine` reads a pair's marks of tiles to measure again COMBINE_ROWS at a time: NaN and infinities in a
+    pair of more tiles than that, in its first window and past it (its last element too), in a contiguous pair
+    launched on its own, in one read through the table and in one read as rows of lanes, give the exact answer."""
+    from diffkit import metrics_kernel as K
+
+    if not K.available():
+        pytest.skip("no Triton")
+    T = K.TILE
+    n = (K.COMBINE_ROWS + 12) * T + 123
+    g = torch.Generator().manual_seed(5)
+    r = torch.randn(n, generator=g)
+    c = r + 1e-5 * torch.randn(n, generator=g)
+    for at in (17, 3 * T + 5, (K.COMBINE_ROWS + 3) * T + 7, n - 1):
+        c[at] = math.nan
+    r[(K.COMBINE_ROWS + 9) * T] = c[(K.COMBINE_ROWS + 9) * T] = math.inf  # (agree)
+    r[2 * T + 9] = -math.inf  # (the candidate finite there: disagree)
+    wide = torch.randn(n // 32 - 1, 64, generator=g)  # (fewer elements than n: read through the table in both)
+    wide_c = wide + 1e-5 * torch.randn(wide.shape, generator=g)
+    wide_c[5, 3] = wide_c[-1, 31] = math.nan
+    wide_c[(K.COMBINE_ROWS + 5) * T // 32, 0] = math.inf
+    rows = (wide.cuda()[:, 16:48], wide_c.cuda()[:, 16:48])  # (rows of 32: read as rows of lanes)
+    assert K.layout(*rows)[0] == K.READ_ROWS
+    for direct_min in (K.DIRECT_MIN, n):  # through the table; the contiguous pair on its own
+        monkeypatch.setattr(K, "DIRECT_MIN", direct_min)
+        pairs = [(r.cuda(), c.cuda()), rows]
+        got = M.measure_many([(a, b, 1e-4, 1e-3) for a, b in pairs])
+        for k, ((a, b), pending) in enumerate(zip(pairs, got)):
+            have = pending.result()
+            want, _ = _exact(a, b, 1e-4, 1e-3)
+            assert (have.ref_nan, have.ref_inf, have.cand_nan, have.cand_inf) == \
+                (want.ref_nan, want.ref_inf, want.cand_nan, want.cand_inf), (direct_min, k)
+            assert have.mismatches == want.mismatches and have.worst.index == want.worst.index, (direct_min, k)
+            assert have.max_abs == pytest.approx(want.max_abs, rel=1e-6), (direct_min, k)
+
+
+@pytest.mark.cuda
 def test_float32_batches_of_any_size_launch_the_programs_the_first_one_compiled():
     """After a first batch of float32 pairs, batches of one, two, three and five pairs compile no program more (an
     odd number of pairs used to leave the address table's parts at 8-byte offsets: another program for Triton,
@@ -615,7 +652,7 @@ def test_triton_kernels_under_the_interpreter_agree_with_the_exact_path(monkeypa
             monkeypatch.setattr(K, "FAST", fast)
             monkeypatch.setattr(K, "LANE_SUMS_64", sums64)
             pairs = [_pair(kind, n, *dtypes, seed=n) for kind, n in
-                     (("close", 1), ("bad", 37), ("zeros", 300), ("specials", 301), ("bad", 1000),
+                     (("close", 1), ("bad", 37), ("zeros", 300), ("specials", 301), ("bad", 1000), ("specials", 700),
                       ("range", 200), ("subnormal", 90))]
             tie_r = torch.zeros(200, dtype=dtypes[0])
             tie_c = tie_r.clone()
