@@ -33,12 +33,16 @@
 #   wall      bench/gpu_wall.py: `diffkit diff` (five trials, one trial, children forked) against a KernelBench-style
 #             baseline (bench/kb_baseline.py), wall time and the card's peak memory, for the `mid` transformer and
 #             KernelBench level 2 problem 19 at full size (bench/models/). MODELS (default mid,l2_19). $OUT/wall.json
+#   passes    the metric passes of the mid transformer: tests/test_metrics.py -m cuda, bench/metric_passes.py (first
+#             and later batch sizes swept; with OLD=TREE the same from that tree), --host-profile (the host's side by
+#             function), bench/compare_profile.py (a compare's device time and host functions), the streaming diff at
+#             PASSES_STREAM budgets (default "4G 12G": evictions and recoveries printed)
 #   memory    problem 19 at full size: three diffs side by side on the card, then capped with --device-memory 24G
 #             against uncapped (the same answer in each)
 #   all       tests speed stream mid metrics host axial (more than one call's worth: run parts one call at a time)
 #
 # Knobs: OUT, MODELS (wall), T (tests' limit per process), REPEAT (speed/stream/mid repeats), SPEED_ONLY (speed.py --only for
-# `speed`), PROFILE, PROFILE_ARGS (the profiled diff's options, default "--trials 1 --no-report"), BEFORE, OLD, ROUNDS.
+# `speed`), PROFILE, PROFILE_ARGS (the profiled diff's options, default "--trials 1 --no-report"), BEFORE, OLD (ab, passes), ROUNDS, PASSES_STREAM.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp}
@@ -112,6 +116,21 @@ part_metrics() {
   timeout 120 python bench/metrics_kernel_tune.py 2>&1 | grep -v Warning | tail -16
   timeout 90 python bench/direct_vs_table.py 2>&1 | grep -v Warning | tail -8
   TAIL=4 speed 120 --preset h200 --repeat 5 --only h200:metrics
+}
+
+part_passes() {  # the metric passes of the mid transformer, and what `compare` spends beyond its forwards
+  timeout 110 python -m pytest -q -m cuda -n 8 -p no:cacheprovider -rf tests/test_metrics.py 2>&1 | tail -3
+  timeout 90 python bench/metric_passes.py --model gpu_mid --repeat 7 --first-pairs 8,16,32 --batch-pairs 32,64 \
+    2>&1 | grep -v Warning | grep -v RESULT
+  if [ -d "${OLD:-}/bench" ]; then
+    echo "-- the same from $OLD"
+    timeout 60 python "$OLD/bench/metric_passes.py" --model gpu_mid --repeat 7 2>&1 | grep -v Warning | grep -v RESULT
+  fi
+  timeout 60 python bench/metric_passes.py --model gpu_mid --host-profile 20 2>&1 | grep -v Warning | head -40
+  timeout 60 python bench/compare_profile.py --model gpu_mid --lines 25 2>&1 | grep -v Warning | head -60
+  for m in ${PASSES_STREAM:-4G 12G}; do
+    TAIL=2 speed 60 --preset h200 --repeat 3 --max-memory "$m" --only gpu_mid:plain,gpu_mid:stream
+  done
 }
 
 part_wall() {
