@@ -385,12 +385,13 @@ def main():
                          f"{r['metric_pass_seconds']:.3f} s = {r['metric_pass_bytes_per_s'] / 1e9:.1f} GB/s" + (
                              f" = {100 * r['metric_pass_bytes_per_s'] / r['copy_bandwidth']:.0f}% of copy bandwidth"
                              if r.get("copy_bandwidth") else ""))
-        lock = (r.get("streaming") or {}).get("lockstep")
-        if lock:
+        streaming = r.get("streaming") or {}
+        if streaming.get("lockstep"):
+            lock = streaming["lockstep"]
             notes.append(f"lockstep: {lock['evicted']} reference values evicted, {lock['recovered']} recovered by "
                          f"re-running it")
-        if (r.get("streaming") or {}).get("peak_device_bytes"):
-            notes.append(f"device peak {r['streaming']['peak_device_bytes'] / 1e9:.2f} GB")
+        if streaming.get("peak_device_bytes"):
+            notes.append(f"device peak {streaming['peak_device_bytes'] / 1e9:.2f} GB")
         naive_s = next((x["seconds"] for x in rows if x["model"] == r["model"] and x["mode"] == "naive"), None)
         if r["mode"] == "compare" and naive_s:
             notes.append(f"{r['seconds'] / naive_s:.2f}x the by-hand baseline")

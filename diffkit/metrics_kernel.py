@@ -175,11 +175,6 @@ def planned(r: torch.Tensor, c: torch.Tensor) -> tuple[list[int] | None, int]:
     return row, sum(t.numel() * t.element_size() for t in (r, c) if not t.is_contiguous())
 
 
-def copied_bytes(r: torch.Tensor, c: torch.Tensor) -> int:
-    """The bytes of contiguous copies `packed_batch` makes of a pair: none where it reads both sides where they lie."""
-    return planned(r, c)[1]
-
-
 def packed_batch(pairs: list[tuple[torch.Tensor, torch.Tensor]], atol: float, rtol: float,
                  rows: list[list[int] | None] | None = None) -> torch.Tensor:
     """The packed metric vectors ([len(pairs), len(Packed)], float64, on the device) of pairs that

@@ -11,10 +11,10 @@ import triton
 import triton.language as tl
 
 # a float32 quotient by the hardware's approximate division (two instructions, not the full-range division's ~12 of
-# the finite-first pass's 51.5 per element: `bench/kernel_instructions.py`).  It differs only for divisors below float32's normal
-# range (flushed to zero: a lane whose largest relative error comes out infinite is measured again by the full
-# rules) or above 2**126 (a square past float32's range: measured again too).  The interpreter has no inline
-# assembly.
+# the finite-first pass's 51.5 per element: `bench/kernel_instructions.py`).  It differs only for divisors below
+# float32's normal range (flushed to zero: a lane whose largest relative error comes out infinite is measured again
+# by the full rules) or above 2**126 (a square past float32's range: measured again too).  The interpreter has no
+# inline assembly.
 APPROX_DIV = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 
 

@@ -572,7 +572,7 @@ def test_a_calls_pairs_go_in_order_in_batches_the_first_small_the_copies_bounded
     assert [i for p in parts for i in p] == list(range(len(items)))
     assert len(parts[0]) <= M.FIRST_BATCH_PAIRS and all(len(p) <= M.BATCH_PAIRS for p in parts[1:])
     assert max(len(p) for p in parts[1:]) > M.FIRST_BATCH_PAIRS  # (the later batches may be larger)
-    assert all(sum(K.copied_bytes(*items[i][:2]) for i in p) <= M.BATCH_COPY_BYTES for p in parts)
+    assert all(sum(K.planned(*items[i][:2])[1] for i in p) <= M.BATCH_COPY_BYTES for p in parts)
     assert len(parts) < len(items)  # (batches, not a launch a pair)
 
 
