@@ -71,6 +71,10 @@ MODELS = {
     # values handed over through host memory) and the in-process CLI beside it
     "gpu_mid": dict(ref="references/deep_transformer.py", cand="kernels/deep_transformer_fused.py",
                     env=dict(DIFFKIT_DEPTH=12, DIFFKIT_BATCH=4, DIFFKIT_SEQ=1024, DIFFKIT_DIM=1024, DIFFKIT_HEADS=16)),
+    # the same 12 blocks at a toy size (B1 S8 D64): the forwards cost next to nothing, so what a diff adds is the
+    # host's own Python (capture, alignment) -- the part that a GPU diff pays on its host beside the device's work
+    "tiny12": dict(ref="references/deep_transformer.py", cand="kernels/deep_transformer_fused.py",
+                   env=dict(DIFFKIT_DEPTH=12, DIFFKIT_BATCH=1, DIFFKIT_SEQ=8, DIFFKIT_DIM=64, DIFFKIT_HEADS=4)),
 }
 PRESETS = {"cpu": [("stack12", ["plain", "compare", "default", "naive", "cli_inproc", "isolated", "isolated_warm",
                                 "default_cli", "metrics"]),
