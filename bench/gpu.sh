@@ -37,6 +37,10 @@
 #             and later batch sizes swept; with OLD=TREE the same from that tree), --host-profile (the host's side by
 #             function), bench/compare_profile.py (a compare's device time and host functions), the streaming diff at
 #             PASSES_STREAM budgets (default "4G 12G": evictions and recoveries printed)
+#   sync      where an in-process compare of the mid transformer makes the host wait for the device, and each of its
+#             steps' host time (bench/sync_sites.py; tiny12, the same 12 blocks at toy size: the host's cost alone),
+#             tests/test_metrics.py -m cuda, bench/nan_pairs.py (candidates full of NaN: the passes' worst case; with
+#             OLD=TREE the same from that tree), the mid compare (speed.py)
 #   memory    problem 19 at full size: three diffs side by side on the card, then capped with --device-memory 24G
 #             against uncapped (the same answer in each)
 #   all       tests speed stream mid metrics host axial (more than one call's worth: run parts one call at a time)
@@ -141,6 +145,15 @@ part_wall() {
 part_memory() {  # (each run builds the candidate's extension first: a warm-up baseline)
   timeout 280 python bench/gpu_wall.py --models l2_19 --side-by-side 3 2>&1 | grep -v Warning
   timeout 280 python bench/gpu_wall.py --models l2_19 --device-memory 24G 2>&1 | grep -v Warning
+}
+
+part_sync() {  # where a GPU compare waits on the device, its steps' host time; the all-NaN worst case of the passes
+  timeout 120 python -m pytest -q -m cuda -n 8 -p no:cacheprovider -rf tests/test_metrics.py 2>&1 | tail -3
+  timeout 70 python bench/sync_sites.py --model gpu_mid 2>&1 | grep -v Warning
+  timeout 40 python bench/sync_sites.py --model tiny12 2>&1 | grep -v Warning
+  timeout 45 python bench/nan_pairs.py 2>&1 | grep -v Warning
+  if [ -d "${OLD:-}/diffkit" ]; then timeout 45 python bench/nan_pairs.py --tree "$OLD" 2>&1 | grep -v Warning; fi
+  TAIL=3 speed 70 --preset h200 --repeat 5 --only gpu_mid:plain,gpu_mid:compare
 }
 
 part_host() { timeout 120 python bench/host_overhead.py --repeat 5 2>&1 | grep -v Warning; }
