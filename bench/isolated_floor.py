@@ -26,17 +26,26 @@ def _forked(fn) -> tuple[float, str]:
     t0 = time.perf_counter()
     pid = os.fork()
     if pid == 0:
+        code = 1
         try:
             os.write(w, str(fn()).encode())
+            code = 0
+        except BaseException:
+            import traceback
+
+            traceback.print_exc()
         finally:
-            os._exit(0)
+            os._exit(code)
     os.close(w)
     got = b""
     while chunk := os.read(r, 256):
         got += chunk
     os.close(r)
-    os.waitpid(pid, 0)
-    return time.perf_counter() - t0, got.decode()
+    _, status = os.waitpid(pid, 0)
+    secs = time.perf_counter() - t0
+    if os.waitstatus_to_exitcode(status) != 0 or not got:
+        raise SystemExit(f"the forked child failed (exit {os.waitstatus_to_exitcode(status)}): see its traceback above")
+    return secs, got.decode()
 
 
 def main():
@@ -68,7 +77,7 @@ def main():
                 self.kept.extend(t for t in out if isinstance(t, torch.Tensor))
             return out
 
-    def floor(build: bool):
+    def floor():
         def run():
             t0 = time.perf_counter()
             pair = diffkit.load_pair(ref_path, cand_path, device="cpu")
@@ -78,12 +87,14 @@ def main():
                 for model, inputs in ((pair.ref, pair.ref_inputs), (pair.cand, pair.cand_inputs)):
                     with Keep() as mode:
                         model(*inputs)
-                    kept += sum(t.numel() * t.element_size() for t in mode.kept if t.layout == torch.strided)
-                    mode.kept.clear() if not build else None
+                    # each piece of memory once (views and in-place results share their base's)
+                    held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in mode.kept
+                            if t.layout == torch.strided and t.device.type != "meta"}
+                    kept += sum(held.values())
             return f"{t1 - t0:.3f} {time.perf_counter() - t1:.3f} {kept}"
         return run
 
-    argv = ["diff", ref_path, cand_path, "--trials", "1", "--no-report"]
+    argv = ["diff", ref_path, cand_path, "--trials", "1", "--no-report", "--device", "cpu"]  # (the floor's device)
 
     def diff():
         try:
@@ -95,7 +106,7 @@ def main():
     parts = []
     for _ in range(a.repeat):
         rows["plain"].append(_plain_in_a_child(ref_path, cand_path))
-        secs, text = _forked(floor(True))
+        secs, text = _forked(floor())
         rows["floor"].append(secs)
         parts.append([float(x) for x in text.split()])
         t0 = time.perf_counter()

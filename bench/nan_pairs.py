@@ -6,8 +6,8 @@ this times that pass at its largest.
     python bench/nan_pairs.py --tree OLD_CHECKOUT   # another tree's diffkit, the same pairs
 
 Prints, per case, the median time of one `measure_many` call over the pairs (results fetched) and the bytes read
-per second; the stats of the first pair are checked against `torch` (NaN count, mismatches) so a fast wrong answer
-shows.
+per second; the first pair's stats are checked against torch's counts (the candidate's NaNs and infinities, and
+mismatches as `torch.isclose` counts them) so a fast wrong answer shows.
 """
 import argparse
 import os
@@ -49,10 +49,19 @@ def main():
             got = [p.result() for p in measure.measure_many(items)]
             times.append(time.perf_counter() - t0)
         s = statistics.median(times)
-        want_nan = int(torch.isnan(cands[0]).sum())
-        ok = first[0].cand_nan == want_nan and got[0].cand_nan == want_nan
-        print(f"  {name:<20s} {s * 1e3:8.2f} ms  {nbytes / s / 1e9:6.0f} GB/s  first pair: cand_nan {got[0].cand_nan}"
-              f" (torch {want_nan}) mismatches {got[0].mismatches} {'ok' if ok else 'WRONG'}", flush=True)
+        want = _torch_counts(refs[0], cands[0], 1e-2, 1e-2)
+        have = [(st.cand_nan, st.cand_inf, st.mismatches) for st in (first[0], got[0])]
+        ok = all(h == want for h in have)
+        print(f"  {name:<20s} {s * 1e3:8.2f} ms  {nbytes / s / 1e9:6.0f} GB/s  first pair (NaN, Inf, mismatches): "
+              f"{have[1]} (torch {want}) {'ok' if ok else 'WRONG'}", flush=True)
+
+
+def _torch_counts(r, c, atol, rtol):
+    """The candidate's NaN and infinity counts and the mismatches as torch.isclose counts them (NaN never close)."""
+    import torch
+
+    return (int(torch.isnan(c).sum()), int(torch.isinf(c).sum()),
+            int((~torch.isclose(c, r, rtol=rtol, atol=atol)).sum()))
 
 
 def _every(r, step, value):

@@ -55,12 +55,17 @@ def main():
     seen = []
 
     def show(message, category, filename, lineno, file=None, line=None):
-        stack = traceback.extract_stack()[:-1]
+        if "synchroniz" not in str(message):  # (any other warning goes where it went)
+            old(message, category, filename, lineno, file, line)
+            return
+        stack = [f for f in traceback.extract_stack()[:-1] if not f.filename.endswith(os.sep + "warnings.py")]
         mine = [f for f in stack if f.filename.startswith(pkg)]
-        inner = mine[-1] if mine else (stack[-1] if stack else None)
-        outer = mine[0] if mine else None
-        where = f"{os.path.relpath(inner.filename, here)}:{inner.lineno} {inner.name}" if inner else "?"
-        phase = next((f.name for f in mine if f.name in PHASES), outer.name if outer else "?")
+        inner = mine[-1] if mine else None
+        where = f"{os.path.relpath(inner.filename, here)}:{inner.lineno} {inner.name}" if inner else "(not diffkit)"
+        if stack and stack[-1] is not inner:  # the call itself was made elsewhere: the model's code, torch's
+            last = stack[-1]
+            where += f" <- {os.path.basename(last.filename)}:{last.lineno} {last.name}"
+        phase = next((f.name for f in mine if f.name in PHASES), mine[0].name if mine else "?")
         seen.append((time.perf_counter(), where, phase))
 
     if cuda:
@@ -93,8 +98,8 @@ def main():
 
 
 def _phases(diffkit, diff, sync, repeat: int = 5) -> None:
-    """The host's time in each step of the diff (median over `repeat` diffs; a step's time includes its waits for
-    the device), the device synchronised only before and after each diff."""
+    """The host's time in each step of the diff (its mean a diff over `repeat` diffs; a step's time includes its
+    waits for the device), the device synchronised only before and after each diff."""
     from diffkit import align, pipeline, traces
 
     acc = collections.defaultdict(list)
@@ -123,10 +128,11 @@ def _phases(diffkit, diff, sync, repeat: int = 5) -> None:
     finally:
         traces._run_side, pipeline.explain = saved[:2]
         align.PASSES[:] = saved[2]
-    print(f"the diff's steps on the host (median of {repeat} diffs of {statistics.median(walls) * 1e3:.1f} ms):")
+    print(f"the diff's steps on the host (mean a diff over {repeat} diffs; the diffs' median "
+          f"{statistics.median(walls) * 1e3:.1f} ms):")
     for name, ts in acc.items():
-        per = len(ts) // repeat
-        print(f"  {statistics.median(ts) * per * 1e3:8.2f} ms  {name}" + (f" ({per} calls)" if per > 1 else ""))
+        calls = len(ts) / repeat
+        print(f"  {sum(ts) / repeat * 1e3:8.2f} ms  {name}" + (f" ({calls:g} calls)" if calls != 1 else ""))
 
 
 # the diff's steps, named by the function that runs each (the outermost one a synchronisation came from is its phase)

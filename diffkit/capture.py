@@ -477,7 +477,7 @@ def _post_hook(module, args, *rest):
     if st.opaque or output is None:
         return None
     st.busy = True
-    mode = _own_mode_off()  # (its own calls below skip the mode: put back in `finally`)
+    mode = _own_mode_off(st)  # (its own calls below skip the mode: put back in `finally`)
     try:
         is_root = module is st.model
         if is_root:
@@ -534,13 +534,15 @@ def _post_hook(module, args, *rest):
 
 
 
-def _own_mode_off() -> "_Mode | None":
-    """Take diffkit's own torch function mode off this thread's stack where it is on top (put it back with
-    `torch._C._push_on_torch_function_stack`): a hook's own tensor calls (shapes, versions, addresses of every
-    argument and output) then skip the Python dispatch into a mode that would ignore them anyway."""
+def _own_mode_off(st: _State) -> "_Mode | None":
+    """Take the torch function mode of capture state `st` off this thread's stack where it is on top (put it back
+    with `torch._C._push_on_torch_function_stack`): a hook's own tensor calls (shapes, versions, addresses of every
+    argument and output) then skip the Python dispatch into a mode that ignores them anyway (`st.busy`)."""
     n = torch._C._len_torch_function_stack()
-    if n and isinstance(torch._C._get_function_stack_at(n - 1), _Mode):
-        return torch._C._pop_torch_function_stack()
+    if n:
+        top = torch._C._get_function_stack_at(n - 1)
+        if isinstance(top, _Mode) and top.state is st:
+            return torch._C._pop_torch_function_stack()
     return None
 
 
