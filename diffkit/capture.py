@@ -533,7 +533,6 @@ def _post_hook(module, args, *rest):
     return None
 
 
-
 def _own_mode_off(st: _State) -> "_Mode | None":
     """Take the torch function mode of capture state `st` off this thread's stack where it is on top (put it back
     with `torch._C._push_on_torch_function_stack`): a hook's own tensor calls (shapes, versions, addresses of every
