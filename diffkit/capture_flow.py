@@ -223,7 +223,9 @@ class _Dataflow:
             return exact if exact is not None else o
 
         tmpl = _map_tensors(read, obj)
-        if flush and _has_array(obj):  # a tensor made from a numpy array: from what went out to numpy
+        # a tensor made from a numpy array: from what went out to numpy (nothing can be, until something went out:
+        # `_imported`; the walk over the arguments is asked only then)
+        if flush and (self.last_import is not None or self.exported[0] or self.exported[1]) and _has_array(obj):
             got = self._imported()
             if got is not None:
                 inputs.extend(i for i in got[0] if i not in inputs)

@@ -166,7 +166,20 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
     return lo, hi
 
 
+_FUNC_NAMES: dict[Any, str] = {}  # torch's functions are few and live as long as torch: each named once
+
+
 def _func_name(func: Callable) -> str:
+    try:
+        return _FUNC_NAMES[func]
+    except KeyError:
+        name = _FUNC_NAMES[func] = _name_of_func(func)
+        return name
+    except TypeError:  # (not hashable)
+        return _name_of_func(func)
+
+
+def _name_of_func(func: Callable) -> str:
     packet = getattr(func, "overloadpacket", func)  # torch.ops.aten.addmm(.default): its packet's name
     if isinstance(packet, torch._ops.OpOverloadPacket):
         return f"torch.ops.{packet}"
