@@ -17,35 +17,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from speed import MODELS, ROOT, _plain_in_a_child  # noqa: E402
-
-
-def _forked(fn) -> tuple[float, str]:
-    """Run `fn()` in a forked child; (seconds from the fork to the child's exit, what it returned as text)."""
-    r, w = os.pipe()
-    t0 = time.perf_counter()
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            os.write(w, str(fn()).encode())
-            code = 0
-        except BaseException:
-            import traceback
-
-            traceback.print_exc()
-        finally:
-            os._exit(code)
-    os.close(w)
-    got = b""
-    while chunk := os.read(r, 256):
-        got += chunk
-    os.close(r)
-    _, status = os.waitpid(pid, 0)
-    secs = time.perf_counter() - t0
-    if os.waitstatus_to_exitcode(status) != 0 or not got:
-        raise SystemExit(f"the forked child failed (exit {os.waitstatus_to_exitcode(status)}): see its traceback above")
-    return secs, got.decode()
+from speed import MODELS, ROOT, _forked, _plain_in_a_child  # noqa: E402
 
 
 def main():

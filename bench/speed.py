@@ -90,36 +90,51 @@ TARGETS = {("stack12", "compare"): 1.5, ("stack12", "isolated"): 2.5, ("stack12"
            ("h200", "compare"): 1.5, ("h200", "stream"): 1.5, ("gpu_mid", "compare"): 1.5, ("gpu_mid", "stream"): 1.5}
 
 
+def _forked(fn) -> tuple[float, str]:
+    """Run `fn()` in a forked child: (seconds from the fork to the child's exit, what it returned, as text)."""
+    r, w = os.pipe()
+    t0 = time.perf_counter()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.write(w, str(fn()).encode())
+            code = 0
+        except BaseException:
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    os.close(w)
+    got = b""
+    while chunk := os.read(r, 256):
+        got += chunk
+    os.close(r)
+    _, status = os.waitpid(pid, 0)
+    secs = time.perf_counter() - t0
+    if os.waitstatus_to_exitcode(status) != 0 or not got:
+        raise SystemExit(f"the forked child failed (exit {os.waitstatus_to_exitcode(status)}): see its traceback above")
+    return secs, got.decode()
+
+
 def _plain_in_a_child(ref_path, cand_path) -> float:
     """Two plain forwards timed in a forked child (the pair loaded, one untimed forward each first), right before
     a diff timed in this process: a ratio per run, both measured in the same minute of a machine whose speed
     drifts (this process runs no torch computation itself: the CLI's forked children need usable thread pools)."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            import torch
+    def run() -> float:
+        import torch
 
-            import diffkit
+        import diffkit
 
-            pair = diffkit.load_pair(ref_path, cand_path, device="cpu")
-            with torch.no_grad():
-                pair.ref(*pair.ref_inputs), pair.cand(*pair.cand_inputs)
-                t0 = time.perf_counter()
-                pair.ref(*pair.ref_inputs), pair.cand(*pair.cand_inputs)
-                os.write(w, repr(time.perf_counter() - t0).encode())
-        finally:
-            os._exit(0)
-    os.close(w)
-    got = b""
-    while True:
-        chunk = os.read(r, 64)
-        if not chunk:
-            break
-        got += chunk
-    os.close(r)
-    os.waitpid(pid, 0)
-    return float(got)
+        pair = diffkit.load_pair(ref_path, cand_path, device="cpu")
+        with torch.no_grad():
+            pair.ref(*pair.ref_inputs), pair.cand(*pair.cand_inputs)
+            t0 = time.perf_counter()
+            pair.ref(*pair.ref_inputs), pair.cand(*pair.cand_inputs)
+            return time.perf_counter() - t0
+
+    return float(_forked(run)[1])
 
 
 def child(model, mode, dev, repeat, max_memory):

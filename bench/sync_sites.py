@@ -68,12 +68,11 @@ def main():
         phase = next((f.name for f in mine if f.name in PHASES), mine[0].name if mine else "?")
         seen.append((time.perf_counter(), where, phase))
 
+    old = warnings.showwarning
     if cuda:
         torch.cuda.set_sync_debug_mode("warn")
-    old = warnings.showwarning
-    warnings.showwarning = show
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings():  # (puts `showwarning` back as it found it)
             warnings.simplefilter("always")
             warnings.showwarning = show
             t0 = time.perf_counter()
@@ -83,7 +82,6 @@ def main():
                 torch.cuda.synchronize()
             wall = time.perf_counter() - t0
     finally:
-        warnings.showwarning = old
         if cuda:
             torch.cuda.set_sync_debug_mode(0)
     print(f"under the debug mode: {wall * 1e3:.1f} ms, {len(seen)} synchronising calls")

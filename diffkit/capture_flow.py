@@ -223,9 +223,9 @@ class _Dataflow:
             return exact if exact is not None else o
 
         tmpl = _map_tensors(read, obj)
-        # a tensor made from a numpy array: from what went out to numpy (nothing can be, until something went out:
-        # `_imported`; the walk over the arguments is asked only then)
-        if flush and (self.last_import is not None or self.exported[0] or self.exported[1]) and _has_array(obj):
+        # a tensor made from a numpy array: from what went out to numpy (the walk over the arguments only once
+        # something went out: `_imported` has nothing to give before)
+        if flush and self._went_out() and _has_array(obj):
             got = self._imported()
             if got is not None:
                 inputs.extend(i for i in got[0] if i not in inputs)
@@ -304,6 +304,10 @@ class _Dataflow:
         for n in params:
             prm[n] = None
 
+    def _went_out(self) -> bool:
+        """Whether values went out to numpy in this forward (else no tensor can have come back from there)."""
+        return self.last_import is not None or bool(self.exported[0] or self.exported[1])
+
     def _imported(self) -> tuple[tuple[int, ...], tuple[str, ...]] | None:
         """What a tensor made from a numpy array comes from: what was exported since the last import, else
         what the last import came from (a second result of the same numpy code), else None; records and
@@ -321,7 +325,7 @@ class _Dataflow:
         """A call reads a tensor capture knows nothing of while values went out to numpy in this forward
         (made from a numpy array by ``torch.from_numpy``, which capture does not see): record it, as made
         from what went out (`_imported`)."""
-        if self.last_import is None and not (self.exported[0] or self.exported[1]):
+        if not self._went_out():
             return None
         if getattr(t, "_base", None) is not None or self._allocated(t):
             return None
