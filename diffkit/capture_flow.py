@@ -28,7 +28,7 @@ import torch
 
 from . import naming
 from .records import Ref
-from .tensorargs import _map_tensors, _storage_key, _version, materialized
+from .tensorargs import _map_tensors, _storage_key, _version, buffers_of, parameters_of
 
 
 # calls whose result holds its argument's values unchanged (a copy, or the tensor itself): of an input or a
@@ -84,8 +84,8 @@ class _Dataflow:
         self.exported: tuple[dict[int, None], dict[str, None]] = ({}, {})
         self.last_import: tuple[tuple[int, ...], tuple[str, ...]] | None = None
         if model is not None:
-            self.param_tensor = dict(materialized(model.named_parameters()))
-            named = list(self.param_tensor.items()) + materialized(model.named_buffers())
+            self.param_tensor = dict(parameters_of(model))
+            named = list(self.param_tensor.items()) + buffers_of(model)
             for name, t in named:
                 self.param_ids.setdefault(id(t), name)
                 self.param_whole.setdefault(name, t)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from .records import Record
-from .tensorargs import _map_tensors, _storage_key, materialized
+from .tensorargs import _map_tensors, _storage_key, buffers_of
 
 
 def _snapshot(t: torch.Tensor) -> torch.Tensor:
@@ -74,7 +74,7 @@ class _Values:
         # statistics in training mode), so a record there is copied as it is made (`keep`, `hold`)
         self.buffer_storage: set[int] = set()
         if model is not None:
-            self.buffer_storage = {k for k in (_storage_key(t) for _, t in materialized(model.named_buffers()))
+            self.buffer_storage = {k for k in (_storage_key(t) for _, t in buffers_of(model))
                                    if k is not None}
 
     def _lazy_key(self, tensor: torch.Tensor) -> tuple[int, int] | None:

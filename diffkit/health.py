@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from .align import torch_op
-from .capture import Trace, materialized
+from .capture import Trace, parameters_of
 from .modelstate import bitwise_difference, restore_state, snapshot_state
 from .runner import clone_inputs, run_captured
 
@@ -57,7 +57,7 @@ def reference_health(model: torch.nn.Module, inputs: list, trace: Trace, no_grad
                              f"reliably (KernelBench never calls eval())"
                              + ("; --eval turns dropout off" if reason.startswith(_LIVE_DROPOUT) else ""))
     # weights (not norm biases, which start at zero by design) that are all zero
-    zero = [n for n, p in materialized(model.named_parameters()) if p.dim() >= 2 and not bool(p.detach().any())]
+    zero = [n for n, p in parameters_of(model) if p.dim() >= 2 and not bool(p.detach().any())]
     if zero:
         notes.append(f"parameters initialised to zero hide the paths through them: {', '.join(zero[:5])}"
                      + (" …" if len(zero) > 5 else "") + " (--reinit-zero gives them random values for the diff)")
@@ -113,9 +113,9 @@ def reinit_zero_parameters(ref: torch.nn.Module, cand: torch.nn.Module | None = 
     """Give all-zero parameters of the reference random values (and copy them to the candidate)."""
     g = torch.Generator().manual_seed(seed)
     done = []
-    cparams = dict(materialized(cand.named_parameters())) if cand is not None else {}
+    cparams = dict(parameters_of(cand)) if cand is not None else {}
     with torch.no_grad():
-        for n, p in materialized(ref.named_parameters()):
+        for n, p in parameters_of(ref):
             if p.dim() >= 2 and not bool(p.detach().any()):
                 p.copy_((torch.randn(p.shape, generator=g) * 0.1).to(p))
                 if n in cparams and cparams[n].shape == p.shape:

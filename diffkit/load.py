@@ -28,7 +28,7 @@ import torch.utils._pytree as pytree
 from . import progress
 from .align import layout_of_equal, map_params_by_use, param_map
 from .align_graph import folded_in, in_ref_layout
-from .capture import (_install_extension_import_hook, input_names, materialized, path_key, rng_state,
+from .capture import (_install_extension_import_hook, buffers_of, input_names, parameters_of, path_key, rng_state,
                       set_rng_state)
 from .errors import DiffkitError
 from .inputs import as_made, build_from_spec, copy_inputs, layout, read_spec, rebuild
@@ -268,8 +268,8 @@ def _pair_unnamed(report: WeightReport, rstate: dict, cstate: dict) -> None:
 
 def _named_state(obj: torch.nn.Module | dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     if isinstance(obj, torch.nn.Module):
-        state = dict(materialized(obj.named_parameters()))
-        state.update(dict(materialized(obj.named_buffers())))
+        state = dict(parameters_of(obj))
+        state.update(dict(buffers_of(obj)))
         return state
     return dict(obj)
 

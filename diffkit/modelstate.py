@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from .capture import materialized, path_key
+from .capture import buffers_of, parameters_of, path_key
 from .measure import _unravel
 from .result import _num
 
@@ -160,7 +160,7 @@ def snapshot_state(model: torch.nn.Module | None) -> dict[str, torch.Tensor]:
     restores them afterwards so the trials see the state KernelBench's single run per trial leaves."""
     if model is None:
         return {}
-    return {n: b.detach().clone() for n, b in materialized(model.named_buffers())}
+    return {n: b.detach().clone() for n, b in buffers_of(model)}
 
 
 def attribute_state(model: torch.nn.Module | None) -> dict[str, Any]:
@@ -190,7 +190,7 @@ def parameter_marks(model: torch.nn.Module | None) -> dict[str, tuple]:
     if model is None:
         return {}
     out = {}
-    for n, p in materialized(model.named_parameters()):
+    for n, p in parameters_of(model):
         try:
             out[n] = (p._version, p.data_ptr(), tuple(p.shape))
         except (RuntimeError, AttributeError, NotImplementedError):  # (inference tensors keep no version)
@@ -209,7 +209,7 @@ class ParameterGuard:
     def __init__(self, model: torch.nn.Module | None, known: Any = ()):
         self.model = model
         self.marks = parameter_marks(model)
-        params = dict(materialized(model.named_parameters())) if model is not None else {}
+        params = dict(parameters_of(model)) if model is not None else {}
         self.known = set(known)  # parameters known to be written (trial 1's capture saw the writes)
         self.pre = {n: params[n].detach().clone() for n in self.known if n in params}
         self.held = {n: p.data for n, p in params.items()}  # (costs nothing: what `.data =` would drop)
@@ -223,7 +223,7 @@ class ParameterGuard:
         for n, v in (before or {}).items():
             self.pre.setdefault(n, v)
         now = parameter_marks(self.model)
-        params = dict(materialized(self.model.named_parameters()))
+        params = dict(parameters_of(self.model))
         names = [n for n, m in now.items() if (n in self.marks and self.marks[n] != m) or n in self.known
                  or n in (before or {})]
         self.kept = {n: params[n].detach().clone() for n in names}
@@ -244,7 +244,7 @@ class ParameterGuard:
     def moved_since(self, name: str) -> bool:
         """Whether parameter `name` now holds other values than the watched run left (True when not kept)."""
         v = self.kept.get(name)
-        p = dict(materialized(self.model.named_parameters())).get(name) if self.model is not None else None
+        p = dict(parameters_of(self.model)).get(name) if self.model is not None else None
         return v is None or p is None or not _same_values(v, p.detach())
 
 
@@ -252,7 +252,7 @@ def all_parameters(model: torch.nn.Module | None) -> dict[str, torch.Tensor]:
     """A copy of every parameter's values by qualified name."""
     if model is None:
         return {}
-    return {n: p.detach().clone() for n, p in materialized(model.named_parameters())}
+    return {n: p.detach().clone() for n, p in parameters_of(model)}
 
 
 def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -269,7 +269,7 @@ def restore_parameters(model: torch.nn.Module | None, kept: dict[str, torch.Tens
     """Put the parameters in `kept` (by qualified name) back to those values (one whose `.data` was given
     a tensor of another shape or kind since gets a copy of the kept one as its `.data`)."""
     if kept and model is not None:
-        _put_back(materialized(model.named_parameters()), kept, replace=True)
+        _put_back(parameters_of(model), kept, replace=True)
 
 
 def _put_back(named: list[tuple[str, torch.Tensor]], kept: dict[str, torch.Tensor], replace: bool = False) -> None:
@@ -296,7 +296,7 @@ def parameter_sums(model: torch.nn.Module | None) -> dict[str, int]:
     if model is None:
         return {}
     by_device: dict[Any, tuple[list[str], list[torch.Tensor]]] = {}
-    for n, p in materialized(model.named_parameters()):
+    for n, p in parameters_of(model):
         t = p.detach()
         as_int = _SAME_SIZE_INT.get(t.element_size())
         if t.numel() == 0 or t.is_meta or t.is_complex() or as_int is None:
@@ -384,7 +384,7 @@ def changed_attributes(before: dict[str, Any], after: dict[str, Any]) -> list[st
 def restore_state(model: torch.nn.Module | None, snap: dict[str, torch.Tensor]) -> None:
     """Put a model's buffers back to a `snapshot_state` (those of the same shape)."""
     if model is not None and snap:
-        _put_back(materialized(model.named_buffers()), snap)
+        _put_back(buffers_of(model), snap)
 
 
 # ----------------------------------------------------------------------------------- a side's state around its run

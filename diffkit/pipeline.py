@@ -24,7 +24,7 @@ import torch.utils._pytree as pytree
 
 from . import progress, whatif
 from .align import to_ref_layout
-from .capture import FOLD_AFTER, Trace, materialized
+from .capture import FOLD_AFTER, Trace, parameters_of
 from .device_memory import Ladder, OutOfDeviceMemory, is_out_of_memory, trace_ran_out
 from .describe import output_shape_words, output_structure_words
 from .diagnose import diagnose
@@ -489,7 +489,7 @@ def what_if(result: Result, traces: Traces, reference: Source, options: Options,
                            cand_value=target, atol=fd.stats.atol, rtol=fd.stats.rtol, window=win,
                            budget=options.explain_budget, seconds_budget=options.explain_seconds or math.inf,
                            progress=progress or _what_if_steps)
-    params = {n: p.detach().clone() for n, p in materialized(src.model.named_parameters())}
+    params = {n: p.detach().clone() for n, p in parameters_of(src.model)}
     try:
         found = whatif.search(search, whatif.model_constants(src.model), records)
     except Exception as e:  # a what-if failure never costs the diff its answer
@@ -498,7 +498,7 @@ def what_if(result: Result, traces: Traces, reference: Source, options: Options,
     finally:
         restore_state(src.model, after)
         with torch.no_grad():
-            for n, p in materialized(src.model.named_parameters()):
+            for n, p in parameters_of(src.model):
                 if n in params and not torch.equal(p, params[n]):
                     p.copy_(params[n])
     searched = WhatIf({"forwards": search.forwards, "seconds": round(search.seconds, 3), "variants": search.tried,

@@ -12,7 +12,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .capture import StopCapture, Trace, capture, materialized
+from .capture import StopCapture, Trace, buffers_of, capture, parameters_of
 from .inputs import copy_inputs
 from .store import CaptureWriter
 
@@ -24,8 +24,8 @@ clone_inputs = copy_inputs
 
 def named_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """A model's parameters and buffers by qualified name (what diagnosis checks errors against)."""
-    out = {n: p.detach() for n, p in materialized(model.named_parameters())}
-    out.update({n: b.detach() for n, b in materialized(model.named_buffers())})
+    out = {n: p.detach() for n, p in parameters_of(model)}
+    out.update({n: b.detach() for n, b in buffers_of(model)})
     return out
 
 

@@ -33,7 +33,7 @@ import torch.utils._pytree as pytree
 
 from . import progress
 from .capture import (CaptureError, Record, _tensors, changed_inputs, input_name, input_names, input_values,
-                      materialized, rng_state, set_rng_state)
+                      buffers_of, rng_state, set_rng_state)
 from .errors import DiffkitError
 from .inputs import copy_inputs
 from .load import decode_values, encode_values, inputs_as_made, load_reference_for_capture, sync_weights
@@ -544,7 +544,7 @@ def _write_outputs_only(path: str, model: torch.nn.Module, inputs: list, seed: i
     and output only, with the model's buffers before the forward as its parameters; what it raised, or ""."""
     writer = CaptureWriter(path, shard_bytes=0)
     writer.set_info({**info, "outputs_only": True})
-    writer.add_parameters({n: b.detach() for n, b in materialized(model.named_buffers())})
+    writer.add_parameters({n: b.detach() for n, b in buffers_of(model)})
     seed_all(seed)
     left: dict = {}
     out, err = forward(model, inputs, no_grad, left=left)
