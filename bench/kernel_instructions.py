@@ -83,7 +83,7 @@ def main():
                                      ("element by element", K.READ_STRIDED, False)):
             const = dict(REF_T=dt, CAND_T=dt, WORK_T=tl.float32, BLOCK=K.BLOCK, TILE_BLOCKS=K.TILE_BLOCKS,
                          NPART=len(K.Part), DIRECT=False, SUM_T=tl.float32, FULL=False, RANGE=True,
-                         LAYOUT=K.LAYOUT, ALIGNED=aligned, READ=read, GROUP=K.GROUP)
+                         LAYOUT=K.LAYOUT, ALIGNED=aligned, READ=read, GROUP=K.GROUP, REDO=False, MIXED=False)
             cubin = compiled(T.partials, a.arch, K.NUM_WARPS, signature, const)
             with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
                 f.write(cubin)

@@ -457,30 +457,43 @@ class _Round:
                 self.dirty.setdefault(key[0], set()).add(j)
         _forget_downstream(self.memo_c, self.cf, ci, self.partner.__contains__)
 
-    def rival(self, x: int, ci: int, cc: Cover) -> str | None:
+    def rival(self, x: int, ci: int, cc: Cover, need: int | None = None) -> str | None:
         """Whether candidate record `x` (after `ci`, of its size) is a later record of `ci`'s cover (those
         that only re-lay out another hold no other values: not rivals), or one from the same parameters
         and more anchors: a step after a paired one (the last hidden state of a hand-written LSTM is made
-        from its last cell state)."""
+        from its last cell state).  `need`: `_need(cc)`, where the caller has it."""
         cf = self.cf
-        if not (self.free_cand(x) and all((cf.ancestors[x] >> a) & 1 for a in (self.paired.get(k, -1)
-                                                                             for k in cc[0]) if a >= 0)):
+        if need is None:
+            need = self._need(cc)
+        if (cf.ancestors[x] & need) != need or not self.free_cand(x):
             return None
-        xc = self.cand_cover(x)
+        xc = self.memo_c.get(x) or self.cand_cover(x)
+        if xc[1] != cc[1]:  # (both kinds read the same parameters: most records are told apart here)
+            return None
         if xc == cc and not (is_layout_op(self.state.cand[x]) and any(
                 j == ci or (self.free_cand(j) and self.cand_cover(j) == cc) for j in cf.inputs[x])):
             return "later"
-        if xc[1] == cc[1] and cc[0] < xc[0]:
+        if cc[0] < xc[0]:
             return "elsewhere"
         return None
+
+    def _need(self, cc: Cover) -> int:
+        """The candidate records (as bits) a rival of a record of cover `cc` descends from: its anchors' partners."""
+        need = 0
+        for k in cc[0]:
+            a = self.paired.get(k, -1)
+            if a >= 0:
+                need |= 1 << a
+        return need
 
     def scan(self, ci: int, cc: Cover, numel: int) -> Iterable[tuple[int, str]]:
         """The rivals of `ci` (`rival`) in order, among the candidate records after it of its size (in the window)."""
         same_size = self.cand_numel.get(numel, [])
+        need = self._need(cc)
         for x in same_size[bisect.bisect_right(same_size, ci):]:
             if self.windowed and x > ci + DATAFLOW_WINDOW:
                 break
-            k = self.rival(x, ci, cc)
+            k = self.rival(x, ci, cc, need)
             if k is not None:
                 yield x, k
 

@@ -1,7 +1,7 @@
 """The CUDA metric kernel: every statistic a pair's `Stats` needs, in one read of both tensors.
 
-Two to four launches per batch of pairs (one dtype combination, one tolerance; mostly two or three: the host's
-time per launch is what bounds a diff's metric passes), nothing built per block on the host:
+Three to five launches per batch of pairs (one dtype combination, one tolerance; mostly three or four: the
+host's time per launch is what bounds a diff's metric passes), nothing built per block on the host:
 
 * `partials`: each program reads a tile of `TILE` elements of one pair (its pair found by a binary
   search of the pairs' first tiles, through a table of the pairs' addresses; a large pair is
@@ -11,10 +11,12 @@ time per launch is what bounds a diff's metric passes), nothing built per block 
   each lane keeps the first index of its maxima), and reduces them once into the tile's partial
   statistics (the `metric_slots.Part` slots).  This pass assumes every value finite and in float32's
   square range; a tile where that was not so (found from the lanes' sums after the loop) is marked.
-* `combine`: one program per pair measures its marked tiles again, by the full NaN/Inf rules with float64
-  sums (a launch of their own before, over the whole table, that almost always found nothing to do: a launch
-  saved a batch; a pair with many marked tiles is measured again by its one program, slower but rare), then folds
-  its tiles' partials (sums; maxima with the first index of
+* `partials` again (`REDO`), over the whole table: the marked tiles only, by the full NaN/Inf rules with float64
+  sums, a program a tile (the others return at once).  (Session 33 had `combine` measure a pair's marked tiles
+  itself, a launch fewer a batch; but one program a pair measuring every tile of a pair full of NaN made such
+  pairs 13x slower on an H100, 24.5 ms against 1.9 ms for 24 pairs of 4M float32: `bench/nan_pairs.py`, and a
+  candidate full of NaN is what a diff is often run on.)
+* `combine`: one program per pair folds its tiles' partials (sums; maxima with the first index of
   each, as `torch.argmax` takes the first of equal maxima), reads the worst element's two values and
   writes the pair's packed vector (`metric_slots.Packed` slots).
 
@@ -222,7 +224,7 @@ def packed_batch(pairs: list[tuple[torch.Tensor, torch.Tensor]], atol: float, rt
     out = torch.empty((first[-1], _NPART), dtype=torch.float64, device=dev)
     rt, ct = _triton_dtype(rdt), _triton_dtype(cdt)
     # the finite-first pass marks the tiles it could not measure (a NaN, an infinity, magnitudes out of
-    # float32's square range) in `redo`; `combine` measures those by the full rules
+    # float32's square range) in `redo`; one more launch over the whole table measures those by the full rules
     redo = torch.empty(first[-1], dtype=torch.int32, device=dev)
     full = not FAST
     sums = torch.float64 if LANE_SUMS_64 or full else work
@@ -235,7 +237,8 @@ def packed_batch(pairs: list[tuple[torch.Tensor, torch.Tensor]], atol: float, rt
         none = _no_table(dev)
         for k in range(small, P):
             _launch(partials, first[k + 1] - first[k], refs[k], cands[k], none, none, none, out, redo, float(atol),
-                    float(rtol), P, numels[k], first[k], 0, DIRECT=True, READ=READ_FLAT, ALIGNED=False, **const)
+                    float(rtol), P, numels[k], first[k], 0, DIRECT=True, READ=READ_FLAT, ALIGNED=False, REDO=False,
+                    MIXED=False, **const)
     # the address table goes over in one small copy (pinned and asynchronous on a GPU)
     # (one flat list, one tensor: every torch call here costs host time per batch, a batch per pair when streaming)
     # Each of its parts starts 16 bytes in (an even number of int64s before it): Triton compiles a program per
@@ -261,11 +264,14 @@ def packed_batch(pairs: list[tuple[torch.Tensor, torch.Tensor]], atol: float, rt
         if hi > lo:
             _launch(partials, first[hi] - first[lo], ref_ptrs, cand_ptrs, ns, tile_first, lay_t, out, redo,
                     float(atol), float(rtol), small, 0, first[lo], max(1, (small - 1).bit_length()), DIRECT=False,
-                    READ=way, ALIGNED=aligned[way], **const)
+                    READ=way, ALIGNED=aligned[way], REDO=False, MIXED=False, **const)
+    if not full:
+        _launch(partials, first[-1], ref_ptrs, cand_ptrs, ns, tile_first, lay_t, out, redo, float(atol), float(rtol),
+                P, 0, 0, max(1, (P - 1).bit_length()), DIRECT=False, READ=READ_FLAT, ALIGNED=False, REDO=True,
+                MIXED=mixed, **const)
     packed = torch.empty((P, _NPACKED), dtype=torch.float64, device=dev)
-    _launch(combine, P, out, redo, ref_ptrs, cand_ptrs, ns, tile_first, lay_t, dest, packed, float(atol), float(rtol),
-            REF_T=rt, CAND_T=ct, WORK_T=const["WORK_T"], BLOCK=BLOCK, TILE_BLOCKS=TILE_BLOCKS, NPART=_NPART,
-            NPACKED=_NPACKED, ROWS=COMBINE_ROWS, MIXED=mixed, LAYOUT=LAYOUT, FAST=not full, GROUP=GROUP)
+    _launch(combine, P, out, ref_ptrs, cand_ptrs, ns, tile_first, lay_t, dest, packed, REF_T=rt, CAND_T=ct,
+            NPART=_NPART, NPACKED=_NPACKED, ROWS=COMBINE_ROWS, MIXED=mixed, LAYOUT=LAYOUT)
     # (temporaries freed here are reused only by later work on this stream: no wait is needed)
     return packed
 

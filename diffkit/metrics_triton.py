@@ -350,14 +350,31 @@ def partials(ref_ptrs, cand_ptrs, numels, tile_first, layout, out, redo, atol, r
              REF_T: tl.constexpr, CAND_T: tl.constexpr, WORK_T: tl.constexpr, BLOCK: tl.constexpr,
              TILE_BLOCKS: tl.constexpr, NPART: tl.constexpr, DIRECT: tl.constexpr,
              SUM_T: tl.constexpr, FULL: tl.constexpr, RANGE: tl.constexpr, LAYOUT: tl.constexpr,
-             ALIGNED: tl.constexpr, READ: tl.constexpr, GROUP: tl.constexpr):
-    """One tile a program: the finite-first pass (FULL=False; a tile it cannot measure is marked in `redo`, and
-    `combine` measures it again) or the full rules (FULL=True) on every tile of this launch: the table's tiles from
+             ALIGNED: tl.constexpr, READ: tl.constexpr, GROUP: tl.constexpr, REDO: tl.constexpr,
+             MIXED: tl.constexpr):
+    """One tile a program.  REDO: the tiles of the whole table that the finite-first pass marked in `redo`, measured
+    again by the full rules with float64 sums (the others return at once), each read through its pair's layout where
+    it has one (MIXED: the table holds such pairs).  Otherwise the finite-first pass (FULL=False; a tile it cannot
+    measure is marked in `redo`) or the full rules (FULL=True) on every tile of this launch: the table's tiles from
     `row0` on, all of pairs read one way (READ, see `tile_stats`: each way has its own program, as a program holding
     two reads is neither as fast), or (DIRECT) one large pair's, its tensors passed as they are.  ALIGNED: see
     `tile_stats` (a large pair's launch needs no such promise: Triton specialises on its tensors' alignment)."""
     pid = tl.program_id(0)
-    if DIRECT:
+    if REDO:
+        if tl.load(redo + pid) != 0:
+            start, n, rp, cp, pair = table_tile(pid, ref_ptrs, cand_ptrs, numels, tile_first, n_pairs, search, REF_T,
+                                                CAND_T, BLOCK, TILE_BLOCKS)
+            lay = layout + pair * LAYOUT
+            strided = False
+            if MIXED:
+                strided = tl.load(lay) != 0
+            if strided:
+                tile_partials(rp, cp, start, n, pid, out, redo, atol, rtol, lay, WORK_T, BLOCK, TILE_BLOCKS, NPART,
+                              tl.float64, True, False, 1, False, GROUP)
+            else:
+                tile_partials(rp, cp, start, n, pid, out, redo, atol, rtol, lay, WORK_T, BLOCK, TILE_BLOCKS, NPART,
+                              tl.float64, True, False, 0, False, GROUP)
+    elif DIRECT:
         tile_partials(ref_ptrs, cand_ptrs, pid.to(tl.int64) * (BLOCK * TILE_BLOCKS), n_direct, row0 + pid,
                       out, redo, atol, rtol, layout, WORK_T, BLOCK, TILE_BLOCKS, NPART, SUM_T, FULL, RANGE, 0,
                       False, GROUP)
@@ -379,45 +396,10 @@ def unravelled(lay, flat):
 
 
 @triton.jit
-def remeasure(parts, redo, rp, cp, n, first, last, lay, atol, rtol, WORK_T: tl.constexpr, BLOCK: tl.constexpr,
-              TILE_BLOCKS: tl.constexpr, NPART: tl.constexpr, ROWS: tl.constexpr, MIXED: tl.constexpr,
-              GROUP: tl.constexpr):
-    """The pair's tiles that the finite-first pass marked (a NaN, an infinity, magnitudes out of float32's square
-    range), measured again by the full rules with float64 sums, their partial rows overwritten; each read through the
-    pair's layout where it has one (MIXED: the batch holds such pairs).  The marks are read ROWS at a time; almost
-    always none is set."""
-    rows0 = tl.arange(0, ROWS)
-    lo = first
-    while lo < last:
-        marked = tl.load(redo + lo + rows0, mask=lo + rows0 < last, other=0)
-        if tl.max(marked, axis=0) != 0:
-            t = lo
-            end = tl.minimum(lo + ROWS, last)
-            while t < end:
-                if tl.load(redo + t) != 0:
-                    start = (t - first).to(tl.int64) * (BLOCK * TILE_BLOCKS)
-                    strided = False
-                    if MIXED:
-                        strided = tl.load(lay) != 0
-                    if strided:
-                        tile_partials(rp, cp, start, n, t, parts, redo, atol, rtol, lay, WORK_T, BLOCK, TILE_BLOCKS,
-                                      NPART, tl.float64, True, False, 1, False, GROUP)
-                    else:
-                        tile_partials(rp, cp, start, n, t, parts, redo, atol, rtol, lay, WORK_T, BLOCK, TILE_BLOCKS,
-                                      NPART, tl.float64, True, False, 0, False, GROUP)
-                t += 1
-        lo += ROWS
-    # (the rows written above, by one thread each, read below by every thread of the program)
-    tl.debug_barrier()
-
-
-@triton.jit
-def combine(parts, redo, ref_ptrs, cand_ptrs, numels, tile_first, layout, dest, packed, atol, rtol,
-            REF_T: tl.constexpr, CAND_T: tl.constexpr, WORK_T: tl.constexpr, BLOCK: tl.constexpr,
-            TILE_BLOCKS: tl.constexpr, NPART: tl.constexpr, NPACKED: tl.constexpr, ROWS: tl.constexpr,
-            MIXED: tl.constexpr, LAYOUT: tl.constexpr, FAST: tl.constexpr, GROUP: tl.constexpr):
-    """One program a pair: its tiles measured again where the finite-first pass (FAST) marked them (`remeasure`),
-    then its tiles' partials folded into its packed vector."""
+def combine(parts, ref_ptrs, cand_ptrs, numels, tile_first, layout, dest, packed,
+            REF_T: tl.constexpr, CAND_T: tl.constexpr, NPART: tl.constexpr, NPACKED: tl.constexpr,
+            ROWS: tl.constexpr, MIXED: tl.constexpr, LAYOUT: tl.constexpr):
+    """One program a pair: its tiles' partials folded into its packed vector."""
     pair = tl.program_id(0)
     first = tl.load(tile_first + pair)
     last = tl.load(tile_first + pair + 1)
@@ -425,9 +407,6 @@ def combine(parts, redo, ref_ptrs, cand_ptrs, numels, tile_first, layout, dest, 
     rp = tl.load(ref_ptrs + pair).to(tl.pointer_type(REF_T))
     cp = tl.load(cand_ptrs + pair).to(tl.pointer_type(CAND_T))
     lay = layout + pair * LAYOUT
-    if FAST:
-        remeasure(parts, redo, rp, cp, n, first, last, lay, atol, rtol, WORK_T, BLOCK, TILE_BLOCKS, NPART, ROWS,
-                  MIXED, GROUP)
     rows0 = tl.arange(0, ROWS).to(tl.int64)
     big = 9.0e18
     s_mism = tl.zeros([ROWS], tl.float64)

@@ -159,8 +159,8 @@ def test_triton_batch_measures_many_small_pairs_in_one_launch():
 
 @pytest.mark.cuda
 def test_marked_tiles_anywhere_in_a_long_pair_are_measured_again(monkeypatch):
-    """`combine` reads a pair's marks of tiles to measure again COMBINE_ROWS at a time: NaN and infinities in a
-    pair of more tiles than that, in its first window and past it (its last element too), in a contiguous pair
+    """Tiles the finite-first pass marked are measured again (the REDO launch) and `combine` folds a pair's tiles
+    COMBINE_ROWS at a time: NaN and infinities in a pair of more tiles than that, in its first window and past it (its last element too), in a contiguous pair
     launched on its own, in one read through the table and in one read as rows of lanes, give the exact answer."""
     from diffkit import metrics_kernel as K
 
@@ -219,7 +219,7 @@ def test_float32_batches_of_any_size_launch_the_programs_the_first_one_compiled(
 
     measured(4, 0)
     first = programs()
-    assert first >= 2  # the table's pass, the combining pass (which measures marked tiles again)
+    assert first >= 2  # the table's pass, the pass over marked tiles, the combining pass
     for count in (1, 2, 3, 5):
         measured(count, 10 * count)
         assert programs() == first, count
