@@ -40,7 +40,7 @@
 #   sync      where an in-process compare of the mid transformer makes the host wait for the device, and each of its
 #             steps' host time (bench/sync_sites.py; tiny12, the same 12 blocks at toy size: the host's cost alone),
 #             tests/test_metrics.py -m cuda, bench/nan_pairs.py (candidates full of NaN: the passes' worst case; with
-#             OLD=TREE the same from that tree), the mid compare (speed.py)
+#             OLD=TREE the same from that tree), the mid compare (speed.py; with OLD=TREE, that tree's too)
 #   memory    problem 19 at full size: three diffs side by side on the card, then capped with --device-memory 24G
 #             against uncapped (the same answer in each)
 #   all       tests speed stream mid metrics host axial (more than one call's worth: run parts one call at a time)
@@ -154,6 +154,11 @@ part_sync() {  # where a GPU compare waits on the device, its steps' host time; 
   timeout 45 python bench/nan_pairs.py 2>&1 | grep -v Warning
   if [ -d "${OLD:-}/diffkit" ]; then timeout 45 python bench/nan_pairs.py --tree "$OLD" 2>&1 | grep -v Warning; fi
   TAIL=3 speed 70 --preset h200 --repeat 5 --only gpu_mid:plain,gpu_mid:compare
+  if [ -f "${OLD:-}/bench/speed.py" ]; then  # (the same from OLD's tree, in the same call: host speed moves between calls)
+    echo "-- the same from $OLD"
+    timeout 70 python "$OLD/bench/speed.py" --preset h200 --repeat 5 --only gpu_mid:plain,gpu_mid:compare 2>&1 \
+      | grep -v Warning | tail -3
+  fi
 }
 
 part_host() { timeout 120 python bench/host_overhead.py --repeat 5 2>&1 | grep -v Warning; }
