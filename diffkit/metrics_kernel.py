@@ -191,7 +191,7 @@ def packed_batch(pairs: list[tuple[torch.Tensor, torch.Tensor]], atol: float, rt
     sizes = [r.numel() for r, _ in pairs]
     lays = []
     # for each way of reading, whether every pair the table's launch reads that way keeps the ALIGNED promise: then
-    # it reads four elements a load (a large pair's launch, and `combine`'s second look at marked tiles, make none)
+    # it reads four elements a load (a large pair's launch, and the REDO launch over marked tiles, make none)
     aligned = {READ_FLAT: True, READ_STRIDED: False, READ_ROWS: True}
     for k, (r, c) in enumerate(pairs):
         lay = rows[k] if rows is not None else _row(r, c)

@@ -160,8 +160,9 @@ def test_triton_batch_measures_many_small_pairs_in_one_launch():
 @pytest.mark.cuda
 def test_marked_tiles_anywhere_in_a_long_pair_are_measured_again(monkeypatch):
     """Tiles the finite-first pass marked are measured again (the REDO launch) and `combine` folds a pair's tiles
-    COMBINE_ROWS at a time: NaN and infinities in a pair of more tiles than that, in its first window and past it (its last element too), in a contiguous pair
-    launched on its own, in one read through the table and in one read as rows of lanes, give the exact answer."""
+    COMBINE_ROWS at a time: NaN and infinities in a pair of more tiles than that, in its first window and past it
+    (its last element too), in a contiguous pair launched on its own, in one read through the table and in one read
+    as rows of lanes, give the exact answer."""
     from diffkit import metrics_kernel as K
 
     if not K.available():
@@ -192,6 +193,23 @@ def test_marked_tiles_anywhere_in_a_long_pair_are_measured_again(monkeypatch):
                 (want.ref_nan, want.ref_inf, want.cand_nan, want.cand_inf), (direct_min, k)
             assert have.mismatches == want.mismatches and have.worst.index == want.worst.index, (direct_min, k)
             assert have.max_abs == pytest.approx(want.max_abs, rel=1e-6), (direct_min, k)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["f32", "f16"])
+def test_batches_whose_every_tile_is_marked_agree_with_the_exact_path(dtype, monkeypatch):
+    """The compiled kernels at their shipped tile sizes on batches where the finite-first pass marks every tile (a
+    candidate full of NaN, all infinite, +Inf against -Inf): contiguous pairs of many tiles through the table and
+    launched on their own, transposed, row-read and permuted ones, and NaN in the strided pairs only."""
+    from diffkit import metrics_kernel as K
+
+    if not K.available():
+        pytest.skip("no Triton")
+    T = K.TILE
+    monkeypatch.setattr(K, "DIRECT_MIN", 6 * T)  # the largest pairs launched on their own
+    sizes = (1, 37, 2 * T + 5, 7 * T + 3, 9 * T)
+    for name, batch in _special_batches(dtype, sizes, scale=T // 64, device="cuda").items():
+        _agree_with_exact(batch, K.packed_batch(batch, 1e-4, 1e-3), 1e-4, 1e-3, name)
 
 
 @pytest.mark.cuda
@@ -498,6 +516,63 @@ def test_without_a_compiler_the_torch_passes_measure(monkeypatch, tmp_path):
     _assert_agrees_with_exact(r, c, 1e-4, 1e-3)
 
 
+def _special_batches(dtype: torch.dtype, sizes: tuple[int, ...], scale: int = 1,
+                     device: str = "cpu") -> dict[str, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Batches where every tile is marked by the finite-first pass (the metric kernel's worst case, a candidate full
+    of NaN): each pair all NaN on one side or both, all +Inf, +Inf against -Inf; of `sizes` (contiguous: read
+    through the table, or launched on their own past DIRECT_MIN), transposed, a slice with gaps read as rows of
+    lanes, four dims permuted on one side (`scale` stretches the last three over more tiles).  Besides: NaN and
+    infinities in strided and row-read pairs only, beside clean contiguous ones; a batch of large pairs only."""
+    g = torch.Generator().manual_seed(11)
+
+    def made(fill_r, fill_c, *shape):
+        r = torch.randn(*shape, generator=g, dtype=torch.float64) * 3
+        c = r + 1e-5 * torch.randn(*shape, generator=g, dtype=torch.float64)
+        if fill_r is not None:
+            r.fill_(fill_r)
+        if fill_c is not None:
+            c.fill_(fill_c)
+        return r.to(device, dtype), c.to(device, dtype)
+
+    out = {}
+    for name, fr, fc in (("cand NaN", None, math.nan), ("both +Inf", math.inf, math.inf),
+                         ("both NaN", math.nan, math.nan), ("+Inf against -Inf", math.inf, -math.inf)):
+        batch = [made(fr, fc, n) for n in sizes]
+        r, c = made(fr, fc, 4, 9 * scale, 9)
+        batch.append((r.transpose(1, 2), c.transpose(1, 2)))
+        r, c = made(fr, fc, 3, 6 * scale, 11, 8)
+        batch.append((r[1, :, 2:9], c[1, :, 2:9].contiguous()))
+        r, c = made(fr, fc, 2, 3 * scale, 4, 40)
+        batch.append((r.permute(3, 1, 0, 2).contiguous().permute(2, 1, 3, 0), c))
+        out[name] = batch
+    batch = [made(None, None, n) for n in sizes[-2:]]
+    r, c = made(None, None, 4, 9 * scale, 9)
+    c[3, -1, 7] = math.nan
+    batch.append((r.transpose(1, 2), c.transpose(1, 2)))
+    r, c = made(None, None, 3, 6 * scale, 11, 8)
+    c[2, -1, 8] = math.nan
+    r[0, 0, 2] = math.inf
+    batch.append((r[1, :, 2:9], c[1, :, 2:9].contiguous()))
+    out["NaN and Inf in strided pairs only"] = batch
+    out["large pairs only"] = [made(None, math.nan, sizes[-1]), made(None, None, sizes[-1] - 100),
+                               made(math.inf, None, sizes[-1] + 100)]
+    return out
+
+
+def _agree_with_exact(batch: list, got: torch.Tensor, atol: float, rtol: float, key) -> None:
+    """Each pair's packed vector (`packed_batch`) gives the exact path's counts, worst element and statistics."""
+    for k, (r, c) in enumerate(batch):
+        st = M.PendingStats(got[k], tuple(r.shape), atol, rtol)
+        want, wp = _exact(r, c, atol, rtol)
+        have = st.result()
+        assert (have.ref_nan, have.ref_inf, have.cand_nan, have.cand_inf, have.mismatches) == \
+            (want.ref_nan, want.ref_inf, want.cand_nan, want.cand_inf, want.mismatches), (key, k)
+        assert have.worst.index == want.worst.index, (key, k)
+        for f in ("max_abs", "mean_abs", "max_rel", "cosine"):
+            h, w = getattr(have, f), getattr(want, f)
+            assert h == pytest.approx(w, rel=1e-5, abs=1e-12) or (math.isnan(h) and math.isnan(w)), (key, k, f)
+
+
 def _strided_pairs(dtype: torch.dtype, cand_dtype: torch.dtype,
                    device: str = "cpu") -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Pairs the metric kernel reads where they lie, through their layouts (and one it must copy first), their
@@ -624,7 +699,8 @@ def test_each_pair_is_read_the_way_its_layout_allows_and_promised_aligned_only_w
 
 def test_triton_kernels_under_the_interpreter_agree_with_the_exact_path(monkeypatch):
     """The metric kernels' logic on the CPU (TRITON_INTERPRET=1), with tiles and lanes made small so
-    pairs span many tiles, the combining loop runs several rounds and ties of maxima cross tiles."""
+    pairs span many tiles, the combining loop runs several rounds and ties of maxima cross tiles; batches where
+    every tile is marked (`_special_batches`) too."""
     import sys
 
     if torch.cuda.is_available():
@@ -689,5 +765,8 @@ def test_triton_kernels_under_the_interpreter_agree_with_the_exact_path(monkeypa
                     for f in ("max_abs", "mean_abs", "max_rel", "cosine"):
                         assert getattr(have, f) == pytest.approx(getattr(want, f), rel=1e-5, abs=1e-12), (fast, k, f)
                     assert st.rel_l2 == pytest.approx(wp.rel_l2, rel=1e-4, abs=1e-12)
+            if fast and not sums64 and dtypes[0] == dtypes[1]:  # (as shipped) every tile marked: the REDO launch's
+                for name, batch in _special_batches(dtypes[0], (1, 37, 300, 700, 1000)).items():  # worst case
+                    _agree_with_exact(batch, K.packed_batch(batch, atol, rtol), atol, rtol, (dtypes, name))
     finally:
         K._kernels.cache_clear()
