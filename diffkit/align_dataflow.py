@@ -100,8 +100,8 @@ def _eligible(rec: Record, flow: Dataflow, cover: Cover) -> bool:
 def _known_roots(state: AlignState, ci: int, contenders: list[int]) -> list[int]:
     """The contenders whose layout against `ci` is known (`layout_known`), without those that only
     re-lay out another (a view of a fused output holds the same values: the stage that computed them is
-    the counterpart); a layout copy stands in for a contender only when that one's layout is not known.  (Contenders come
-    in reference order, so a copy comes after what it copies; no layout is computed for a copy.)"""
+    the counterpart); a layout copy stands in for a contender only when that one's layout is not known.
+    (Contenders come in reference order, so a copy comes after what it copies; no layout is computed for a copy.)"""
     rf = state.ref_flow
     accepted: list[int] = []
     taken: set[int] = set()  # the accepted contenders and the layout copies (of copies) of them
