@@ -71,7 +71,7 @@ from .tensorargs import _func_name, _may_write, _storage_key, _tensors, _version
 # defined in the parts, imported from here by other modules (kept importable from diffkit.capture)
 from .inputs import input_names, input_values  # noqa: F401
 from .options import FOLD_AFTER  # noqa: F401
-from .tensorargs import buffers_of, materialized, parameters_of, path_key, written_in_place  # noqa: F401
+from .tensorargs import buffers_of, parameters_of, path_key, written_in_place  # noqa: F401
 
 __all__ = ["Record", "Trace", "CaptureError", "Ref", "StopCapture", "capture", "tap", "register_extension"]
 

@@ -91,6 +91,8 @@ def materialized(named: Any) -> list[tuple[str, torch.Tensor]]:
 
 _Module = torch.nn.Module
 _OWN_WALK = ("named_parameters", "named_buffers", "_named_members")
+_LazyMixin = torch.nn.parameter.UninitializedTensorMixin  # (what `is_lazy` asks)
+_HOLDS: dict[type, bool] = {}  # a member's class: whether it holds values (a tensor, not a lazy placeholder)
 
 
 def parameters_of(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -125,10 +127,6 @@ def _members(model: torch.nn.Module, table: str) -> list[tuple[str, torch.Tensor
             if held:
                 out.append((f"{prefix}.{k}" if prefix else k, v))
     return out
-
-
-_LazyMixin = torch.nn.parameter.UninitializedTensorMixin  # (what `is_lazy` asks)
-_HOLDS: dict[type, bool] = {}  # a member's class: whether it holds values (a tensor, not a lazy placeholder)
 
 
 def _storage_key(t: torch.Tensor) -> int | None:
