@@ -16,13 +16,15 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from speed import load_model  # noqa: E402
+from sync_sites import step_names, steps_wrapped  # noqa: E402
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="gpu_mid")
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--step", default="pass_dataflow", help="an alignment pass's name (align.PASSES), or explain")
+    ap.add_argument("--step", default="pass_dataflow",
+                    help="capture (one side's run), an alignment pass's name (align.PASSES), or explain")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--lines", type=int, default=40)
     ap.add_argument("--sort", default="tottime,cumulative")
@@ -31,8 +33,10 @@ def main():
     ap.add_argument("--no-profile", action="store_true", help="the step's wall time only (mean over --repeat)")
     a = ap.parse_args()
     import torch
-    from diffkit import align, align_dataflow, pipeline
+    from diffkit import align_dataflow
 
+    if a.step not in step_names():
+        sys.exit(f"--step: one of {', '.join(step_names())}")
     if a.value_first_bytes is not None:
         align_dataflow.DATAFLOW_VALUE_FIRST_BYTES = a.value_first_bytes
 
@@ -60,21 +64,13 @@ def main():
 
     for _ in range(2):
         diff()
-    saved_passes, saved_explain = list(align.PASSES), pipeline.explain
-    if a.step == "explain":
-        pipeline.explain = profiled(saved_explain)
-    else:
-        names = [p.__name__ for p in saved_passes]
-        if a.step not in names:
-            sys.exit(f"--step: one of explain, {', '.join(names)}")
-        align.PASSES[:] = [profiled(p) if p.__name__ == a.step else p for p in saved_passes]
-    try:
+    with steps_wrapped(lambda fn, name: profiled(fn) if name == a.step else fn):
         for _ in range(a.repeat):
             diff()
-    finally:
-        align.PASSES[:], pipeline.explain = saved_passes, saved_explain
-    print(f"{a.step}: {sum(walls) / len(walls) * 1e3:.2f} ms a diff{'' if a.no_profile else ' under cProfile'} "
-          f"(mean of {len(walls)}), {a.model} on {a.device}")
+    calls = len(walls) / a.repeat
+    each = f", {calls:g} calls each" if calls != 1 else ""
+    print(f"{a.step}: {sum(walls) / a.repeat * 1e3:.2f} ms a diff{'' if a.no_profile else ' under cProfile'} "
+          f"(mean over {a.repeat} diffs{each}), {a.model} on {a.device}")
     if a.no_profile:
         return
     stats = pstats.Stats(prof)

@@ -11,6 +11,7 @@ prints when, in the diff's wall time, the first ones came.
 """
 import argparse
 import collections
+import contextlib
 import os
 import statistics
 import sys
@@ -95,37 +96,56 @@ def main():
         print(f"  {1e3 * (t - t0):8.1f}  {p:<22s} {w}")
 
 
+def step_names() -> list[str]:
+    """The names `steps_wrapped` knows a diff's steps by: "capture" (one side's captured run), each alignment pass
+    by its function's name, "explain" (everything after the alignment)."""
+    from diffkit import align
+
+    return ["capture", *(p.__name__ for p in align.PASSES), "explain"]
+
+
+@contextlib.contextmanager
+def steps_wrapped(wrap):
+    """Each step of an in-process diff replaced by `wrap(fn, name)` (`step_names`; return `fn` to leave it as it is),
+    put back on leaving."""
+    from diffkit import align, pipeline, traces
+
+    saved = (traces._run_side, pipeline.explain, list(align.PASSES))
+    traces._run_side = wrap(saved[0], "capture")
+    pipeline.explain = wrap(saved[1], "explain")
+    align.PASSES[:] = [wrap(p, p.__name__) for p in saved[2]]
+    try:
+        yield
+    finally:
+        traces._run_side, pipeline.explain = saved[:2]
+        align.PASSES[:] = saved[2]
+
+
 def _phases(diffkit, diff, sync, repeat: int = 5) -> None:
     """The host's time in each step of the diff (its mean a diff over `repeat` diffs; a step's time includes its
     waits for the device), the device synchronised only before and after each diff."""
-    from diffkit import align, pipeline, traces
-
     acc = collections.defaultdict(list)
+    labels = {"capture": "capture (both sides)", "explain": "explain (after the alignment)"}
 
     def timed(fn, name):
+        label = labels.get(name, "align: " + name)
+
         def run(*args, **kwargs):
             t = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
-                acc[name].append(time.perf_counter() - t)
+                acc[label].append(time.perf_counter() - t)
         return run
 
-    saved = (traces._run_side, pipeline.explain, list(align.PASSES))
-    traces._run_side = timed(traces._run_side, "capture (both sides)")
-    pipeline.explain = timed(pipeline.explain, "explain (after the alignment)")
-    align.PASSES[:] = [timed(p, "align: " + p.__name__) for p in saved[2]]
-    try:
-        walls = []
+    walls = []
+    with steps_wrapped(timed):
         for _ in range(repeat):
             sync()
             t = time.perf_counter()
             diff()
             sync()
             walls.append(time.perf_counter() - t)
-    finally:
-        traces._run_side, pipeline.explain = saved[:2]
-        align.PASSES[:] = saved[2]
     print(f"the diff's steps on the host (mean a diff over {repeat} diffs; the diffs' median "
           f"{statistics.median(walls) * 1e3:.1f} ms):")
     for name, ts in acc.items():
